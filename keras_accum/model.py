@@ -1,0 +1,287 @@
+"""`AccumModel`: a `keras.Model` whose `fit` trains as if on N-times bigger batches."""
+
+import keras
+import tensorflow as tf
+
+from keras_accum import _keras_internals as internals
+from keras_accum.accumulator import GradientAccumulator, check_accum_steps
+
+
+class _WindowFlush(keras.callbacks.Callback):
+    """Applies a pending window when an epoch's data ends, inside `fit` only.
+
+    `fit` runs validation through `evaluate(callbacks=<fit's callbacks>)`, so
+    `on_test_begin` is the moment after the last training batch and before
+    the first validation batch; `on_epoch_end` covers epochs without
+    validation. It is put first in the list, so every other callback's
+    `on_epoch_end` (checkpoints included) sees the updated weights.
+    """
+
+    def __init__(self, model):
+        super().__init__()
+        self._accum_model = model
+
+    def on_test_begin(self, logs=None):
+        self._accum_model.flush()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._accum_model.flush()
+
+
+@keras.saving.register_keras_serializable(package="keras_accum")
+class AccumModel(keras.Model):
+    """A `keras.Model` that accumulates gradients over `accum_steps` batches.
+
+    Training with micro-batch `b` and `accum_steps=N` is the same training as
+    a plain `keras.Model` with batch `N * b`: each update uses the gradient of
+    the loss over every sample of its window (micro-batches weighted by their
+    number of samples, so a short last window is exact), a window still open
+    when an epoch's data ends is applied then, before validation, and
+    `optimizer.iterations` (hence learning-rate schedules and EMA) counts
+    updates. The logged loss and metrics are those of the big-batch run.
+
+    Between updates the weights do not move; gradients are summed into
+    float32 buffers that are training state, not model weights: `weights`,
+    `count_params()`, `summary()` and `get_weights()` are the plain model's.
+
+    Args:
+        *args: `inputs, outputs` for a functional model, or nothing when
+            subclassing.
+        accum_steps: micro-batches per optimizer update, an integer >= 1.
+            1 is ordinary Keras training.
+        **kwargs: passed to `keras.Model`.
+
+    Example:
+
+    ```python
+    inputs = keras.Input((64,))
+    outputs = keras.layers.Dense(10, activation="softmax")(inputs)
+    model = keras_accum.AccumModel(inputs, outputs, accum_steps=4)
+    model.compile("adam", "sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=32)  # updates as with batch_size=128
+
+    class Net(keras_accum.AccumModel):
+        def __init__(self):
+            super().__init__(accum_steps=8)
+            self.dense = keras.layers.Dense(10)
+
+        def call(self, x):
+            return self.dense(x)
+    ```
+    """
+
+    def __new__(cls, *args, **kwargs):
+        if internals.functional_init_arguments(
+            args, kwargs
+        ) and not issubclass(cls, internals.Functional):
+            cls = _functional_variant(cls)
+        return super().__new__(cls, *args, **kwargs)
+
+    def __init__(self, *args, accum_steps=1, **kwargs):
+        accum_steps = check_accum_steps(accum_steps)
+        if internals.functional_init_arguments(args, kwargs):
+            # Calling Functional.__init__ ourselves, on a class that already
+            # has Functional in its bases (see __new__), keeps Keras from
+            # re-basing AccumModel onto Functional, which would break every
+            # later `class Net(AccumModel)` in the process.
+            internals.Functional.__init__(self, *args, **kwargs)
+        else:
+            super().__init__(*args, **kwargs)
+        self._accum_steps = accum_steps
+        self._accumulator = GradientAccumulator()
+        self._flush_function = None
+
+    @property
+    def accum_steps(self):
+        """Micro-batches per optimizer update. Setting it applies a pending window."""
+        return self._accum_steps
+
+    @accum_steps.setter
+    def accum_steps(self, value):
+        value = check_accum_steps(value)
+        if value == self._accum_steps:
+            return
+        self.flush()
+        self._accum_steps = value
+        self._retrace()
+
+    def _retrace(self):
+        # The window length is a Python constant in the traced step (cheaper
+        # than a variable read every micro-batch), so a new one needs a new
+        # trace. Rebuild rather than clear: fit() holds on to the function.
+        if self.train_function is not None:
+            self.make_train_function(force=True)
+
+    # -- training -----------------------------------------------------------
+
+    def fit(
+        self,
+        x=None,
+        y=None,
+        batch_size=None,
+        epochs=1,
+        verbose="auto",
+        callbacks=None,
+        *,
+        accum_steps=None,
+        **kwargs,
+    ):
+        """`keras.Model.fit`, plus `accum_steps` for this call only.
+
+        Args:
+            accum_steps: if given, overrides `self.accum_steps` for this call;
+                validated before any training happens.
+            (others): as `keras.Model.fit`. `batch_size` is the micro-batch.
+
+        A window left open when an epoch's data ends is applied before
+        validation and before other callbacks' `on_epoch_end`.
+        """
+        previous = self._accum_steps
+        if accum_steps is not None:
+            self.accum_steps = accum_steps
+        flush = _WindowFlush(self)
+        if isinstance(callbacks, keras.callbacks.CallbackList):
+            callbacks.callbacks.insert(0, flush)
+            flush.set_model(self)
+        else:
+            callbacks = [flush] + list(callbacks or [])
+        try:
+            return super().fit(
+                x,
+                y,
+                batch_size=batch_size,
+                epochs=epochs,
+                verbose=verbose,
+                callbacks=callbacks,
+                **kwargs,
+            )
+        finally:
+            if isinstance(callbacks, keras.callbacks.CallbackList):
+                callbacks.callbacks.remove(flush)
+            if self._accum_steps != previous:
+                # Not through the setter: after an interrupted fit the open
+                # window stays open (to be resumed), it is not applied early.
+                self._accum_steps = previous
+                self._retrace()
+
+    def make_train_function(self, force=False):
+        if self.train_function is not None and not force:
+            return self.train_function
+        self._check_optimizer()
+        if self._accum_steps > 1:
+            self._build_window()
+        return super().make_train_function(force=force)
+
+    def _check_optimizer(self):
+        for opt in (self.optimizer, getattr(self.optimizer, "inner_optimizer", None)):
+            steps = getattr(opt, "gradient_accumulation_steps", None)
+            if steps:
+                raise ValueError(
+                    "The optimizer passed to `compile` has "
+                    f"`gradient_accumulation_steps={steps}`, and this model "
+                    f"accumulates too (`accum_steps={self._accum_steps}`). "
+                    "Use one or the other: remove "
+                    "`gradient_accumulation_steps` from the optimizer and set "
+                    "`accum_steps` on the model."
+                )
+
+    def _build_window(self):
+        variables = self.trainable_variables
+        acc = self._accumulator
+        if not acc.built or [tuple(b.shape) for b in acc.acc_grads] != [
+            tuple(v.shape) for v in variables
+        ]:
+            self.flush()
+            acc.build(variables)
+        if not self.optimizer.built:
+            # Built here, eagerly: the optimizer first runs inside a
+            # conditional branch, where it cannot create its variables.
+            self.optimizer.build(variables)
+
+    def train_step(self, data):
+        if self._accum_steps == 1:
+            return super().train_step(data)
+        # TensorFlowTrainer.train_step with the update replaced by
+        # accumulation; keep in step with it (see _keras_internals).
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            y_pred = internals.call_for_training(self, x)
+            loss = internals.compute_loss(self, x, y, y_pred, sample_weight)
+            n = internals.batch_size(x)
+            internals.track_loss(self, loss, n)
+            # The micro-batch's weight is folded into the loss: one scalar
+            # multiply here instead of one per gradient element.
+            weighted = self.optimizer.scale_loss(loss) * tf.cast(n, loss.dtype)
+        variables = self.trainable_variables
+        self._accumulator.add(tape.gradient(weighted, variables), weight=n)
+        tf.cond(
+            self._accumulator.micro_step >= self._accum_steps,
+            self._apply_window,
+            lambda: None,
+        )
+        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _apply_window(self):
+        variables = self.trainable_variables
+        self.optimizer.apply(
+            self._accumulator.window_gradients(variables), variables
+        )
+        self._accumulator.reset()
+
+    def flush(self):
+        """Applies the pending partial window now; a no-op if none is pending.
+
+        `fit` calls it when an epoch's data ends. Call it yourself after
+        `train_on_batch` loops, or before reading weights mid-window.
+        """
+        acc = self._accumulator
+        if not acc.built or int(acc.micro_step.numpy()) == 0:
+            return
+        if self.run_eagerly:
+            self._apply_window()
+            return
+        # One traced function per optimizer: compile() may swap it.
+        if self._flush_function is None or self._flush_function[0] is not self.optimizer:
+            self._flush_function = (self.optimizer, tf.function(self._apply_window))
+        self._flush_function[1]()
+
+    # -- serialisation --------------------------------------------------------
+
+    def get_config(self):
+        config = super().get_config()
+        config["accum_steps"] = self._accum_steps
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        accum_steps = config.pop("accum_steps", 1)
+        model = super().from_config(config, custom_objects=custom_objects)
+        model.accum_steps = accum_steps
+        return model
+
+
+def _functional_variant(cls):
+    """`cls` with `Functional` mixed in, made once per class.
+
+    Keras makes a `Model` subclass functional by rewriting the class's
+    `__bases__` in place, for every instance that follows. We give functional
+    calls their own subclass instead and leave `cls` as it was.
+    """
+    variant = cls.__dict__.get("_accum_functional_variant")
+    if variant is None:
+        variant = type(
+            cls.__name__,
+            (cls, internals.Functional),
+            {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+             "__doc__": cls.__doc__},
+        )
+        registered = keras.saving.get_registered_name(cls)
+        if ">" in registered:
+            # Serialise the variant under cls's name, and keep that name
+            # resolving to cls (whose __new__ brings the variant back).
+            package, _, name = registered.partition(">")
+            keras.saving.register_keras_serializable(package, name)(variant)
+            keras.saving.register_keras_serializable(package, name)(cls)
+        cls._accum_functional_variant = variant
+    return variant

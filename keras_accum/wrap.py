@@ -1,0 +1,95 @@
+"""`wrap`: accumulation for a model that already exists, sharing its weights."""
+
+import keras
+
+from keras_accum import _keras_internals as internals
+from keras_accum.accumulator import check_accum_steps
+from keras_accum.model import AccumModel
+
+
+@keras.saving.register_keras_serializable(package="keras_accum")
+class WrappedModel(AccumModel):
+    """An `AccumModel` around a subclassed model; made by `keras_accum.wrap`.
+
+    Its only layer is the wrapped model, so its weights are that model's
+    weights, in the same order.
+
+    Args:
+        model: the `keras.Model` to train.
+        accum_steps: micro-batches per optimizer update.
+        **kwargs: passed to `keras.Model`.
+
+    Example:
+
+    ```python
+    model = keras_accum.wrap(MySubclassedNet(), accum_steps=4)
+    ```
+    """
+
+    def __init__(self, model, accum_steps=1, **kwargs):
+        kwargs.setdefault("name", model.name)
+        super().__init__(accum_steps=accum_steps, **kwargs)
+        self.wrapped = model
+
+    def call(self, inputs, training=None):
+        return self.wrapped(inputs, training=training)
+
+    def get_config(self):
+        config = super().get_config()
+        config["model"] = keras.saving.serialize_keras_object(self.wrapped)
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        model = keras.saving.deserialize_keras_object(
+            config.pop("model"), custom_objects=custom_objects
+        )
+        return cls(model, **config)
+
+
+def wrap(model, accum_steps=1):
+    """Returns an `AccumModel` that trains `model`'s own layers and weights.
+
+    Training the result trains `model`: no weights are copied. A functional
+    or built `Sequential` model is rebuilt as a functional `AccumModel` over
+    the same layers (so `summary()` lists them); any other model is held as
+    the single layer of a `WrappedModel`.
+
+    Args:
+        model: a `keras.Model` (Sequential, functional or subclassed).
+        accum_steps: micro-batches per optimizer update, an integer >= 1.
+
+    Returns:
+        An `AccumModel`, not yet compiled.
+
+    Example:
+
+    ```python
+    base = keras.applications.MobileNetV3Small(weights=None)
+    model = keras_accum.wrap(base, accum_steps=8)
+    model.compile("adam", "sparse_categorical_crossentropy")
+    ```
+    """
+    accum_steps = check_accum_steps(accum_steps)
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            "`model` must be a keras.Model. "
+            f"Received: model={model!r} (of type {type(model).__name__})."
+        )
+    if isinstance(model, AccumModel):
+        raise ValueError(
+            f"`model` is already an AccumModel (accum_steps="
+            f"{model.accum_steps}). Set `model.accum_steps = {accum_steps}` "
+            "instead of wrapping it again."
+        )
+    if isinstance(model, (internals.Functional, keras.Sequential)):
+        try:
+            inputs, outputs = model.input, model.output
+        except (AttributeError, ValueError):
+            pass  # an unbuilt Sequential: no graph to share yet
+        else:
+            return AccumModel(
+                inputs, outputs, name=model.name, accum_steps=accum_steps
+            )
+    return WrappedModel(model, accum_steps=accum_steps)

@@ -1,0 +1,86 @@
+"""Shared fixtures: tiny models built from a seed, and a big-batch reference.
+
+Every exactness test trains a plain `keras.Model` on the big batch and an
+`AccumModel` on micro-batches from the same initial weights, then compares.
+"""
+
+import keras
+import numpy as np
+
+import keras_accum
+
+RTOL, ATOL = 1e-5, 1e-6
+FEATURES, CLASSES = 6, 3
+
+
+def make_data(n=100, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, FEATURES)).astype("float32")
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).astype("int64") + (x[:, 2] > 1)
+    return x, y
+
+
+def functional(cls=keras.Model, seed=0, regularizer=None, **kwargs):
+    """A small MLP; `cls` is keras.Model or AccumModel, same weights by seed."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((FEATURES,), name="x")
+    h = keras.layers.Dense(
+        16, activation="tanh", kernel_regularizer=regularizer, name="hidden"
+    )(inputs)
+    outputs = keras.layers.Dense(CLASSES, name="logits")(h)
+    return cls(inputs, outputs, name="net", **kwargs)
+
+
+class _Net:
+    """Body of the subclassed test model, mixed into either base class."""
+
+    def __init__(self, **kwargs):
+        super().__init__(name="net", **kwargs)
+        self.hidden = keras.layers.Dense(16, activation="tanh", name="hidden")
+        self.logits = keras.layers.Dense(CLASSES, name="logits")
+
+    def call(self, x):
+        return self.logits(self.hidden(x))
+
+
+class PlainNet(_Net, keras.Model):
+    pass
+
+
+@keras.saving.register_keras_serializable(package="keras_accum_tests")
+class AccumNet(_Net, keras_accum.AccumModel):
+    pass
+
+
+def subclassed(cls=keras.Model, seed=0, **kwargs):
+    keras.utils.set_random_seed(seed)
+    model = (AccumNet if cls is keras_accum.AccumModel else PlainNet)(**kwargs)
+    model(np.zeros((1, FEATURES), "float32"))
+    return model
+
+
+def loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def assert_weights_close(a, b, rtol=RTOL, atol=ATOL):
+    wa, wb = a.get_weights(), b.get_weights()
+    assert len(wa) == len(wb)
+    for va, vb in zip(wa, wb):
+        np.testing.assert_allclose(va, vb, rtol=rtol, atol=atol)
+
+
+def assert_history_close(ha, hb, rtol=RTOL, atol=ATOL):
+    assert sorted(ha.history) == sorted(hb.history)
+    for key in ha.history:
+        np.testing.assert_allclose(
+            ha.history[key], hb.history[key], rtol=rtol, atol=atol, err_msg=key
+        )
+
+
+def assert_trained(model, initial):
+    """Guards against comparisons that pass because nothing moved."""
+    moved = max(
+        np.abs(w - w0).max() for w, w0 in zip(model.get_weights(), initial)
+    )
+    assert moved > 1e-3, f"weights barely moved ({moved}); the test is vacuous"
