@@ -11,8 +11,26 @@ model.fit(x, y, batch_size=32, accum_steps=8)
 ```
 """
 
-from keras_accum.model import AccumModel
-from keras_accum.wrap import wrap
+try:
+    import tensorflow  # noqa: F401
+except ImportError as error:
+    raise ImportError(
+        "keras_accum needs TensorFlow >= 2.16, which is not installed. "
+        "Install it with `pip install 'keras_accum[tensorflow]'` (or your "
+        "platform's TensorFlow build, e.g. tensorflow-cpu)."
+    ) from error
+
+import keras  # noqa: E402
+
+if keras.backend.backend() != "tensorflow":
+    raise ImportError(
+        "keras_accum trains through TensorFlow, but Keras is set to the "
+        f"'{keras.backend.backend()}' backend. Set KERAS_BACKEND=tensorflow "
+        "before importing keras (or in ~/.keras/keras.json)."
+    )
+
+from keras_accum.model import AccumModel  # noqa: E402
+from keras_accum.wrap import wrap  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -30,6 +30,8 @@ class WrappedModel(AccumModel):
         kwargs.setdefault("name", model.name)
         super().__init__(accum_steps=accum_steps, **kwargs)
         self.wrapped = model
+        # Nothing of its own to build: built when the wrapped model is.
+        self.built = model.built
 
     def call(self, inputs, training=None):
         return self.wrapped(inputs, training=training)
@@ -83,13 +85,20 @@ def wrap(model, accum_steps=1):
             f"{model.accum_steps}). Set `model.accum_steps = {accum_steps}` "
             "instead of wrapping it again."
         )
-    if isinstance(model, (internals.Functional, keras.Sequential)):
-        try:
-            inputs, outputs = model.input, model.output
-        except (AttributeError, ValueError):
-            pass  # an unbuilt Sequential: no graph to share yet
-        else:
-            return AccumModel(
-                inputs, outputs, name=model.name, accum_steps=accum_steps
-            )
+    graph = _graph(model)
+    if graph is not None:
+        return AccumModel(*graph, name=model.name, accum_steps=accum_steps)
     return WrappedModel(model, accum_steps=accum_steps)
+
+
+def _graph(model):
+    """`(inputs, outputs)` of a model defined by a layer graph, else None."""
+    try:
+        if isinstance(model, internals.Functional):
+            return model.input, model.output  # keeps dict/nested structure
+        if isinstance(model, keras.Sequential):
+            (inputs,), (outputs,) = model.inputs, model.outputs
+            return inputs, outputs
+    except (AttributeError, ValueError):
+        pass  # a Sequential without an Input: no graph to share yet
+    return None

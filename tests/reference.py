@@ -35,7 +35,8 @@ class _Net:
     """Body of the subclassed test model, mixed into either base class."""
 
     def __init__(self, **kwargs):
-        super().__init__(name="net", **kwargs)
+        kwargs.setdefault("name", "net")
+        super().__init__(**kwargs)
         self.hidden = keras.layers.Dense(16, activation="tanh", name="hidden")
         self.logits = keras.layers.Dense(CLASSES, name="logits")
 
@@ -43,6 +44,7 @@ class _Net:
         return self.logits(self.hidden(x))
 
 
+@keras.saving.register_keras_serializable(package="keras_accum_tests")
 class PlainNet(_Net, keras.Model):
     pass
 

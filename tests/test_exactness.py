@@ -137,6 +137,21 @@ def test_weights_move_only_when_a_window_completes():
     assert not np.array_equal(seen[-1], model.get_weights()[0])  # epoch-end flush
 
 
+def test_other_callbacks_see_the_window_applied_at_epoch_end():
+    x, y = make_data(100)  # 13 micro-batches: one pending at each epoch's end
+    model = functional(AccumModel, accum_steps=4)
+    model.compile(keras.optimizers.SGD(0.1), loss())
+    seen = []
+    model.fit(
+        x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+        callbacks=[keras.callbacks.LambdaCallback(
+            on_epoch_end=lambda epoch, logs: seen.append(
+                (int(model._accumulator.micro_step), int(model.optimizer.iterations))
+            ))],
+    )
+    assert seen == [(0, 4), (0, 8)]
+
+
 def test_logged_metrics_update_every_micro_batch():
     x, y = make_data(100)
     model = functional(AccumModel, accum_steps=4)
@@ -303,3 +318,17 @@ def test_accum_steps_1_is_ordinary_training(build):
         np.testing.assert_array_equal(a, b)
     assert hp.history == ha.history
 
+
+
+def test_shuffled_numpy_input_with_the_same_seed():
+    # Keras permutes the whole epoch before batching, so with the same seed
+    # the big batch and the windows see the same samples.
+    x, y = make_data(100)
+    runs = []
+    for build, batch in ((functional, 32), (lambda: functional(AccumModel, accum_steps=4), 8)):
+        model = build()
+        model.compile(OPTIMIZERS["adam"](), loss())
+        keras.utils.set_random_seed(5)
+        model.fit(x, y, batch_size=batch, epochs=2, shuffle=True, verbose=0)
+        runs.append(model)
+    assert_weights_close(*runs)

@@ -1,0 +1,288 @@
+"""The ways in, the accum_steps argument, flush(), weights and serialisation."""
+
+import io
+import contextlib
+
+import keras
+import numpy as np
+import pytest
+from reference import (
+    FEATURES,
+    AccumNet,
+    assert_trained,
+    assert_weights_close,
+    functional,
+    loss,
+    make_data,
+    subclassed,
+)
+
+import keras_accum
+from keras_accum import AccumModel
+
+BAD_ACCUM_STEPS = [
+    (0, ValueError),
+    (-3, ValueError),
+    (2.5, TypeError),
+    (4.0, TypeError),
+    ("4", TypeError),
+    (True, TypeError),
+    (None, TypeError),
+]
+
+
+def reference_after(batches, make_optimizer=lambda: keras.optimizers.Adam(0.01)):
+    """A plain model after one update per big batch in `batches`."""
+    plain = functional()
+    plain.compile(make_optimizer(), loss())
+    for xb, yb in batches:
+        plain.train_on_batch(xb, yb)
+    return plain
+
+
+def test_public_surface():
+    assert set(keras_accum.__all__) == {"AccumModel", "wrap", "__version__"}
+    for name in keras_accum.__all__:
+        assert hasattr(keras_accum, name)
+    assert isinstance(keras_accum.__version__, str)
+
+
+# -- accum_steps validation -------------------------------------------------
+
+
+@pytest.mark.parametrize("value,error", BAD_ACCUM_STEPS)
+def test_bad_accum_steps_in_constructor(value, error):
+    with pytest.raises(error, match=rf"`accum_steps`.*Received: accum_steps={value!r}"):
+        functional(AccumModel, accum_steps=value)
+
+
+@pytest.mark.parametrize("value,error", BAD_ACCUM_STEPS)
+def test_bad_accum_steps_in_setter_changes_nothing(value, error):
+    model = functional(AccumModel, accum_steps=3)
+    with pytest.raises(error, match=r"accum_steps"):
+        model.accum_steps = value
+    assert model.accum_steps == 3
+
+
+@pytest.mark.parametrize("value,error", [v for v in BAD_ACCUM_STEPS if v[0] is not None])
+def test_bad_accum_steps_in_fit_raises_before_training(value, error):
+    x, y = make_data(32)
+    model = functional(AccumModel, accum_steps=2)
+    model.compile(keras.optimizers.SGD(0.1), loss())
+    before = model.get_weights()
+    with pytest.raises(error, match=r"accum_steps"):
+        model.fit(x, y, batch_size=8, verbose=0, accum_steps=value)
+    assert model.accum_steps == 2
+    assert int(model.optimizer.iterations) == 0
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("value,error", BAD_ACCUM_STEPS)
+def test_bad_accum_steps_in_wrap(value, error):
+    with pytest.raises(error, match=r"accum_steps"):
+        keras_accum.wrap(functional(), accum_steps=value)
+
+
+def test_numpy_integer_accum_steps():
+    model = functional(AccumModel, accum_steps=np.int64(4))
+    assert model.accum_steps == 4 and type(model.accum_steps) is int
+    model.accum_steps = np.int32(2)
+    assert model.accum_steps == 2
+
+
+def test_wrap_rejects_non_models():
+    with pytest.raises(TypeError, match=r"`model` must be a keras.Model. Received: model="):
+        keras_accum.wrap(keras.layers.Dense(3), accum_steps=2)
+    with pytest.raises(ValueError, match=r"already an AccumModel"):
+        keras_accum.wrap(functional(AccumModel, accum_steps=2), accum_steps=4)
+
+
+def test_optimizer_with_builtin_accumulation_is_rejected_before_training():
+    x, y = make_data(32)
+    model = functional(AccumModel, accum_steps=4)
+    model.compile(keras.optimizers.Adam(gradient_accumulation_steps=2), loss())
+    before = model.get_weights()
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2.*one or the other"):
+        model.fit(x, y, batch_size=8, verbose=0)
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+# -- the ways in --------------------------------------------------------------
+
+
+def test_subclass_keeps_working_after_functional_instances():
+    functional(AccumModel, accum_steps=2)  # Keras would re-base the class here
+    assert AccumModel.__bases__ == (keras.Model,)
+    assert AccumNet.__mro__[1:3] == (AccumNet.__mro__[1], AccumModel)
+    x, y = make_data(64)
+    model = subclassed(AccumModel, accum_steps=4)
+    assert not isinstance(model, keras_accum._keras_internals.Functional)
+    model.compile(keras.optimizers.Adam(0.01), loss())
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    plain = subclassed()
+    plain.compile(keras.optimizers.Adam(0.01), loss())
+    plain.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(plain, model)
+    # And functional ones still work after the subclass was used.
+    assert isinstance(functional(AccumModel, accum_steps=2), AccumModel)
+
+
+def _sequential():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential(
+        [
+            keras.Input((FEATURES,)),
+            keras.layers.Dense(16, activation="tanh", name="hidden"),
+            keras.layers.Dense(3, name="logits"),
+        ],
+        name="net",
+    )
+
+
+def _unbuilt_sequential():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)]
+    )
+    return model
+
+
+@pytest.mark.parametrize(
+    "make",
+    [_sequential, _unbuilt_sequential, functional, subclassed],
+    ids=["sequential", "unbuilt_sequential", "functional", "subclassed"],
+)
+def test_wrap_trains_the_original_model(make):
+    x, y = make_data(100)
+    original = make()
+    original(x[:1])  # build, so weights exist to compare
+    reference = make()
+    reference(x[:1])
+    reference.set_weights(original.get_weights())
+    initial = original.get_weights()
+
+    wrapped = keras_accum.wrap(original, accum_steps=4)
+    assert isinstance(wrapped, AccumModel) and wrapped.accum_steps == 4
+    assert [id(v) for v in wrapped.weights] == [id(v) for v in original.weights]
+    assert wrapped.count_params() == original.count_params()
+    wrapped.compile(keras.optimizers.Adam(0.01), loss())
+    wrapped.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+
+    reference.compile(keras.optimizers.Adam(0.01), loss())
+    reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    assert_trained(original, initial)
+    assert_weights_close(reference, original)
+    np.testing.assert_allclose(
+        original.predict(x, verbose=0), wrapped.predict(x, verbose=0), rtol=1e-6
+    )
+
+
+def test_fit_accum_steps_applies_to_that_call_only():
+    x, y = make_data(64)
+    model = functional(AccumModel, accum_steps=2)
+    model.compile(keras.optimizers.SGD(0.1), loss())
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, accum_steps=8)
+    assert int(model.optimizer.iterations) == 1  # 8 micro-batches, one window
+    assert model.accum_steps == 2
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations) == 1 + 4
+
+
+def test_setting_accum_steps_applies_the_pending_window_first():
+    x, y = make_data(48)
+    model = functional(AccumModel, accum_steps=4)
+    model.compile(keras.optimizers.Adam(0.01), loss())
+    for i in range(6):
+        model.train_on_batch(x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8])
+    model.accum_steps = 2  # 2 micro-batches pending: applied as one update
+    assert int(model.optimizer.iterations) == 2
+    assert_weights_close(reference_after([(x[:32], y[:32]), (x[32:], y[32:])]), model)
+
+
+def test_flush_applies_a_partial_window_and_is_a_noop_otherwise():
+    x, y = make_data(48)
+    model = functional(AccumModel, accum_steps=4)
+    model.compile(keras.optimizers.Adam(0.01), loss())
+    model.flush()  # nothing built, nothing pending
+    for i in range(6):
+        model.train_on_batch(x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8])
+    assert int(model.optimizer.iterations) == 1
+    model.flush()
+    assert int(model.optimizer.iterations) == 2
+    expected = reference_after([(x[:32], y[:32]), (x[32:], y[32:])])
+    assert_weights_close(expected, model)
+    weights = model.get_weights()
+    model.flush()
+    assert int(model.optimizer.iterations) == 2
+    for a, b in zip(weights, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_flush_in_eager_mode():
+    x, y = make_data(48)
+    model = functional(AccumModel, accum_steps=4)
+    model.compile(keras.optimizers.Adam(0.01), loss(), run_eagerly=True)
+    for i in range(6):
+        model.train_on_batch(x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8])
+    model.flush()
+    assert_weights_close(reference_after([(x[:32], y[:32]), (x[32:], y[32:])]), model)
+
+
+# -- weights are the plain model's --------------------------------------------
+
+
+def _summary(model):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        model.summary()
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("build", [functional, subclassed], ids=["functional", "subclassed"])
+def test_weights_and_summary_are_the_plain_models(build):
+    x, y = make_data(40)
+    plain = build()
+    plain.compile("adam", loss())
+    plain.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    acc = build(AccumModel, accum_steps=4)
+    acc.compile("adam", loss())
+    acc.fit(x, y, batch_size=8, epochs=1, verbose=0)  # buffers now exist
+    assert acc._accumulator.built
+    assert [v.path for v in acc.weights] == [v.path for v in plain.weights]
+    assert acc.count_params() == plain.count_params()
+    assert len(acc.non_trainable_weights) == len(plain.non_trainable_weights)
+    assert _summary(acc).replace("AccumNet", "PlainNet") == _summary(plain)
+    # get_weights / set_weights interchange both ways.
+    plain.set_weights(acc.get_weights())
+    np.testing.assert_array_equal(plain.predict(x, verbose=0), acc.predict(x, verbose=0))
+    fresh = build(AccumModel, accum_steps=2)
+    fresh.set_weights(plain.get_weights())
+    np.testing.assert_array_equal(fresh.predict(x, verbose=0), acc.predict(x, verbose=0))
+
+
+# -- serialisation --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: functional(AccumModel, accum_steps=3),
+        lambda: subclassed(AccumModel, accum_steps=3),
+        lambda: keras_accum.wrap(functional(), accum_steps=3),
+        lambda: keras_accum.wrap(subclassed(), accum_steps=3),
+    ],
+    ids=["functional", "subclassed", "wrap_functional", "wrap_subclassed"],
+)
+def test_serialisation_round_trip(make):
+    x, _ = make_data(10)
+    model = make()
+    config = keras.saving.serialize_keras_object(model)
+    assert config["config"]["accum_steps"] == 3
+    assert config["registered_name"].startswith(("keras_accum>", "keras_accum_tests>"))
+    clone = keras.saving.deserialize_keras_object(config)
+    assert type(clone) is type(model) or type(clone).__mro__[1] is type(model).__mro__[1]
+    assert isinstance(clone, AccumModel) and clone.accum_steps == 3
+    clone.set_weights(model.get_weights())
+    np.testing.assert_array_equal(clone.predict(x, verbose=0), model.predict(x, verbose=0))

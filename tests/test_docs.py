@@ -1,0 +1,68 @@
+"""The README's commands and code, and the examples, do what they say."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def code_blocks(language):
+    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
+
+
+def test_ci_runs_the_readme_test_command():
+    development = README.split("## Development", 1)[1]
+    command = code_blocks("bash")[-1].strip()
+    assert command in development
+    assert command in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+def test_readme_quickstart_runs():
+    rng = np.random.default_rng(0)
+    namespace = {
+        "x_train": rng.normal(size=(64, 784)).astype("float32"),
+        "y_train": rng.integers(0, 10, size=64),
+    }
+    exec(code_blocks("python")[0], namespace)
+    model = namespace["model"]
+    # 64 samples are 2 micro-batches: one partial window per epoch, 5 epochs.
+    assert int(model.optimizer.iterations) == 5 * 1
+    assert model.accum_steps == 8
+
+
+def test_quickstart_example_matches_the_big_batch():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "quickstart.py")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    accuracies = re.findall(r"test accuracy (\d\.\d+), (\d+) updates", result.stdout)
+    assert len(accuracies) == 2 and accuracies[0] == accuracies[1], result.stdout
+    diff = float(re.search(r"largest weight difference: (\S+)", result.stdout)[1])
+    assert diff < 1e-4, result.stdout
+
+
+def test_import_refuses_another_keras_backend(monkeypatch):
+    import importlib
+
+    import keras
+
+    import keras_accum
+
+    monkeypatch.setattr(keras.backend, "backend", lambda: "jax")
+    try:
+        with pytest.raises(ImportError, match=r"'jax' backend.*KERAS_BACKEND=tensorflow"):
+            importlib.reload(keras_accum)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(keras_accum)
