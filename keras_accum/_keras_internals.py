@@ -12,8 +12,14 @@ from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.losses.loss import unscale_loss_for_distribution
 from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
+from keras.src.saving.keras_saveable import KerasSaveable
 
 WRITTEN_AGAINST = "3.15.1"
+
+# A `KerasSaveable` attribute of a model is visited by Keras's saving
+# (`save`, `save_weights`, `load_weights`) under its own path, which is how
+# the pending window travels in `.keras` and `.weights.h5` files without a
+# plain model that loads the same file ever seeing it.
 
 # `AccumModel.train_step` is `TensorFlowTrainer.train_step` with the optimizer
 # call replaced by accumulation. If Keras edits its train_step, ours must be
@@ -24,6 +30,7 @@ TRAIN_STEP_SOURCE_SHA256 = (
 
 __all__ = [
     "Functional",
+    "KerasSaveable",
     "TensorFlowTrainer",
     "WRITTEN_AGAINST",
     "batch_size",

@@ -6,7 +6,10 @@ so the arithmetic that makes uneven windows exact lives in one place.
 
 import numbers
 
+import numpy as np
 import tensorflow as tf
+
+from keras_accum import _keras_internals as internals
 
 
 def check_accum_steps(accum_steps):
@@ -34,16 +37,14 @@ def check_accum_steps(accum_steps):
     return int(accum_steps)
 
 
-def _buffer_dtype(variable):
+def _buffer_dtype(dtype):
     # float32 for float16/bfloat16/float32 variables: summing many low-precision
     # gradients in low precision is where accumulation loses accuracy. float64
     # variables keep float64 so the buffer is never less precise than the weight.
-    if tf.as_dtype(variable.dtype) == tf.float64:
-        return tf.float64
-    return tf.float32
+    return tf.float64 if tf.as_dtype(dtype) == tf.float64 else tf.float32
 
 
-class GradientAccumulator(tf.Module):
+class GradientAccumulator(tf.Module, internals.KerasSaveable):
     """Sums weighted micro-batch gradients until a window is applied.
 
     A window is the run of micro-batches that together make one optimizer
@@ -54,12 +55,15 @@ class GradientAccumulator(tf.Module):
     the window, exactly what one big batch of those samples gives, however
     unevenly the samples were split.
 
-    The state is held in `tf.Variable`s so it lives inside `tf.function`s and
-    is saved by `tf.train.Checkpoint`:
+    The state is held in `tf.Variable`s, so it lives inside `tf.function`s and
+    is saved by `tf.train.Checkpoint` and by Keras's `save`/`save_weights`:
 
     Attributes:
         micro_step: int64 scalar; micro-batches added since the last update.
-        window_weight: scalar; the sum of the weights added in this window.
+        window_weight: float32 scalar; the sum of the weights in this window.
+        accum_steps: int64 scalar; the window length this window is being
+            accumulated for, so a restored window is never finished under a
+            different length by mistake.
         acc_grads: one buffer per trainable variable (float32, or float64 for
             float64 variables) holding the sum of weighted gradients.
 
@@ -67,17 +71,21 @@ class GradientAccumulator(tf.Module):
 
     ```python
     acc = GradientAccumulator()
-    acc.build(model.trainable_variables)
+    acc.build(model.trainable_variables, accum_steps=4)
     acc.add(grads, weight=batch_size)          # every micro-batch
-    optimizer.apply(acc.window_gradients(), model.trainable_variables)
+    optimizer.apply(acc.window_gradients(model.trainable_variables))
     acc.reset()                                # after the update
     ```
     """
 
     def __init__(self, name="gradient_accumulator"):
         super().__init__(name=name)
+        self._unbuild()
+
+    def _unbuild(self):
         self.micro_step = None
         self.window_weight = None
+        self.accum_steps = None
         self.acc_grads = []
         # Indices of variables whose gradient was None when the step was
         # traced: the optimizer must see None for them, as it does for a big
@@ -85,15 +93,27 @@ class GradientAccumulator(tf.Module):
         self._absent = frozenset()
         self._built = False
 
+    def _obj_type(self):
+        # Keras's saving accepts only its own kinds here; "Operation" makes
+        # it visit our state and walk no further into it.
+        return "Operation"
+
     @property
     def built(self):
         return self._built
 
-    def build(self, variables):
+    def pending(self):
+        """Micro-batches in the open window (a Python int; 0 when unbuilt)."""
+        return int(self.micro_step.numpy()) if self._built else 0
+
+    def shapes(self):
+        return [tuple(b.shape) for b in self.acc_grads]
+
+    def build(self, variables, accum_steps):
         """Creates a zeroed buffer for each of `variables` and the counters.
 
-        Variables are created outside any surrounding `tf.function`, so a
-        lazy first build from inside a traced step is safe.
+        `variables` need only `shape` and `dtype` (numpy arrays will do).
+        Variables are created outside any surrounding `tf.function`.
         """
         with tf.init_scope():
             self.micro_step = tf.Variable(
@@ -102,14 +122,22 @@ class GradientAccumulator(tf.Module):
             self.window_weight = tf.Variable(
                 0.0, dtype=tf.float32, trainable=False, name="window_weight"
             )
-            self.acc_grads = [
-                tf.Variable(
-                    tf.zeros(v.shape, dtype=_buffer_dtype(v)),
-                    trainable=False,
-                    name=f"acc_grad_{i}",
+            self.accum_steps = tf.Variable(
+                accum_steps, dtype=tf.int64, trainable=False, name="accum_steps"
+            )
+            # Appended one by one to the list tracked since __init__ (not a
+            # new list) so that a tf.train.Checkpoint restored before the
+            # build fills each buffer as it is created.
+            if self.acc_grads:
+                self.acc_grads = []
+            for i, v in enumerate(variables):
+                self.acc_grads.append(
+                    tf.Variable(
+                        tf.zeros(v.shape, dtype=_buffer_dtype(v.dtype)),
+                        trainable=False,
+                        name=f"acc_grad_{i}",
+                    )
                 )
-                for i, v in enumerate(variables)
-            ]
         self._built = True
 
     def add(self, grads, weight):
@@ -157,3 +185,62 @@ class GradientAccumulator(tf.Module):
             buf.assign(tf.zeros_like(buf))
         self.window_weight.assign(0.0)
         self.micro_step.assign(0)
+
+    # -- Keras saving (`model.save`, `save_weights`, `load_weights`) ----------
+
+    def save_own_variables(self, store):
+        if not self._built:
+            return
+        store["micro_step"] = self.micro_step.numpy()
+        store["window_weight"] = self.window_weight.numpy()
+        store["accum_steps"] = self.accum_steps.numpy()
+        for i, buf in enumerate(self.acc_grads):
+            store[f"acc_grad_{i}"] = buf.numpy()
+
+    def load_own_variables(self, store):
+        keys = set(store.keys())
+        if not keys:
+            # Saved by a plain model, or before any training: no open window.
+            if self._built:
+                self.reset()
+            return
+        n = len([k for k in keys if k.startswith("acc_grad_")])
+        expected = {"micro_step", "window_weight", "accum_steps"} | {
+            f"acc_grad_{i}" for i in range(n)
+        }
+        if keys != expected:
+            raise ValueError(
+                "The checkpoint's accumulation state is incomplete or not "
+                f"keras_accum's: expected entries {sorted(expected)}, found "
+                f"{sorted(keys)}."
+            )
+        values = [np.asarray(store[f"acc_grad_{i}"]) for i in range(n)]
+        if self._built and self.shapes() != [v.shape for v in values]:
+            raise ValueError(
+                "The checkpoint's pending window does not fit this model: its "
+                f"gradient buffers have shapes {[v.shape for v in values]}, "
+                f"this model's trainable variables have {self.shapes()}."
+            )
+        if not self._built:
+            self.build(values, accum_steps=int(store["accum_steps"]))
+        for buf, value in zip(self.acc_grads, values):
+            buf.assign(value)
+        self.micro_step.assign(int(store["micro_step"]))
+        self.window_weight.assign(float(store["window_weight"]))
+        self.accum_steps.assign(int(store["accum_steps"]))
+
+    def snapshot(self):
+        """All state as numpy, for `restore` after a failed load."""
+        if not self._built:
+            return None
+        return [v.numpy() for v in self._state()]
+
+    def restore(self, snapshot):
+        if snapshot is None:
+            self._unbuild()
+            return
+        for v, value in zip(self._state(), snapshot):
+            v.assign(value)
+
+    def _state(self):
+        return [self.micro_step, self.window_weight, self.accum_steps, *self.acc_grads]

@@ -101,7 +101,9 @@ class AccumModel(keras.Model):
         value = check_accum_steps(value)
         if value == self._accum_steps:
             return
-        self.flush()
+        acc = self._accumulator
+        if acc.pending() and int(acc.accum_steps.numpy()) != value:
+            self.flush()
         self._accum_steps = value
         self._retrace()
 
@@ -188,11 +190,29 @@ class AccumModel(keras.Model):
     def _build_window(self):
         variables = self.trainable_variables
         acc = self._accumulator
-        if not acc.built or [tuple(b.shape) for b in acc.acc_grads] != [
-            tuple(v.shape) for v in variables
-        ]:
-            self.flush()
-            acc.build(variables)
+        shapes = [tuple(v.shape) for v in variables]
+        if acc.built and acc.shapes() != shapes and acc.pending():
+            raise ValueError(
+                f"This model has a pending window of {acc.pending()} "
+                "micro-batches whose gradient buffers (shapes "
+                f"{acc.shapes()}) do not fit its trainable variables (shapes "
+                f"{shapes}). It was restored from another model or the "
+                "trainable set changed: restore a matching checkpoint, or "
+                "load weights saved at a window boundary."
+            )
+        if not acc.built or acc.shapes() != shapes:
+            acc.build(variables, accum_steps=self._accum_steps)
+        window_length = int(acc.accum_steps.numpy())
+        if not acc.pending():
+            acc.accum_steps.assign(self._accum_steps)
+        elif window_length != self._accum_steps:
+            raise ValueError(
+                f"This model's pending window ({acc.pending()} micro-batches) "
+                f"was accumulated with accum_steps={window_length}, but the "
+                f"model now has accum_steps={self._accum_steps}. Set "
+                f"`model.accum_steps = {window_length}` to finish the window "
+                "as it began, or call `model.flush()` to apply it now."
+            )
         if not self.optimizer.built:
             # Built here, eagerly: the optimizer first runs inside a
             # conditional branch, where it cannot create its variables.
@@ -234,16 +254,40 @@ class AccumModel(keras.Model):
         `fit` calls it when an epoch's data ends. Call it yourself after
         `train_on_batch` loops, or before reading weights mid-window.
         """
-        acc = self._accumulator
-        if not acc.built or int(acc.micro_step.numpy()) == 0:
+        if not self._accumulator.pending():
             return
         if self.run_eagerly:
             self._apply_window()
             return
-        # One traced function per optimizer: compile() may swap it.
-        if self._flush_function is None or self._flush_function[0] is not self.optimizer:
-            self._flush_function = (self.optimizer, tf.function(self._apply_window))
-        self._flush_function[1]()
+        if self._flush_function is None or self.train_function is None:
+            # Traced again after compile() (which clears train_function), as
+            # the optimizer may have changed. Held in a plain closure: a
+            # tf.function attribute would be tracked and exported.
+            function = tf.function(self._apply_window)
+            self._flush_function = lambda: function()
+        self._flush_function()
+
+    # -- saving -----------------------------------------------------------------
+
+    def load_weights(self, filepath, *args, **kwargs):
+        """`keras.Model.load_weights`, all or nothing.
+
+        Restores the weights, the optimizer state and a pending window. If
+        loading fails (a corrupted or mismatched file), the model is left as it
+        was before the call and the error is raised.
+        """
+        variables = list(self.weights)
+        if self.optimizer is not None:
+            variables += list(self.optimizer.variables)
+        saved = [v.numpy() for v in variables]
+        window = self._accumulator.snapshot()
+        try:
+            return super().load_weights(filepath, *args, **kwargs)
+        except Exception:
+            for v, value in zip(variables, saved):
+                v.assign(value)
+            self._accumulator.restore(window)
+            raise
 
     # -- serialisation --------------------------------------------------------
 
