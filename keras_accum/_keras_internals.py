@@ -13,6 +13,7 @@ from keras.src.losses.loss import unscale_loss_for_distribution
 from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
 from keras.src.saving.keras_saveable import KerasSaveable
+from keras.src.utils.tracking import no_automatic_dependency_tracking
 
 WRITTEN_AGAINST = "3.15.1"
 
@@ -37,6 +38,7 @@ __all__ = [
     "call_for_training",
     "compute_loss",
     "functional_init_arguments",
+    "no_automatic_dependency_tracking",
     "track_loss",
 ]
 

@@ -72,9 +72,8 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
     ```python
     acc = GradientAccumulator()
     acc.build(model.trainable_variables, accum_steps=4)
-    acc.add(grads, weight=batch_size)          # every micro-batch
-    optimizer.apply(acc.window_gradients(model.trainable_variables))
-    acc.reset()                                # after the update
+    acc.add(grads, weight=batch_size)   # every micro-batch
+    acc.apply_if_full(optimizer, model.trainable_variables, accum_steps=4)
     ```
     """
 
@@ -178,6 +177,31 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
             else tf.cast(buf * tf.cast(inv, buf.dtype), v.dtype)
             for i, (buf, v) in enumerate(zip(self.acc_grads, variables))
         ]
+
+    def apply(self, optimizer, variables):
+        """Applies the window's gradient through `optimizer`; a new window starts."""
+        optimizer.apply(self.window_gradients(variables), variables)
+        self.reset()
+
+    def apply_if_full(self, optimizer, variables, accum_steps):
+        """Applies the window once it holds `accum_steps` micro-batches.
+
+        `accum_steps` may be a Python int (traced as a constant) or a tensor.
+        Works eagerly and inside `tf.function`/XLA.
+        """
+        tf.cond(
+            self.micro_step >= accum_steps,
+            lambda: self.apply(optimizer, variables),
+            lambda: None,
+        )
+
+    def flush(self, optimizer, variables):
+        """Applies a partial window, if any; graph-safe."""
+        tf.cond(
+            self.micro_step > 0,
+            lambda: self.apply(optimizer, variables),
+            lambda: None,
+        )
 
     def reset(self):
         """Zeroes the buffers and counters: a new window starts."""

@@ -5,6 +5,7 @@ import tensorflow as tf
 
 from keras_accum import _keras_internals as internals
 from keras_accum.accumulator import GradientAccumulator, check_accum_steps
+from keras_accum.optimizer import check_not_accumulating
 
 
 class _WindowFlush(keras.callbacks.Callback):
@@ -163,8 +164,9 @@ class AccumModel(keras.Model):
             if self._accum_steps != previous:
                 # Not through the setter: after an interrupted fit the open
                 # window stays open (to be resumed), it is not applied early.
+                # The next fit or train_on_batch traces a new step.
                 self._accum_steps = previous
-                self._retrace()
+                self.train_function = None
 
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
@@ -175,17 +177,7 @@ class AccumModel(keras.Model):
         return super().make_train_function(force=force)
 
     def _check_optimizer(self):
-        for opt in (self.optimizer, getattr(self.optimizer, "inner_optimizer", None)):
-            steps = getattr(opt, "gradient_accumulation_steps", None)
-            if steps:
-                raise ValueError(
-                    "The optimizer passed to `compile` has "
-                    f"`gradient_accumulation_steps={steps}`, and this model "
-                    f"accumulates too (`accum_steps={self._accum_steps}`). "
-                    "Use one or the other: remove "
-                    "`gradient_accumulation_steps` from the optimizer and set "
-                    "`accum_steps` on the model."
-                )
+        check_not_accumulating(self.optimizer, self._accum_steps)
 
     def _build_window(self):
         variables = self.trainable_variables
@@ -234,19 +226,13 @@ class AccumModel(keras.Model):
             weighted = self.optimizer.scale_loss(loss) * tf.cast(n, loss.dtype)
         variables = self.trainable_variables
         self._accumulator.add(tape.gradient(weighted, variables), weight=n)
-        tf.cond(
-            self._accumulator.micro_step >= self._accum_steps,
-            self._apply_window,
-            lambda: None,
+        self._accumulator.apply_if_full(
+            self.optimizer, variables, self._accum_steps
         )
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _apply_window(self):
-        variables = self.trainable_variables
-        self.optimizer.apply(
-            self._accumulator.window_gradients(variables), variables
-        )
-        self._accumulator.reset()
+        self._accumulator.apply(self.optimizer, self.trainable_variables)
 
     def flush(self):
         """Applies the pending partial window now; a no-op if none is pending.

@@ -41,7 +41,7 @@ def reference_after(batches, make_optimizer=lambda: keras.optimizers.Adam(0.01))
 
 
 def test_public_surface():
-    assert set(keras_accum.__all__) == {"AccumModel", "wrap", "__version__"}
+    assert set(keras_accum.__all__) == {"AccumModel", "AccumOptimizer", "wrap", "__version__"}
     for name in keras_accum.__all__:
         assert hasattr(keras_accum, name)
     assert isinstance(keras_accum.__version__, str)
@@ -188,6 +188,25 @@ def test_fit_accum_steps_applies_to_that_call_only():
     assert model.accum_steps == 2
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     assert int(model.optimizer.iterations) == 1 + 4
+
+
+def test_fit_interrupted_with_its_own_accum_steps_leaves_the_window_to_choose():
+    x, y = make_data(64)
+    model = functional(AccumModel, accum_steps=2)
+    model.compile(keras.optimizers.SGD(0.1), loss())
+
+    def interrupt(batch, logs):
+        if batch == 4:
+            raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError):
+        model.fit(x, y, batch_size=8, verbose=0, shuffle=False, accum_steps=8,
+                  callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=interrupt)])
+    assert model.accum_steps == 2 and model._accumulator.pending() == 5
+    with pytest.raises(ValueError, match=r"accumulated with accum_steps=8"):
+        model.train_on_batch(x[:8], y[:8])
+    model.accum_steps = 8  # finish it as it began
+    assert model._accumulator.pending() == 5
 
 
 def test_setting_accum_steps_applies_the_pending_window_first():

@@ -66,3 +66,21 @@ def test_import_refuses_another_keras_backend(monkeypatch):
     finally:
         monkeypatch.undo()
         importlib.reload(keras_accum)
+
+
+def test_readme_custom_loop_runs():
+    import keras
+    import tensorflow as tf
+
+    import keras_accum
+
+    block = next(b for b in code_blocks("python") if "AccumOptimizer(" in b)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    rng = np.random.default_rng(0)
+    dataset = tf.data.Dataset.from_tensor_slices(
+        (rng.normal(size=(40, 4)).astype("float32"), np.zeros((40, 2), "float32"))
+    ).batch(8)
+    namespace = dict(keras=keras, tf=tf, keras_accum=keras_accum, model=model,
+                     loss_fn=keras.losses.MeanSquaredError(), dataset=dataset)
+    exec(block, namespace)
+    assert int(namespace["opt"].iterations) == 2  # one full window, one flushed

@@ -1,0 +1,181 @@
+"""`AccumOptimizer`: the same accumulation as an optimizer wrapper, for custom loops."""
+
+import keras
+import tensorflow as tf
+
+from keras_accum import _keras_internals as internals
+from keras_accum.accumulator import GradientAccumulator, check_accum_steps
+
+
+def check_not_accumulating(optimizer, accum_steps):
+    """Refuses an optimizer that already accumulates: one or the other."""
+    for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+        steps = getattr(opt, "gradient_accumulation_steps", None)
+        if steps or isinstance(opt, AccumOptimizer):
+            what = (
+                f"is an AccumOptimizer (accum_steps={opt.accum_steps})"
+                if isinstance(opt, AccumOptimizer)
+                else f"has `gradient_accumulation_steps={steps}`"
+            )
+            raise ValueError(
+                f"The optimizer {what}, and accumulation is also asked for "
+                f"here (`accum_steps={accum_steps}`). Use one or the other: "
+                "an AccumModel with a plain optimizer, or an AccumOptimizer "
+                "(or Keras's `gradient_accumulation_steps`) on a plain model."
+            )
+
+
+@keras.saving.register_keras_serializable(package="keras_accum")
+class AccumOptimizer(keras.optimizers.Optimizer):
+    """Wraps an optimizer so that every `accum_steps` calls make one update.
+
+    Each `apply`/`apply_gradients` call adds one micro-batch's gradients to a
+    float32 buffer; every `accum_steps`-th call applies the window's mean
+    gradient through `optimizer` and starts a new window. `iterations` (and
+    so learning-rate schedules) counts updates. Pass `weight=` (the
+    micro-batch's number of samples, say) to weight micro-batches, which makes
+    an uneven window exactly the big batch's mean; without it, micro-batches
+    count equally. `flush()` applies a partial window.
+
+    For `model.fit`, prefer `AccumModel`: it weights by samples on its own and
+    applies the window open at an epoch's end. `model.compile(optimizer=
+    AccumOptimizer(...))` on a plain `keras.Model` is exact for equal windows.
+
+    Args:
+        optimizer: the `keras.optimizers.Optimizer` that makes the updates.
+        accum_steps: micro-batches per update, an integer >= 1.
+        name: optional name.
+
+    Example:
+
+    ```python
+    opt = keras_accum.AccumOptimizer(keras.optimizers.Adam(1e-3), accum_steps=4)
+    for x, y in micro_batches:
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply(grads, model.trainable_variables, weight=len(x))
+    opt.flush()  # a partial last window
+    ```
+    """
+
+    def __init__(self, optimizer, accum_steps=1, name=None, **kwargs):
+        accum_steps = check_accum_steps(accum_steps)
+        if not isinstance(optimizer, keras.optimizers.Optimizer):
+            raise TypeError(
+                "`optimizer` must be a keras.optimizers.Optimizer. "
+                f"Received: optimizer={optimizer!r} "
+                f"(of type {type(optimizer).__name__})."
+            )
+        check_not_accumulating(optimizer, accum_steps)
+        if kwargs:
+            raise ValueError(
+                "AccumOptimizer takes no optimizer arguments of its own; set "
+                "them on the inner optimizer. Received: "
+                f"{', '.join(f'{k}={v!r}' for k, v in kwargs.items())}."
+            )
+        super().__init__(learning_rate=0.0, name=name)
+        self.inner_optimizer = optimizer
+        self._accum_steps = accum_steps
+        self._accumulator = GradientAccumulator()
+
+    @property
+    def accum_steps(self):
+        """Micro-batches per update (fixed at construction)."""
+        return self._accum_steps
+
+    @internals.no_automatic_dependency_tracking
+    def build(self, var_list):
+        self.inner_optimizer.build(var_list)
+        self._accumulator.build(var_list, accum_steps=self._accum_steps)
+        super().build(var_list)
+
+    @property
+    def variables(self):
+        return self._variables + self.inner_optimizer.variables
+
+    def apply(self, grads, trainable_variables=None, weight=None):
+        """Adds one micro-batch; applies the window when it is full.
+
+        Args:
+            grads: gradients, one per variable (None for no gradient).
+            trainable_variables: the variables, in any order and any subset
+                of those the optimizer was built with; all of them if None.
+            weight: optional scalar weight of this micro-batch (e.g. its
+                number of samples). The update uses the weighted mean of the
+                window's gradients. Default: 1 for every micro-batch.
+        """
+        if trainable_variables is None:
+            trainable_variables = self._trainable_variables
+        trainable_variables = list(trainable_variables)
+        if not self.built:
+            with keras.name_scope(self.name, caller=self):
+                self.build(trainable_variables)
+        # Buffers follow the build order; put each gradient in its place.
+        ordered = [None] * len(self._trainable_variables)
+        for g, v in zip(grads, trainable_variables):
+            ordered[self._get_variable_index(v)] = g
+        if weight is None:
+            weight = 1.0
+        else:
+            ordered = [_scale(g, weight) for g in ordered]
+        self._accumulator.add(ordered, weight)
+        self._accumulator.apply_if_full(
+            self.inner_optimizer, self._trainable_variables, self._accum_steps
+        )
+
+    def apply_gradients(self, grads_and_vars, weight=None):
+        grads, variables = zip(*grads_and_vars)
+        self.apply(grads, variables, weight=weight)
+        return self.iterations
+
+    def flush(self):
+        """Applies a pending partial window now; a no-op if none is pending.
+
+        Works eagerly and inside `tf.function`.
+        """
+        if self.built:
+            self._accumulator.flush(self.inner_optimizer, self._trainable_variables)
+
+    @property
+    def iterations(self):
+        return self.inner_optimizer.iterations
+
+    @property
+    def learning_rate(self):
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, learning_rate):
+        self.inner_optimizer.learning_rate = learning_rate
+
+    def scale_loss(self, loss):
+        return self.inner_optimizer.scale_loss(loss)
+
+    def finalize_variable_values(self, var_list):
+        self.inner_optimizer.finalize_variable_values(var_list)
+
+    def get_config(self):
+        return {
+            "name": self.name,
+            "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
+            "accum_steps": self._accum_steps,
+        }
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        optimizer = keras.saving.deserialize_keras_object(
+            config.pop("optimizer"), custom_objects=custom_objects
+        )
+        return cls(optimizer, **config)
+
+
+def _scale(grad, weight):
+    if grad is None:
+        return None
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            grad.values * tf.cast(weight, grad.values.dtype), grad.indices, grad.dense_shape
+        )
+    return grad * tf.cast(weight, grad.dtype)

@@ -1,0 +1,171 @@
+"""AccumOptimizer in custom loops and in compile(), against the big batch."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from reference import assert_trained, assert_weights_close, functional, loss, make_data
+
+import keras_accum
+from keras_accum import AccumModel, AccumOptimizer
+
+X, Y = make_data(64)
+INNER = {
+    "adam": lambda: keras.optimizers.Adam(0.02),
+    "sgd_schedule": lambda: keras.optimizers.SGD(
+        keras.optimizers.schedules.ExponentialDecay(0.5, 1, 0.5), momentum=0.9
+    ),
+}
+
+
+def gradients(model, x, y):
+    with tf.GradientTape() as tape:
+        value = loss()(y, model(x, training=True))
+    return tape.gradient(value, model.trainable_variables)
+
+
+def big_batch_steps(make_inner, sizes):
+    """The reference: the inner optimizer on consecutive big batches."""
+    model = functional()
+    opt = make_inner()
+    start = 0
+    for size in sizes:
+        grads = gradients(model, X[start : start + size], Y[start : start + size])
+        opt.apply(grads, model.trainable_variables)
+        start += size
+    return model, opt
+
+
+def accumulate(opt, model, micro_sizes, weighted, compiled):
+    def step(x, y):
+        grads = gradients(model, x, y)
+        opt.apply(grads, model.trainable_variables, weight=len(x) if weighted else None)
+
+    step = tf.function(step) if compiled else step
+    start = 0
+    for size in micro_sizes:
+        step(X[start : start + size], Y[start : start + size])
+        start += size
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "tf_function"])
+@pytest.mark.parametrize("name", sorted(INNER))
+def test_custom_loop_equals_two_big_batch_steps(name, compiled):
+    reference, ref_opt = big_batch_steps(INNER[name], [32, 32])
+    model = functional()
+    initial = model.get_weights()
+    opt = AccumOptimizer(INNER[name](), accum_steps=4)
+    accumulate(opt, model, [8] * 8, weighted=False, compiled=compiled)
+    assert int(opt.iterations) == 2
+    np.testing.assert_allclose(float(opt.learning_rate), float(ref_opt.learning_rate))
+    assert_trained(model, initial)
+    assert_weights_close(reference, model)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "tf_function"])
+def test_weights_make_uneven_windows_and_flush_exact(compiled):
+    # Micro-batches 8, 8, 8, 8 | 4, 12, 4: the second window is partial
+    # (flushed) and uneven (weighted by sample counts).
+    reference, _ = big_batch_steps(INNER["adam"], [32, 20])
+    model = functional()
+    opt = AccumOptimizer(INNER["adam"](), accum_steps=4)
+    accumulate(opt, model, [8, 8, 8, 8, 4, 12, 4], weighted=True, compiled=compiled)
+    assert int(opt.iterations) == 1
+    flush = tf.function(opt.flush) if compiled else opt.flush
+    flush()
+    assert int(opt.iterations) == 2
+    assert_weights_close(reference, model)
+    flush()  # nothing pending: no update
+    assert int(opt.iterations) == 2
+
+
+def test_apply_gradients_and_learning_rate_delegate_to_the_inner_optimizer():
+    inner = keras.optimizers.SGD(0.1)
+    opt = AccumOptimizer(inner, accum_steps=2)
+    model = functional()
+    for i in range(4):
+        grads = gradients(model, X[8 * i : 8 * i + 8], Y[8 * i : 8 * i + 8])
+        result = opt.apply_gradients(zip(grads, model.trainable_variables))
+    assert int(result) == int(inner.iterations) == 2
+    opt.learning_rate = 0.05
+    assert float(inner.learning_rate) == pytest.approx(0.05)
+
+
+def test_compiled_on_a_plain_model_equal_windows():
+    plain = functional()
+    plain.compile(INNER["adam"](), loss(), metrics=["accuracy"])
+    h_plain = plain.fit(X, Y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    model = functional()
+    model.compile(AccumOptimizer(INNER["adam"](), accum_steps=4), loss(), metrics=["accuracy"])
+    h_acc = model.fit(X, Y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(plain, model)
+    np.testing.assert_allclose(h_plain.history["loss"], h_acc.history["loss"], rtol=1e-5)
+
+
+@pytest.mark.parametrize("how", ["config", "serialize"])
+def test_serialisation_round_trip(how):
+    opt = AccumOptimizer(keras.optimizers.Adam(0.003, beta_1=0.8), accum_steps=3, name="acc")
+    if how == "config":
+        clone = AccumOptimizer.from_config(opt.get_config())
+    else:
+        clone = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
+    assert isinstance(clone, AccumOptimizer) and clone.accum_steps == 3
+    assert clone.name == "acc"
+    assert isinstance(clone.inner_optimizer, keras.optimizers.Adam)
+    assert clone.inner_optimizer.get_config() == opt.inner_optimizer.get_config()
+
+
+def test_saved_and_restored_with_the_model_pending_window_included(tmp_path):
+    def compiled_model():
+        model = functional()
+        model.compile(AccumOptimizer(INNER["adam"](), accum_steps=4), loss())
+        return model
+
+    def train(model, steps):
+        for i in steps:
+            model.train_on_batch(X[8 * i : 8 * i + 8], Y[8 * i : 8 * i + 8])
+        return model
+
+    uninterrupted = train(compiled_model(), range(8))
+    model = train(compiled_model(), range(6))
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    assert isinstance(loaded.optimizer, AccumOptimizer)
+    assert loaded.optimizer._accumulator.pending() == 2
+    train(loaded, range(6, 8))
+    assert_weights_close(uninterrupted, loaded, rtol=0, atol=0)
+
+    ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+    prefix = ckpt.save(str(tmp_path / "ckpt"))
+    restored = compiled_model()
+    restored.optimizer.build(restored.trainable_variables)
+    tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).restore(prefix)
+    train(restored, range(6, 8))
+    assert_weights_close(uninterrupted, restored, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("value,error", [(0, ValueError), (2.5, TypeError), ("4", TypeError), (True, TypeError)])
+def test_bad_accum_steps(value, error):
+    with pytest.raises(error, match=rf"`accum_steps`.*Received: accum_steps={value!r}"):
+        AccumOptimizer(keras.optimizers.SGD(), accum_steps=value)
+
+
+def test_bad_optimizer_arguments():
+    with pytest.raises(TypeError, match=r"`optimizer` must be a keras.optimizers.Optimizer. Received: optimizer='adam'"):
+        AccumOptimizer("adam", accum_steps=2)
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2.*one or the other"):
+        AccumOptimizer(keras.optimizers.SGD(gradient_accumulation_steps=2), accum_steps=2)
+    with pytest.raises(ValueError, match=r"no optimizer arguments of its own.*clipnorm=1.0"):
+        AccumOptimizer(keras.optimizers.SGD(), accum_steps=2, clipnorm=1.0)
+
+
+def test_accum_model_refuses_an_accum_optimizer():
+    model = functional(AccumModel, accum_steps=2)
+    model.compile(AccumOptimizer(keras.optimizers.SGD(), accum_steps=2), loss())
+    with pytest.raises(ValueError, match=r"is an AccumOptimizer.*one or the other"):
+        model.fit(X, Y, batch_size=8, verbose=0)
+
+
+def test_exported_from_the_package():
+    assert keras_accum.AccumOptimizer is AccumOptimizer
+    assert "AccumOptimizer" in keras_accum.__all__
