@@ -37,11 +37,39 @@ def check_accum_steps(accum_steps):
     return int(accum_steps)
 
 
-def _buffer_dtype(dtype):
+def _buffer_dtype(variable_dtype, requested):
+    if requested is not None:
+        return tf.as_dtype(requested)
     # float32 for float16/bfloat16/float32 variables: summing many low-precision
     # gradients in low precision is where accumulation loses accuracy. float64
     # variables keep float64 so the buffer is never less precise than the weight.
-    return tf.float64 if tf.as_dtype(dtype) == tf.float64 else tf.float32
+    return tf.float64 if tf.as_dtype(variable_dtype) == tf.float64 else tf.float32
+
+
+def _check_dtype(accum_dtype):
+    try:
+        dtype = tf.as_dtype(accum_dtype)
+    except TypeError:
+        dtype = None
+    if dtype is None or not dtype.is_floating:
+        raise ValueError(
+            "`accum_dtype` must be a floating-point dtype such as 'float32'. "
+            f"Received: accum_dtype={accum_dtype!r}. Use None for the default."
+        )
+    return dtype
+
+
+def loss_scale_of(optimizer):
+    """The factor `optimizer.scale_loss` multiplies losses by, or None for 1.
+
+    A `LossScaleOptimizer` (mixed_float16) gives its dynamic scale, a tensor;
+    an optimizer with `loss_scale_factor` gives that; any other gives None, so
+    nothing is multiplied on the unscaled path.
+    """
+    scale = optimizer.scale_loss(1.0)
+    if isinstance(scale, (int, float)) and scale == 1:
+        return None
+    return scale
 
 
 class GradientAccumulator(tf.Module, internals.KerasSaveable):
@@ -55,6 +83,14 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
     the window, exactly what one big batch of those samples gives, however
     unevenly the samples were split.
 
+    Buffers hold true (unscaled) gradient sums, also under mixed_float16: a
+    micro-batch's loss-scaled gradients are multiplied by
+    `weight / loss_scale` as they are added, and by the loss scale again when handed to a `LossScaleOptimizer`, so
+    that its overflow check and scale update run once per window, on the
+    window, exactly as for a big batch. A non-finite micro-batch makes the
+    window's sum non-finite: the optimizer skips the whole window and lowers
+    its scale.
+
     The state is held in `tf.Variable`s, so it lives inside `tf.function`s and
     is saved by `tf.train.Checkpoint` and by Keras's `save`/`save_weights`:
 
@@ -64,8 +100,13 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
         accum_steps: int64 scalar; the window length this window is being
             accumulated for, so a restored window is never finished under a
             different length by mistake.
-        acc_grads: one buffer per trainable variable (float32, or float64 for
-            float64 variables) holding the sum of weighted gradients.
+        acc_grads: one buffer per trainable variable holding the sum of
+            weighted gradients: float32 (float64 for float64 variables) unless
+            `dtype` asks otherwise.
+
+    Args:
+        dtype: buffer dtype; None for the rule above.
+        name: the module's name.
 
     Example:
 
@@ -77,8 +118,9 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
     ```
     """
 
-    def __init__(self, name="gradient_accumulator"):
+    def __init__(self, dtype=None, name="gradient_accumulator"):
         super().__init__(name=name)
+        self.dtype = None if dtype is None else _check_dtype(dtype)
         self._unbuild()
 
     def _unbuild(self):
@@ -132,45 +174,50 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
             for i, v in enumerate(variables):
                 self.acc_grads.append(
                     tf.Variable(
-                        tf.zeros(v.shape, dtype=_buffer_dtype(v.dtype)),
+                        tf.zeros(v.shape, dtype=_buffer_dtype(v.dtype, self.dtype)),
                         trainable=False,
                         name=f"acc_grad_{i}",
                     )
                 )
         self._built = True
 
-    def add(self, grads, weight):
-        """Adds one micro-batch: `acc_grads += grads` and the window's weight.
+    def add(self, grads, weight, grad_scale=None):
+        """Adds one micro-batch: `acc_grads += grad_scale * grads`, and `weight`.
 
         Args:
-            grads: gradients of `weight * loss` (the weighting is folded into
-                the backward pass by the caller, where it costs one scalar
-                multiply instead of one per element). `tf.IndexedSlices` are
+            grads: the micro-batch's gradients. `tf.IndexedSlices` are
                 scatter-added, never densified.
             weight: scalar; what this micro-batch's loss was normalised by.
+                The buffers must end up holding `weight * gradient`: either
+                the caller folded `weight` into the loss before
+                differentiating (free: one scalar multiply), or it passes
+                `grad_scale=weight`.
+            grad_scale: optional scalar multiplying every gradient as it is
+                added, in the buffer's dtype; also how loss-scaled gradients
+                are unscaled (`weight / loss_scale`).
         """
         self._absent = frozenset(i for i, g in enumerate(grads) if g is None)
         for buf, g in zip(self.acc_grads, grads):
             if g is None:
                 continue
             if isinstance(g, tf.IndexedSlices):
-                buf.scatter_add(
-                    tf.IndexedSlices(
-                        tf.cast(g.values, buf.dtype), g.indices, g.dense_shape
-                    )
-                )
+                values = _scaled(tf.cast(g.values, buf.dtype), grad_scale)
+                buf.scatter_add(tf.IndexedSlices(values, g.indices, g.dense_shape))
             else:
-                buf.assign_add(tf.cast(g, buf.dtype))
+                buf.assign_add(_scaled(tf.cast(g, buf.dtype), grad_scale))
         self.window_weight.assign_add(tf.cast(weight, tf.float32))
         self.micro_step.assign_add(1)
 
-    def window_gradients(self, variables):
+    def window_gradients(self, variables, loss_scale=None):
         """The window's gradient per variable, in each variable's dtype.
 
-        Variables that had no gradient give None, as they would for the big
-        batch.
+        Multiplied by `loss_scale` when given: what a loss-scaling optimizer
+        expects. Variables that had no gradient give None, as they would for
+        the big batch.
         """
         inv = 1.0 / self.window_weight
+        if loss_scale is not None:
+            inv = inv * tf.cast(loss_scale, tf.float32)
         return [
             None
             if i in self._absent
@@ -180,7 +227,8 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
 
     def apply(self, optimizer, variables):
         """Applies the window's gradient through `optimizer`; a new window starts."""
-        optimizer.apply(self.window_gradients(variables), variables)
+        grads = self.window_gradients(variables, loss_scale_of(optimizer))
+        optimizer.apply(grads, variables)
         self.reset()
 
     def apply_if_full(self, optimizer, variables, accum_steps):
@@ -268,3 +316,7 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
 
     def _state(self):
         return [self.micro_step, self.window_weight, self.accum_steps, *self.acc_grads]
+
+
+def _scaled(grad, scale):
+    return grad if scale is None else grad * tf.cast(scale, grad.dtype)

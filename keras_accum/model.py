@@ -4,7 +4,11 @@ import keras
 import tensorflow as tf
 
 from keras_accum import _keras_internals as internals
-from keras_accum.accumulator import GradientAccumulator, check_accum_steps
+from keras_accum.accumulator import (
+    GradientAccumulator,
+    check_accum_steps,
+    loss_scale_of,
+)
 from keras_accum.optimizer import check_not_accumulating
 
 
@@ -50,6 +54,9 @@ class AccumModel(keras.Model):
             subclassing.
         accum_steps: micro-batches per optimizer update, an integer >= 1.
             1 is ordinary Keras training.
+        accum_dtype: dtype of the gradient buffers. Default None: float32
+            (float64 for float64 weights), whatever the compute dtype, so
+            mixed-precision gradients are summed in float32.
         **kwargs: passed to `keras.Model`.
 
     Example:
@@ -78,8 +85,9 @@ class AccumModel(keras.Model):
             cls = _functional_variant(cls)
         return super().__new__(cls, *args, **kwargs)
 
-    def __init__(self, *args, accum_steps=1, **kwargs):
+    def __init__(self, *args, accum_steps=1, accum_dtype=None, **kwargs):
         accum_steps = check_accum_steps(accum_steps)
+        accumulator = GradientAccumulator(dtype=accum_dtype)
         if internals.functional_init_arguments(args, kwargs):
             # Calling Functional.__init__ ourselves, on a class that already
             # has Functional in its bases (see __new__), keeps Keras from
@@ -89,7 +97,7 @@ class AccumModel(keras.Model):
         else:
             super().__init__(*args, **kwargs)
         self._accum_steps = accum_steps
-        self._accumulator = GradientAccumulator()
+        self._accumulator = accumulator
         self._flush_function = None
 
     @property
@@ -216,16 +224,28 @@ class AccumModel(keras.Model):
         # TensorFlowTrainer.train_step with the update replaced by
         # accumulation; keep in step with it (see _keras_internals).
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        loss_scale = loss_scale_of(self.optimizer)
+        # The micro-batch's weight is folded into the loss where that is safe:
+        # one scalar multiply instead of one per gradient element. Not under
+        # loss scaling or float16, where it could overflow float16 gradients;
+        # there the (then needed anyway) per-element unscale carries it.
+        fold = loss_scale is None and self.dtype_policy.compute_dtype != "float16"
         with tf.GradientTape() as tape:
             y_pred = internals.call_for_training(self, x)
             loss = internals.compute_loss(self, x, y, y_pred, sample_weight)
             n = internals.batch_size(x)
             internals.track_loss(self, loss, n)
-            # The micro-batch's weight is folded into the loss: one scalar
-            # multiply here instead of one per gradient element.
-            weighted = self.optimizer.scale_loss(loss) * tf.cast(n, loss.dtype)
+            scaled = self.optimizer.scale_loss(loss)
+            if fold:
+                scaled = scaled * tf.cast(n, loss.dtype)
         variables = self.trainable_variables
-        self._accumulator.add(tape.gradient(weighted, variables), weight=n)
+        grads = tape.gradient(scaled, variables)
+        if fold:
+            self._accumulator.add(grads, weight=n)
+        else:
+            n_float = tf.cast(n, tf.float32)
+            factor = n_float if loss_scale is None else n_float / loss_scale
+            self._accumulator.add(grads, weight=n, grad_scale=factor)
         self._accumulator.apply_if_full(
             self.optimizer, variables, self._accum_steps
         )
@@ -280,14 +300,19 @@ class AccumModel(keras.Model):
     def get_config(self):
         config = super().get_config()
         config["accum_steps"] = self._accum_steps
+        if self._accumulator.dtype is not None:
+            config["accum_dtype"] = self._accumulator.dtype.name
         return config
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
         accum_steps = config.pop("accum_steps", 1)
+        accum_dtype = config.pop("accum_dtype", None)
         model = super().from_config(config, custom_objects=custom_objects)
         model.accum_steps = accum_steps
+        if accum_dtype is not None:
+            model._accumulator = GradientAccumulator(dtype=accum_dtype)
         return model
 
 

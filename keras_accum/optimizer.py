@@ -4,7 +4,11 @@ import keras
 import tensorflow as tf
 
 from keras_accum import _keras_internals as internals
-from keras_accum.accumulator import GradientAccumulator, check_accum_steps
+from keras_accum.accumulator import (
+    GradientAccumulator,
+    check_accum_steps,
+    loss_scale_of,
+)
 
 
 def check_not_accumulating(optimizer, accum_steps):
@@ -44,6 +48,8 @@ class AccumOptimizer(keras.optimizers.Optimizer):
     Args:
         optimizer: the `keras.optimizers.Optimizer` that makes the updates.
         accum_steps: micro-batches per update, an integer >= 1.
+        accum_dtype: dtype of the gradient buffers; default float32
+            (float64 for float64 variables).
         name: optional name.
 
     Example:
@@ -59,7 +65,7 @@ class AccumOptimizer(keras.optimizers.Optimizer):
     ```
     """
 
-    def __init__(self, optimizer, accum_steps=1, name=None, **kwargs):
+    def __init__(self, optimizer, accum_steps=1, accum_dtype=None, name=None, **kwargs):
         accum_steps = check_accum_steps(accum_steps)
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise TypeError(
@@ -77,7 +83,7 @@ class AccumOptimizer(keras.optimizers.Optimizer):
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = optimizer
         self._accum_steps = accum_steps
-        self._accumulator = GradientAccumulator()
+        self._accumulator = GradientAccumulator(dtype=accum_dtype)
 
     @property
     def accum_steps(self):
@@ -115,11 +121,13 @@ class AccumOptimizer(keras.optimizers.Optimizer):
         ordered = [None] * len(self._trainable_variables)
         for g, v in zip(grads, trainable_variables):
             ordered[self._get_variable_index(v)] = g
-        if weight is None:
-            weight = 1.0
-        else:
-            ordered = [_scale(g, weight) for g in ordered]
-        self._accumulator.add(ordered, weight)
+        loss_scale = loss_scale_of(self.inner_optimizer)
+        factor = weight
+        if loss_scale is not None:
+            factor = (1.0 if weight is None else weight) / loss_scale
+        self._accumulator.add(
+            ordered, 1.0 if weight is None else weight, grad_scale=factor
+        )
         self._accumulator.apply_if_full(
             self.inner_optimizer, self._trainable_variables, self._accum_steps
         )
@@ -160,6 +168,9 @@ class AccumOptimizer(keras.optimizers.Optimizer):
             "name": self.name,
             "optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
             "accum_steps": self._accum_steps,
+            "accum_dtype": None
+            if self._accumulator.dtype is None
+            else self._accumulator.dtype.name,
         }
 
     @classmethod
@@ -170,12 +181,3 @@ class AccumOptimizer(keras.optimizers.Optimizer):
         )
         return cls(optimizer, **config)
 
-
-def _scale(grad, weight):
-    if grad is None:
-        return None
-    if isinstance(grad, tf.IndexedSlices):
-        return tf.IndexedSlices(
-            grad.values * tf.cast(weight, grad.values.dtype), grad.indices, grad.dense_shape
-        )
-    return grad * tf.cast(weight, grad.dtype)

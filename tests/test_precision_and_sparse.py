@@ -1,0 +1,232 @@
+"""Mixed precision, XLA and sparse (embedding) gradients at big-batch parity."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from reference import FEATURES, assert_trained, assert_weights_close, loss, make_data
+
+from keras_accum import AccumModel, AccumOptimizer
+from keras_accum.accumulator import GradientAccumulator
+
+# mixed_float16 computes every layer in float16, whose 11-bit mantissa
+# rounds at ~5e-4: the big batch and the micro-batches round differently
+# (different reduction sizes), so weights agree to float16, not float32.
+FLOAT16_RTOL, FLOAT16_ATOL = 2e-3, 2e-4
+# bfloat16 keeps only 8 mantissa bits (~4e-3 relative rounding).
+BFLOAT16_RTOL, BFLOAT16_ATOL = 2e-2, 2e-3
+
+
+@pytest.fixture
+def policy(request):
+    keras.mixed_precision.set_global_policy(request.param)
+    yield request.param
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def mlp(cls=keras.Model, seed=0, **kwargs):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((FEATURES,))
+    h = keras.layers.Dense(16, activation="tanh")(inputs)
+    logits = keras.layers.Dense(3)(h)
+    # Output in float32, as Keras's mixed-precision guide recommends.
+    outputs = keras.layers.Activation("linear", dtype="float32")(logits)
+    return cls(inputs, outputs, **kwargs)
+
+
+def run_pair(x, y, make_optimizer, compile_kwargs=None, epochs=2, micro=8, n=4):
+    compile_kwargs = dict(loss=loss(), metrics=["accuracy"], **(compile_kwargs or {}))
+    fit = dict(epochs=epochs, shuffle=False, verbose=0)
+    plain = mlp()
+    initial = plain.get_weights()
+    plain.compile(make_optimizer(), **compile_kwargs)
+    plain.fit(x, y, batch_size=micro * n, **fit)
+    acc = mlp(AccumModel, accum_steps=n)
+    acc.compile(make_optimizer(), **compile_kwargs)
+    acc.fit(x, y, batch_size=micro, **fit)
+    assert_trained(plain, initial)
+    return plain, acc
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16"], indirect=True)
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [lambda: keras.optimizers.SGD(0.2, momentum=0.9), lambda: keras.optimizers.Adam(0.01)],
+    ids=["sgd_momentum", "adam"],
+)
+def test_mixed_float16_matches_the_big_batch(policy, make_optimizer):
+    x, y = make_data(100)  # uneven last window
+    plain, acc = run_pair(x, y, make_optimizer)
+    assert isinstance(acc.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert_weights_close(plain, acc, FLOAT16_RTOL, FLOAT16_ATOL)
+    assert float(acc.optimizer.dynamic_scale) == float(plain.optimizer.dynamic_scale)
+    assert all(b.dtype == tf.float32 for b in acc._accumulator.acc_grads)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16"], indirect=True)
+def test_mixed_float16_buffers_hold_unscaled_gradients(policy):
+    x, y = make_data(8)
+    model = mlp(AccumModel, accum_steps=4)
+    model.compile(keras.optimizers.SGD(0.1), loss())
+    model.train_on_batch(x, y)  # one micro-batch of 8: nothing applied yet
+    assert float(model.optimizer.dynamic_scale) == 2.0**15
+    with tf.GradientTape() as tape:
+        value = loss()(y, model(x, training=True))
+    expected = tape.gradient(value, model.trainable_variables)
+    acc = model._accumulator
+    for buf, g in zip(acc.acc_grads, expected):
+        window_mean = buf.numpy() / float(acc.window_weight.numpy())
+        np.testing.assert_allclose(window_mean, g.numpy(), rtol=1e-2, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16"], indirect=True)
+def test_overflow_skips_the_whole_window_like_the_big_batch(policy):
+    x, y = make_data(128)
+    x[45] = 1e5  # beyond float16's 65504: inf in the second window (32..63)
+    plain, acc = run_pair(x, y, lambda: keras.optimizers.Adam(0.01), epochs=1)
+    for model in (plain, acc):
+        assert all(np.isfinite(w).all() for w in model.get_weights())
+        # 4 windows, one skipped: 3 updates, and the scale was halved once.
+        assert int(model.optimizer.iterations) == 3
+        assert float(model.optimizer.dynamic_scale) == 2.0**14
+    assert_weights_close(plain, acc, FLOAT16_RTOL, FLOAT16_ATOL)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16"], indirect=True)
+def test_mixed_bfloat16_matches_the_big_batch(policy):
+    x, y = make_data(100)
+    plain, acc = run_pair(x, y, lambda: keras.optimizers.SGD(0.2, momentum=0.9))
+    assert not isinstance(acc.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert all(b.dtype == tf.float32 for b in acc._accumulator.acc_grads)
+    assert_weights_close(plain, acc, BFLOAT16_RTOL, BFLOAT16_ATOL)
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16"], indirect=True)
+@pytest.mark.parametrize(
+    "compile_kwargs",
+    [
+        {"jit_compile": True},
+        {"steps_per_execution": 2},
+        {"steps_per_execution": 3},
+        {"steps_per_execution": 5},
+        {"steps_per_execution": 3, "jit_compile": True},
+    ],
+    ids=["jit", "spe2", "spe3", "spe5", "spe3_jit"],
+)
+def test_xla_and_steps_per_execution_under_mixed_precision(policy, compile_kwargs):
+    x, y = make_data(100)
+    plain, acc = run_pair(x, y, lambda: keras.optimizers.Adam(0.01), compile_kwargs)
+    assert_weights_close(plain, acc, FLOAT16_RTOL, FLOAT16_ATOL)
+
+
+def test_float16_variables_get_float32_buffers_and_accum_dtype_overrides():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((FEATURES,), dtype="float16")
+    outputs = keras.layers.Dense(3, dtype="float16")(inputs)
+    x, y = make_data(16)
+    for accum_dtype, expected in ((None, tf.float32), ("float16", tf.float16)):
+        model = AccumModel(inputs, outputs, accum_steps=2, accum_dtype=accum_dtype)
+        model.compile(keras.optimizers.SGD(0.1), loss())
+        model.train_on_batch(x.astype("float16"), y)
+        assert [b.dtype for b in model._accumulator.acc_grads] == [expected, expected]
+    assert AccumModel.from_config(model.get_config())._accumulator.dtype == tf.float16
+
+
+@pytest.mark.parametrize("value", ["int32", "nonsense", 3])
+def test_bad_accum_dtype(value):
+    with pytest.raises(ValueError, match=rf"`accum_dtype` must be a floating-point dtype.*Received: accum_dtype={value!r}"):
+        AccumModel(accum_dtype=value)
+    with pytest.raises(ValueError, match=r"`accum_dtype`"):
+        AccumOptimizer(keras.optimizers.SGD(), accum_steps=2, accum_dtype=value)
+
+
+# -- sparse gradients ----------------------------------------------------------
+
+VOCAB, LENGTH = 500, 6
+
+
+def embedding_model(cls=keras.Model, **kwargs):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((LENGTH,), dtype="int32")
+    h = keras.layers.Embedding(VOCAB, 8, name="embedding")(inputs)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    outputs = keras.layers.Dense(3)(h)
+    return cls(inputs, outputs, **kwargs)
+
+
+def token_data(n=100):
+    rng = np.random.default_rng(7)
+    # Few distinct tokens, so batches repeat tokens (duplicate indices).
+    tokens = rng.integers(0, 40, size=(n, LENGTH)).astype("int32")
+    labels = (tokens.sum(axis=1) % 3).astype("int64")
+    return tokens, labels
+
+
+def test_embedding_gradients_are_scatter_added_not_densified():
+    acc = GradientAccumulator()
+    table = tf.Variable(tf.zeros((VOCAB, 8)))
+    acc.build([table], accum_steps=4)
+
+    @tf.function
+    def add(ids):
+        with tf.GradientTape() as tape:
+            value = tf.reduce_sum(tf.gather(table, ids))
+        grads = tape.gradient(value, [table])
+        assert isinstance(grads[0], tf.IndexedSlices)
+        acc.add(grads, weight=1.0)
+
+    graph = add.get_concrete_function(tf.TensorSpec((None,), tf.int32)).graph
+    ops = {op.type for op in graph.get_operations()}
+    assert "ResourceScatterAdd" in ops
+    assert not ops & {"UnsortedSegmentSum", "ScatterNd", "TensorScatterAdd"}
+    add(tf.constant([3, 3, 7]))
+    expected = np.zeros((VOCAB, 8), "float32")
+    expected[3], expected[7] = 2.0, 1.0
+    np.testing.assert_array_equal(acc.acc_grads[0].numpy(), expected)
+
+
+def test_embedding_with_sgd_momentum_matches_the_big_batch():
+    x, y = token_data()
+    plain = embedding_model()
+    plain.compile(keras.optimizers.SGD(0.5, momentum=0.9), loss())
+    plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    acc = embedding_model(AccumModel, accum_steps=4)
+    acc.compile(keras.optimizers.SGD(0.5, momentum=0.9), loss())
+    acc.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(plain, acc)
+
+
+class DenseGradientModel(keras.Model):
+    """A plain model whose optimizer sees dense embedding gradients."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss_value = self.compute_loss(x, y, self(x, training=True))
+        grads = tape.gradient(loss_value, self.trainable_variables)
+        grads = [tf.convert_to_tensor(g) for g in grads]
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss_value}
+
+
+def test_embedding_with_adam_is_adam_on_the_dense_big_batch_gradient():
+    # Keras's Adam squares an IndexedSlices gradient per occurrence, so for a
+    # token seen k times in a batch its second moment gets sum(g_i**2), not
+    # (sum g_i)**2. A summed buffer cannot split a window's gradient back into
+    # occurrences: AccumModel gives Adam on the dense window gradient, which
+    # is what this reference computes for the big batch. The rows of tokens
+    # repeated within a batch then differ from Keras's sparse big-batch run.
+    x, y = token_data()
+    runs = []
+    for model, batch in (
+        (embedding_model(DenseGradientModel), 32),
+        (embedding_model(keras.Model), 32),
+        (embedding_model(AccumModel, accum_steps=4), 8),
+    ):
+        model.compile(keras.optimizers.Adam(0.01), loss())
+        model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+        runs.append(model)
+    dense, sparse, ours = runs
+    assert_weights_close(dense, ours)
+    table = lambda m: m.get_layer("embedding").get_weights()[0]  # noqa: E731
+    assert np.abs(table(sparse) - table(ours)).max() > 1e-3
