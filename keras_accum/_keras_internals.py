@@ -6,10 +6,17 @@ module, when one of them moves or when the TF trainer's `train_step` (which
 `AccumModel.train_step` mirrors) changes.
 """
 
+import contextlib
+
 import tensorflow as tf
 from keras import tree
+from keras.src.backend.common.masking import get_keras_mask
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-from keras.src.losses.loss import unscale_loss_for_distribution
+from keras.src.losses.loss import (
+    apply_mask,
+    squeeze_or_expand_to_same_rank,
+    unscale_loss_for_distribution,
+)
 from keras.src.models.functional import Functional
 from keras.src.models.model import functional_init_arguments
 from keras.src.saving.keras_saveable import KerasSaveable
@@ -35,9 +42,14 @@ __all__ = [
     "TensorFlowTrainer",
     "WRITTEN_AGAINST",
     "batch_size",
+    "build_compiled_loss",
     "call_for_training",
     "compute_loss",
+    "apply_mask",
     "functional_init_arguments",
+    "get_keras_mask",
+    "recording_loss_calls",
+    "squeeze_or_expand_to_same_rank",
     "no_automatic_dependency_tracking",
     "track_loss",
 ]
@@ -67,3 +79,50 @@ def track_loss(model, loss, n):
     model._loss_tracker.update_state(
         unscale_loss_for_distribution(loss), sample_weight=n
     )
+
+
+@contextlib.contextmanager
+def recording_loss_calls(model, record):
+    """Calls `record(loss_fn, y_true, y_pred, sample_weight)` for every
+    compiled loss term that `model.compute_loss` evaluates inside the block.
+
+    Keras's `CompileLoss` keeps its terms in `_flat_losses` as
+    `(path, loss_fn, loss_weight, name)`; each term is swapped for a wrapper
+    for the duration of the block (a trace), then put back. Models without a
+    compiled loss record nothing.
+    """
+    compile_loss = getattr(model, "_compile_loss", None)
+    terms = getattr(compile_loss, "_flat_losses", None)
+    if not terms:
+        # Unbuilt: without a distribution strategy Keras builds the compiled
+        # loss lazily, in the first traced step, after the point where we
+        # must wrap its terms; see build_compiled_loss.
+        yield
+        return
+
+    def recording(loss_fn):
+        def call(y_true, y_pred, sample_weight=None):
+            record(loss_fn, y_true, y_pred, sample_weight)
+            return loss_fn(y_true, y_pred, sample_weight)
+
+        return call
+
+    compile_loss._flat_losses = [
+        (path, recording(fn), weight, name) for path, fn, weight, name in terms
+    ]
+    try:
+        yield
+    finally:
+        compile_loss._flat_losses = terms
+
+
+def build_compiled_loss(model, data):
+    """Builds the compiled loss (and metrics) from a batch's shapes, if needed.
+
+    Keras's TF trainer defers this to the first traced step when there is no
+    distribution strategy; `_symbolic_build` is what it runs otherwise, and
+    works on symbolic copies of the batch, adding nothing to the trace.
+    """
+    compile_loss = getattr(model, "_compile_loss", None)
+    if compile_loss is not None and not compile_loss.built:
+        model._symbolic_build(data_batch=data)

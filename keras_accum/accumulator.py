@@ -132,6 +132,7 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
         # traced: the optimizer must see None for them, as it does for a big
         # batch, not a zero gradient (which would still move Adam or decay).
         self._absent = frozenset()
+        self._normalise = True
         self._built = False
 
     def _obj_type(self):
@@ -181,7 +182,7 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
                 )
         self._built = True
 
-    def add(self, grads, weight, grad_scale=None):
+    def add(self, grads, weight, grad_scale=None, normalise=True):
         """Adds one micro-batch: `acc_grads += grad_scale * grads`, and `weight`.
 
         Args:
@@ -195,8 +196,12 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
             grad_scale: optional scalar multiplying every gradient as it is
                 added, in the buffer's dtype; also how loss-scaled gradients
                 are unscaled (`weight / loss_scale`).
+            normalise: whether the window's gradient is divided by the
+                window's total weight (a mean); False for a sum. Like the
+                None-gradient pattern, fixed when the step is traced.
         """
         self._absent = frozenset(i for i, g in enumerate(grads) if g is None)
+        self._normalise = normalise
         for buf, g in zip(self.acc_grads, grads):
             if g is None:
                 continue
@@ -215,7 +220,13 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
         expects. Variables that had no gradient give None, as they would for
         the big batch.
         """
-        inv = 1.0 / self.window_weight
+        # divide_no_nan: a window whose loss terms were all masked has weight
+        # 0 and, as Keras's big batch, a zero gradient.
+        inv = (
+            tf.math.divide_no_nan(1.0, self.window_weight)
+            if self._normalise
+            else tf.constant(1.0)
+        )
         if loss_scale is not None:
             inv = inv * tf.cast(loss_scale, tf.float32)
         return [

@@ -9,6 +9,7 @@ from keras_accum.accumulator import (
     check_accum_steps,
     loss_scale_of,
 )
+from keras_accum.normaliser import loss_normaliser, micro_batch_weight
 from keras_accum.optimizer import check_not_accumulating
 
 
@@ -39,8 +40,9 @@ class AccumModel(keras.Model):
 
     Training with micro-batch `b` and `accum_steps=N` is the same training as
     a plain `keras.Model` with batch `N * b`: each update uses the gradient of
-    the loss over every sample of its window (micro-batches weighted by their
-    number of samples, so a short last window is exact), a window still open
+    the loss over every sample of its window (each micro-batch weighted by
+    what Keras normalises its loss by: samples, unmasked tokens or sample
+    weights, so short windows and padded sequences are exact), a window still open
     when an epoch's data ends is applied then, before validation, and
     `optimizer.iterations` (hence learning-rate schedules and EMA) counts
     updates. The logged loss and metrics are those of the big-batch run.
@@ -223,6 +225,7 @@ class AccumModel(keras.Model):
             return super().train_step(data)
         # TensorFlowTrainer.train_step with the update replaced by
         # accumulation; keep in step with it (see _keras_internals).
+        internals.build_compiled_loss(self, data)
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         loss_scale = loss_scale_of(self.optimizer)
         # The micro-batch's weight is folded into the loss where that is safe:
@@ -230,22 +233,28 @@ class AccumModel(keras.Model):
         # loss scaling or float16, where it could overflow float16 gradients;
         # there the (then needed anyway) per-element unscale carries it.
         fold = loss_scale is None and self.dtype_policy.compute_dtype != "float16"
+        normalisers = []
         with tf.GradientTape() as tape:
             y_pred = internals.call_for_training(self, x)
-            loss = internals.compute_loss(self, x, y, y_pred, sample_weight)
+            with internals.recording_loss_calls(
+                self, lambda *call: normalisers.append(loss_normaliser(*call))
+            ):
+                loss = internals.compute_loss(self, x, y, y_pred, sample_weight)
             n = internals.batch_size(x)
             internals.track_loss(self, loss, n)
+            weight, normalise = micro_batch_weight(normalisers, n)
             scaled = self.optimizer.scale_loss(loss)
             if fold:
-                scaled = scaled * tf.cast(n, loss.dtype)
+                scaled = scaled * tf.cast(weight, loss.dtype)
         variables = self.trainable_variables
         grads = tape.gradient(scaled, variables)
         if fold:
-            self._accumulator.add(grads, weight=n)
+            grad_scale = None
+        elif loss_scale is None:
+            grad_scale = weight
         else:
-            n_float = tf.cast(n, tf.float32)
-            factor = n_float if loss_scale is None else n_float / loss_scale
-            self._accumulator.add(grads, weight=n, grad_scale=factor)
+            grad_scale = weight / loss_scale
+        self._accumulator.add(grads, weight, grad_scale, normalise=normalise)
         self._accumulator.apply_if_full(
             self.optimizer, variables, self._accum_steps
         )

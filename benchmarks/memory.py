@@ -1,0 +1,135 @@
+"""Memory worker: peak resident memory that one `fit` adds, in a fresh process.
+
+Started by `benchmarks.run`, one fresh Python per configuration, so that no
+configuration inherits another's allocator state or traced graphs:
+
+    python -m benchmarks.memory --config "AccumModel b x N" --json out.json
+
+Method (Linux): everything that is not training is done first: TensorFlow
+is imported, the model built and compiled, the optimizer's slots created, and
+the data turned into a batched `tf.data.Dataset`. Then the process's peak
+RSS (VmHWM in /proc/self/status) is reset to its current RSS by writing "5"
+to /proc/self/clear_refs, `fit` runs one epoch of two updates' worth of
+samples (2*N*b), and the result is VmHWM after `fit` minus VmRSS before it:
+the most memory `fit` itself ever held at once. That includes tracing the
+train step, which is about the same for every configuration, and for
+AccumModel its gradient buffers, which it creates in `fit`.
+
+Where /proc/self/clear_refs cannot be written the peak cannot be reset, and
+`resource.getrusage(RUSAGE_SELF).ru_maxrss` after `fit` minus VmRSS before it
+is used instead (the output names the method used); it is the same number as
+long as nothing before `fit` used more memory than `fit` does.
+"""
+
+import argparse
+import gc
+import json
+import os
+import resource
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # quiet TensorFlow start-up
+
+import numpy as np  # noqa: E402
+
+from benchmarks import workloads  # noqa: E402
+
+MIB = 1024 * 1024
+
+
+def _status_bytes(field):
+    """A `kB` field of /proc/self/status (e.g. VmRSS, VmHWM) in bytes, or None."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak():
+    """Resets VmHWM to the current RSS; returns whether that was possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _maxrss_bytes():
+    # ru_maxrss is in kilobytes on Linux and in bytes on macOS.
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def configuration(name):
+    """`(implementation, batch_size)` of a memory configuration."""
+    n, b = workloads.ACCUM_STEPS, workloads.MICRO_BATCH
+    return {
+        "plain N*b": ("plain", n * b),
+        "plain b": ("plain", b),
+        "AccumModel b x N": ("AccumModel", b),
+    }[name]
+
+
+def run(config, quick):
+    """Measures the peak RSS growth of one `fit` of `config`; returns a dict."""
+    import tensorflow as tf
+
+    implementation, batch_size = configuration(config)
+    workload = workloads.memory_cnn(quick)
+    model = workloads.make_model(implementation, workload)
+    # Optimizer slots are the same for every configuration: create them
+    # before the measurement rather than count them in it.
+    model.optimizer.build(model.trainable_variables)
+    x, y = workload.data(np.random.default_rng(workloads.SEED))
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
+    weight_bytes = sum(
+        int(np.prod(v.shape)) * 4 for v in model.trainable_variables
+    )
+    gc.collect()
+
+    before = _status_bytes("VmRSS")
+    if before is not None and _reset_peak():
+        method = "VmHWM after fit - VmRSS before fit (peak reset via /proc/self/clear_refs)"
+        model.fit(dataset, epochs=1, verbose=0)
+        peak = _status_bytes("VmHWM")
+    else:
+        method = "ru_maxrss after fit - RSS before fit (peak could not be reset)"
+        before = before if before is not None else _maxrss_bytes()
+        model.fit(dataset, epochs=1, verbose=0)
+        peak = _maxrss_bytes()
+
+    return {
+        "config": config,
+        "implementation": implementation,
+        "batch_size": batch_size,
+        "accum_steps": workloads.ACCUM_STEPS if implementation == "AccumModel" else 1,
+        "description": workload.description,
+        "samples": workload.samples,
+        "rss_before_mib": before / MIB,
+        "peak_mib": peak / MIB,
+        "growth_mib": (peak - before) / MIB,
+        "weight_copy_mib": weight_bytes / MIB,
+        "parameters": int(model.count_params()),
+        "updates": int(model.optimizer.iterations.numpy()),
+        "method": method,
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, choices=workloads.MEMORY_CONFIGS)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", required=True, help="where to write the result")
+    args = parser.parse_args(argv)
+    result = run(args.config, args.quick)
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

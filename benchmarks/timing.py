@@ -1,0 +1,171 @@
+"""Timing worker: one workload, every implementation, rotated epoch by epoch.
+
+Started by `benchmarks.run` in a fresh Python per workload:
+
+    python -m benchmarks.timing --workload mlp --rounds 8 --json out.json
+
+All implementations are built in this one process from the same seed and
+trained on the same data at the same micro-batch size. Each round trains
+every implementation for one epoch, in an order rotated by one place per
+round. Interleaving epochs (rather than timing one implementation's epochs,
+then the next's) exposes all of them to the same background load on a
+shared machine, so a paired ratio within a round cancels most of it; the
+rotation keeps any first/last-in-round effect from favouring one of them.
+Writes raw per-epoch times as JSON; `report` takes medians and ratios.
+"""
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # quiet TensorFlow start-up
+
+import numpy as np  # noqa: E402
+
+from benchmarks import workloads  # noqa: E402
+
+
+def _epoch_timer():
+    """A callback recording the wall-clock time of each epoch.
+
+    It is appended after the model's own callbacks, so its `on_epoch_end`
+    runs after AccumModel's window flush: everything an epoch costs is timed,
+    `fit`'s one-off setup (data adapter, callbacks) is not.
+    """
+    import keras
+
+    class EpochTimer(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.seconds = []
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self._start = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.seconds.append(time.perf_counter() - self._start)
+
+    return EpochTimer()
+
+
+def train_one_epoch(model, x, y):
+    """Trains `model` for one epoch of micro-batches; returns its seconds."""
+    timer = _epoch_timer()
+    model.fit(
+        x,
+        y,
+        batch_size=workloads.MICRO_BATCH,
+        epochs=1,
+        shuffle=False,  # the same micro-batches, in the same order, for all
+        verbose=0,
+        callbacks=[timer],
+    )
+    return timer.seconds[0]
+
+
+def _describe(error):
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+
+
+def run(workload_name, rounds, quick):
+    """Trains every implementation for `rounds` epochs, interleaved.
+
+    Returns:
+        A JSON-able dict: the per-round epoch times of each implementation
+        (None where it did not run), the implementations that could not run
+        and why, and a weight comparison against AccumModel.
+    """
+    import keras
+    import tensorflow as tf
+
+    workload = workloads.timing_workload(workload_name, quick)
+    x, y = workload.data(np.random.default_rng(workloads.SEED))
+
+    models, unavailable = {}, {}
+    for name in workloads.IMPLEMENTATIONS:
+        try:
+            models[name] = workloads.make_model(name, workload)
+        except Exception as error:  # an optional implementation may not work
+            if name in workloads.REQUIRED:
+                raise
+            unavailable[name] = _describe(error)
+
+    seconds = {name: [None] * rounds for name in workloads.IMPLEMENTATIONS}
+    for round_index in range(rounds):
+        names = list(models)
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            try:
+                seconds[name][round_index] = train_one_epoch(models[name], x, y)
+            except Exception as error:
+                if name in workloads.REQUIRED:
+                    raise
+                unavailable[name] = _describe(error)
+                del models[name]
+        print(
+            f"  {workload_name} round {round_index + 1}/{rounds}: "
+            + ", ".join(
+                f"{n} {seconds[n][round_index]:.3f}s" for n in models
+            ),
+            flush=True,
+        )
+
+    # A sanity check that the accumulating implementations did the same
+    # training: after the same epochs from the same start, their weights
+    # should agree with AccumModel's up to float rounding (and, for the
+    # embedding with Adam, up to how each treats sparse gradients).
+    reference = models["AccumModel"].get_weights()
+    weight_difference = {}
+    for name, model in models.items():
+        if name in ("AccumModel", "plain"):
+            continue
+        weight_difference[name] = max(
+            float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), reference)
+        )
+
+    return {
+        "workload": workload.name,
+        "description": workload.description,
+        "samples": workload.samples,
+        "micro_batch": workloads.MICRO_BATCH,
+        "accum_steps": workloads.ACCUM_STEPS,
+        "steps_per_epoch": workload.samples // workloads.MICRO_BATCH,
+        "parameters": int(models["plain"].count_params()),
+        "rounds": rounds,
+        "seconds": seconds,
+        "unavailable": unavailable,
+        "max_weight_difference_vs_AccumModel": weight_difference,
+        "versions": _versions(tf, keras),
+    }
+
+
+def _versions(tf, keras):
+    from importlib import metadata
+
+    try:
+        gradient_accumulator = metadata.version("gradient-accumulator")
+    except metadata.PackageNotFoundError:
+        gradient_accumulator = None
+    return {
+        "tensorflow": tf.__version__,
+        "keras": keras.__version__,
+        "numpy": np.__version__,
+        "gradient-accumulator": gradient_accumulator,
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", required=True, choices=workloads.TIMING_WORKLOADS)
+    parser.add_argument("--rounds", type=int, required=True)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", required=True, help="where to write the result")
+    args = parser.parse_args(argv)
+    result = run(args.workload, args.rounds, args.quick)
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,236 @@
+"""The benchmarked workloads, and the implementations that train them.
+
+Every workload is a functional model plus synthetic numpy data, in two sizes:
+full (each epoch takes a second or more on 2 CPU cores) and quick (tiny, for
+the smoke test). Keras is imported inside the functions that need it, so that
+the driver, which only needs the names below, never loads TensorFlow.
+"""
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+ACCUM_STEPS = 8  # N: micro-batches per optimizer update
+MICRO_BATCH = 32  # b: samples per micro-batch
+LEARNING_RATE = 1e-3
+SEED = 1234
+
+IMPLEMENTATIONS = ("plain", "builtin", "gradient-accumulator", "AccumModel")
+IMPLEMENTATION_NOTES = {
+    "plain": "keras.Model, micro-batch b, no accumulation (one update per micro-batch)",
+    "builtin": "keras.Model, Adam(gradient_accumulation_steps=N), micro-batch b",
+    "gradient-accumulator": "PyPI gradient-accumulator's GradientAccumulateModel(accum_steps=N), micro-batch b",
+    "AccumModel": "keras_accum.AccumModel(accum_steps=N), micro-batch b",
+}
+# The implementations that must work; the others are reported as unavailable
+# when they cannot be imported or fail, and the run goes on without them.
+REQUIRED = ("plain", "AccumModel")
+
+TIMING_WORKLOADS = ("mlp", "cnn", "embedding")
+MEMORY_CONFIGS = ("plain N*b", "plain b", "AccumModel b x N")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A model architecture and its synthetic data.
+
+    Attributes:
+        name: short name used on the command line and in the report.
+        description: one line for the report.
+        build: returns `(inputs, outputs)` of a fresh functional graph; call it
+            after seeding, so that every implementation starts from the same
+            initial weights.
+        data: maps a numpy `Generator` to `(x, y)`.
+        samples: number of training samples (a multiple of N*b, so every
+            accumulation window is full and no implementation has a partial
+            window to deal with).
+    """
+
+    name: str
+    description: str
+    build: Callable[[], tuple]
+    data: Callable[[np.random.Generator], tuple]
+    samples: int
+
+
+def _samples(windows):
+    return windows * ACCUM_STEPS * MICRO_BATCH
+
+
+def _labels(rng, samples, classes=10):
+    return rng.integers(0, classes, size=samples).astype("int32")
+
+
+def mlp(quick=False):
+    """Optimizer-heavy: two 1024-wide hidden layers, so Adam's per-update work
+    (several passes over ~1.6M parameters) is large next to the forward and
+    backward pass of one 32-sample micro-batch."""
+    features, width = (32, 64) if quick else (512, 1024)
+    samples = _samples(2 if quick else 20)
+
+    def build():
+        import keras
+
+        inputs = keras.Input((features,))
+        x = keras.layers.Dense(width, activation="relu")(inputs)
+        x = keras.layers.Dense(width, activation="relu")(x)
+        return inputs, keras.layers.Dense(10)(x)
+
+    def data(rng):
+        x = rng.standard_normal((samples, features), dtype=np.float32)
+        return x, _labels(rng, samples)
+
+    return Workload(
+        "mlp",
+        f"MLP {features}-{width}-{width}-10, Adam, {samples} samples",
+        build,
+        data,
+        samples,
+    )
+
+
+def cnn(quick=False):
+    """Compute-heavy: a small CNN whose convolutions dominate the step."""
+    size, channels = (8, 4) if quick else (32, 32)
+    samples = _samples(2 if quick else 4)
+
+    def build():
+        import keras
+
+        layers = keras.layers
+        inputs = keras.Input((size, size, 3))
+        x = layers.Conv2D(channels, 3, padding="same", activation="relu")(inputs)
+        x = layers.Conv2D(channels, 3, padding="same", activation="relu")(x)
+        x = layers.MaxPooling2D()(x)
+        x = layers.Conv2D(2 * channels, 3, padding="same", activation="relu")(x)
+        x = layers.MaxPooling2D()(x)
+        x = layers.Flatten()(x)
+        x = layers.Dense(128, activation="relu")(x)
+        return inputs, layers.Dense(10)(x)
+
+    def data(rng):
+        x = rng.random((samples, size, size, 3), dtype=np.float32)
+        return x, _labels(rng, samples)
+
+    return Workload(
+        "cnn",
+        f"CNN on {size}x{size}x3 images, 3 conv layers ({channels}/{channels}/"
+        f"{2 * channels} channels) + Dense 128, Adam, {samples} samples",
+        build,
+        data,
+        samples,
+    )
+
+
+def embedding(quick=False):
+    """Embedding-heavy: a 200,000 x 64 table (12.8M parameters) of which each
+    micro-batch touches at most b*length rows: gradients are sparse, and any
+    dense per-micro-batch work on the table is expensive."""
+    vocabulary, length = (2_000, 8) if quick else (200_000, 32)
+    samples = _samples(2 if quick else 8)
+
+    def build():
+        import keras
+
+        inputs = keras.Input((length,), dtype="int32")
+        x = keras.layers.Embedding(vocabulary, 64)(inputs)
+        x = keras.layers.GlobalAveragePooling1D()(x)
+        x = keras.layers.Dense(64, activation="relu")(x)
+        return inputs, keras.layers.Dense(10)(x)
+
+    def data(rng):
+        x = rng.integers(0, vocabulary, size=(samples, length)).astype("int32")
+        return x, _labels(rng, samples)
+
+    return Workload(
+        "embedding",
+        f"Embedding({vocabulary:,}, 64) on sequences of {length} + average "
+        f"pooling + Dense 64, Adam, {samples} samples",
+        build,
+        data,
+        samples,
+    )
+
+
+def memory_cnn(quick=False):
+    """Activation-heavy: wide feature maps at full resolution and few weights,
+    so that memory during training is mostly activations, which grow with the
+    batch; weights (and the accumulation buffers, one float32 copy of them)
+    are small."""
+    size, channels = (16, 8) if quick else (96, 64)
+    samples = _samples(2)  # two updates' worth, for every configuration
+
+    def build():
+        import keras
+
+        layers = keras.layers
+        inputs = keras.Input((size, size, 3))
+        x = layers.Conv2D(channels, 3, padding="same", activation="relu")(inputs)
+        x = layers.MaxPooling2D()(x)
+        x = layers.Conv2D(channels, 3, padding="same", activation="relu")(x)
+        x = layers.MaxPooling2D()(x)
+        x = layers.Conv2D(2 * channels, 3, padding="same", activation="relu")(x)
+        x = layers.GlobalAveragePooling2D()(x)
+        return inputs, layers.Dense(10)(x)
+
+    def data(rng):
+        x = rng.random((samples, size, size, 3), dtype=np.float32)
+        return x, _labels(rng, samples)
+
+    return Workload(
+        "memory-cnn",
+        f"CNN on {size}x{size}x3 images, 3 conv layers ({channels}/{channels}/"
+        f"{2 * channels} channels, pooling between) + Dense 10, Adam, "
+        f"{samples} samples",
+        build,
+        data,
+        samples,
+    )
+
+
+def timing_workload(name, quick=False):
+    return {"mlp": mlp, "cnn": cnn, "embedding": embedding}[name](quick)
+
+
+def make_model(implementation, workload, accum_steps=ACCUM_STEPS, seed=SEED):
+    """A compiled model of `workload` trained the way `implementation` trains.
+
+    Seeded before the graph is built, so every implementation of a workload
+    starts from the same initial weights. All use Adam with the same learning
+    rate and a from-logits sparse cross-entropy, and no metrics (metrics add
+    the same cost to every implementation and only blur the comparison).
+
+    Raises:
+        ImportError, or whatever the implementation raises, when it cannot be
+        built (e.g. the `gradient-accumulator` package is not installed).
+    """
+    import keras
+
+    keras.utils.set_random_seed(seed)
+    inputs, outputs = workload.build()
+    optimizer = keras.optimizers.Adam(LEARNING_RATE)
+    if implementation == "plain":
+        model = keras.Model(inputs, outputs)
+    elif implementation == "builtin":
+        model = keras.Model(inputs, outputs)
+        optimizer = keras.optimizers.Adam(
+            LEARNING_RATE, gradient_accumulation_steps=accum_steps
+        )
+    elif implementation == "gradient-accumulator":
+        from gradient_accumulator import GradientAccumulateModel
+
+        model = GradientAccumulateModel(
+            accum_steps=accum_steps, inputs=inputs, outputs=outputs
+        )
+    elif implementation == "AccumModel":
+        import keras_accum
+
+        model = keras_accum.AccumModel(inputs, outputs, accum_steps=accum_steps)
+    else:
+        raise ValueError(f"Unknown implementation: {implementation!r}")
+    model.compile(
+        optimizer=optimizer,
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
