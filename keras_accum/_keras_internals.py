@@ -11,7 +11,7 @@ import contextlib
 import tensorflow as tf
 from keras import tree
 from keras.src.backend.common.masking import get_keras_mask
-from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer, reduce_per_replica
 from keras.src.losses.loss import (
     apply_mask,
     squeeze_or_expand_to_same_rank,
@@ -47,6 +47,7 @@ __all__ = [
     "compute_loss",
     "apply_mask",
     "functional_init_arguments",
+    "make_replicated_train_function",
     "get_keras_mask",
     "recording_loss_calls",
     "squeeze_or_expand_to_same_rank",
@@ -126,3 +127,39 @@ def build_compiled_loss(model, data):
     compile_loss = getattr(model, "_compile_loss", None)
     if compile_loss is not None and not compile_loss.built:
         model._symbolic_build(data_batch=data)
+
+
+def make_replicated_train_function(model, replica_step, after_step):
+    """A train function whose update runs in cross-replica context.
+
+    Keras's TF trainer (`TensorFlowTrainer._make_function`) runs the whole
+    step inside `strategy.run`, so a conditional update is a `cond` around
+    the optimizer's cross-replica `merge_call` inside a replica, which
+    `tf.distribute` refuses (why Keras's own `gradient_accumulation_steps`
+    fails under MirroredStrategy, keras-team/keras#20582). Here each step is
+    `strategy.run(replica_step)` followed by `after_step()` in cross-replica
+    context, where the conditional update lives. Outputs are reduced as
+    Keras's `one_step_on_data` reduces them.
+    """
+    strategy = model.distribute_strategy
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_data(data):
+        outputs = strategy.run(replica_step, args=(data,))
+        after_step()
+        return reduce_per_replica(outputs, strategy, reduction="auto")
+
+    if not model.run_eagerly:
+        one_step_on_data = tf.function(
+            one_step_on_data, reduce_retracing=True, jit_compile=model.jit_compile
+        )
+
+    def function(iterator):
+        outputs = None
+        for _, data in zip(range(model.steps_per_execution), iterator):
+            outputs = one_step_on_data(data)
+        if outputs is None:
+            raise StopIteration
+        return outputs
+
+    return function

@@ -4,6 +4,7 @@ Everything that accumulates in keras_accum goes through `GradientAccumulator`,
 so the arithmetic that makes uneven windows exact lives in one place.
 """
 
+import contextlib
 import numbers
 
 import numpy as np
@@ -121,6 +122,9 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
     def __init__(self, dtype=None, name="gradient_accumulator"):
         super().__init__(name=name)
         self.dtype = None if dtype is None else _check_dtype(dtype)
+        # Made inside a strategy's scope (with its model): build per-replica
+        # buffers even when the build comes from loading a checkpoint.
+        self._strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
         self._unbuild()
 
     def _unbuild(self):
@@ -151,21 +155,37 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
     def shapes(self):
         return [tuple(b.shape) for b in self.acc_grads]
 
-    def build(self, variables, accum_steps):
+    def build(self, variables, accum_steps, strategy=None):
         """Creates a zeroed buffer for each of `variables` and the counters.
 
         `variables` need only `shape` and `dtype` (numpy arrays will do).
-        Variables are created outside any surrounding `tf.function`.
+        Variables are created outside any surrounding `tf.function`. Under a
+        `tf.distribute` strategy with several replicas, every variable is
+        per-replica (sync-on-read): each replica sums its own micro-batches
+        locally, and nothing crosses devices until the window is applied.
+        Read across replicas, buffers and `window_weight` give their sum,
+        the counters replica 0's value.
         """
-        with tf.init_scope():
+        local = {}
+        strategy = strategy or self._strategy
+        if strategy is not None and strategy.num_replicas_in_sync > 1:
+            local = {"synchronization": tf.VariableSynchronization.ON_READ}
+        total = dict(local, aggregation=tf.VariableAggregation.SUM) if local else {}
+        first = (
+            dict(local, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+            if local
+            else {}
+        )
+        scope = strategy.scope() if local else contextlib.nullcontext()
+        with tf.init_scope(), scope:
             self.micro_step = tf.Variable(
-                0, dtype=tf.int64, trainable=False, name="micro_step"
+                0, dtype=tf.int64, trainable=False, name="micro_step", **first
             )
             self.window_weight = tf.Variable(
-                0.0, dtype=tf.float32, trainable=False, name="window_weight"
+                0.0, dtype=tf.float32, trainable=False, name="window_weight", **total
             )
             self.accum_steps = tf.Variable(
-                accum_steps, dtype=tf.int64, trainable=False, name="accum_steps"
+                accum_steps, dtype=tf.int64, trainable=False, name="accum_steps", **first
             )
             # Appended one by one to the list tracked since __init__ (not a
             # new list) so that a tf.train.Checkpoint restored before the
@@ -178,6 +198,7 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
                         tf.zeros(v.shape, dtype=_buffer_dtype(v.dtype, self.dtype)),
                         trainable=False,
                         name=f"acc_grad_{i}",
+                        **total,
                     )
                 )
         self._built = True
@@ -213,17 +234,20 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
         self.window_weight.assign_add(tf.cast(weight, tf.float32))
         self.micro_step.assign_add(1)
 
-    def window_gradients(self, variables, loss_scale=None):
+    def window_gradients(self, variables, loss_scale=None, total_weight=None):
         """The window's gradient per variable, in each variable's dtype.
 
         Multiplied by `loss_scale` when given: what a loss-scaling optimizer
-        expects. Variables that had no gradient give None, as they would for
-        the big batch.
+        expects. Divided by `total_weight` when given (the window's weight
+        summed over replicas), else by this `window_weight`. Variables that
+        had no gradient give None, as they would for the big batch.
         """
+        if total_weight is None:
+            total_weight = self.window_weight
         # divide_no_nan: a window whose loss terms were all masked has weight
         # 0 and, as Keras's big batch, a zero gradient.
         inv = (
-            tf.math.divide_no_nan(1.0, self.window_weight)
+            tf.math.divide_no_nan(1.0, total_weight)
             if self._normalise
             else tf.constant(1.0)
         )
@@ -236,9 +260,14 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
             for i, (buf, v) in enumerate(zip(self.acc_grads, variables))
         ]
 
-    def apply(self, optimizer, variables):
-        """Applies the window's gradient through `optimizer`; a new window starts."""
-        grads = self.window_gradients(variables, loss_scale_of(optimizer))
+    def apply(self, optimizer, variables, total_weight=None):
+        """Applies the window's gradient through `optimizer`; a new window starts.
+
+        In a replica context the optimizer sums the replicas' gradients (its
+        one cross-device reduction), so `total_weight` must then be the
+        window's weight summed over replicas.
+        """
+        grads = self.window_gradients(variables, loss_scale_of(optimizer), total_weight)
         optimizer.apply(grads, variables)
         self.reset()
 
@@ -306,6 +335,8 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
             )
         if not self._built:
             self.build(values, accum_steps=int(store["accum_steps"]))
+        # Per-replica (sync-on-read SUM) variables read as the sum over
+        # replicas; assigning that sum back gives each replica its share.
         for buf, value in zip(self.acc_grads, values):
             buf.assign(value)
         self.micro_step.assign(int(store["micro_step"]))
@@ -331,3 +362,4 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
 
 def _scaled(grad, scale):
     return grad if scale is None else grad * tf.cast(scale, grad.dtype)
+

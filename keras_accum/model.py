@@ -184,6 +184,11 @@ class AccumModel(keras.Model):
         self._check_optimizer()
         if self._accum_steps > 1:
             self._build_window()
+            if self.distribute_strategy.num_replicas_in_sync > 1:
+                self.train_function = internals.make_replicated_train_function(
+                    self, self._accumulate, self._apply_if_full_across_replicas
+                )
+                return self.train_function
         return super().make_train_function(force=force)
 
     def _check_optimizer(self):
@@ -203,7 +208,11 @@ class AccumModel(keras.Model):
                 "load weights saved at a window boundary."
             )
         if not acc.built or acc.shapes() != shapes:
-            acc.build(variables, accum_steps=self._accum_steps)
+            acc.build(
+                variables,
+                accum_steps=self._accum_steps,
+                strategy=self.distribute_strategy,
+            )
         window_length = int(acc.accum_steps.numpy())
         if not acc.pending():
             acc.accum_steps.assign(self._accum_steps)
@@ -223,6 +232,13 @@ class AccumModel(keras.Model):
     def train_step(self, data):
         if self._accum_steps == 1:
             return super().train_step(data)
+        logs = self._accumulate(data)
+        self._accumulator.apply_if_full(
+            self.optimizer, self.trainable_variables, self._accum_steps
+        )
+        return logs
+
+    def _accumulate(self, data):
         # TensorFlowTrainer.train_step with the update replaced by
         # accumulation; keep in step with it (see _keras_internals).
         internals.build_compiled_loss(self, data)
@@ -255,13 +271,33 @@ class AccumModel(keras.Model):
         else:
             grad_scale = weight / loss_scale
         self._accumulator.add(grads, weight, grad_scale, normalise=normalise)
-        self._accumulator.apply_if_full(
-            self.optimizer, variables, self._accum_steps
-        )
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _apply_window(self):
-        self._accumulator.apply(self.optimizer, self.trainable_variables)
+        if self.distribute_strategy.num_replicas_in_sync > 1:
+            self._apply_across_replicas()
+        else:
+            self._accumulator.apply(self.optimizer, self.trainable_variables)
+
+    def _apply_if_full_across_replicas(self):
+        # Cross-replica context: replica 0's micro-step decides for all.
+        tf.cond(
+            self._accumulator.micro_step >= self._accum_steps,
+            self._apply_across_replicas,
+            lambda: None,
+        )
+
+    def _apply_across_replicas(self):
+        strategy = self.distribute_strategy
+        acc = self._accumulator
+        # Read here, across replicas: the window's weight over all replicas.
+        # Keras divides each replica's loss by the number of replicas (so
+        # that summing replica gradients gives a mean); the window's total
+        # weight is divided likewise to undo it.
+        total = acc.window_weight.read_value() / strategy.num_replicas_in_sync
+        strategy.run(
+            lambda: acc.apply(self.optimizer, self.trainable_variables, total)
+        )
 
     def flush(self):
         """Applies the pending partial window now; a no-op if none is pending.

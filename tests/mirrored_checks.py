@@ -1,0 +1,125 @@
+"""Run by test_distributed.py in a fresh process: two logical CPU devices
+must be configured before TensorFlow initialises its runtime.
+
+Prints one JSON object of measurements; the test makes the assertions.
+"""
+
+import json
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import tensorflow as tf  # noqa: E402
+
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from reference import functional, loss, make_data  # noqa: E402
+
+from keras_accum import AccumModel  # noqa: E402
+
+
+class CountingReductions(tf.distribute.ReductionToOneDevice):
+    """Counts, at run time, cross-device reductions of non-scalar values
+    (gradients), leaving out the scalar ones Keras makes for metrics."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = tf.Variable(0, dtype=tf.int64)
+
+    def _counted(self, values):
+        if max(len(v.values[0].shape) for v in values) > 0:
+            return [self.count.assign_add(1)]
+        return []
+
+    def batch_reduce_implementation(self, reduce_op, value_destination_pairs, options):
+        with tf.control_dependencies(self._counted([v for v, _ in value_destination_pairs])):
+            return super().batch_reduce_implementation(reduce_op, value_destination_pairs, options)
+
+    def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
+        with tf.control_dependencies(self._counted([per_replica_value])):
+            return super().reduce_implementation(reduce_op, per_replica_value, destinations, options)
+
+
+def max_diff(a, b):
+    return float(max(np.abs(u - v).max() for u, v in zip(a.get_weights(), b.get_weights())))
+
+
+def history_diff(ha, hb):
+    return float(max(np.abs(np.array(ha.history[k]) - np.array(hb.history[k])).max() for k in ha.history))
+
+
+def main():
+    reductions = CountingReductions()
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=reductions)
+    x, y = make_data(100)  # global micro-batch 8: 4 per replica; last one 4
+    val = make_data(20, seed=3)
+    optimizers = {
+        "adam": lambda: keras.optimizers.Adam(0.01),
+        "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+        "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+    }
+    fit = dict(epochs=2, shuffle=False, verbose=0, validation_data=val)
+    out = {"weights": {}, "history": {}}
+    for name, make in optimizers.items():
+        plain = functional()
+        plain.compile(make(), loss(), metrics=["accuracy"])
+        h_plain = plain.fit(x, y, batch_size=32, **fit)
+        with strategy.scope():
+            acc = functional(AccumModel, accum_steps=4)
+            acc.compile(make(), loss(), metrics=["accuracy"])
+        h_acc = acc.fit(x, y, batch_size=8, **fit)
+        out["weights"][name] = max_diff(plain, acc)
+        out["history"][name] = history_diff(h_plain, h_acc)
+        out.setdefault("moved", max_diff(plain, functional()))
+
+    # Gradient reductions per update, with and without accumulation.
+    for steps in (4, 1):
+        reductions.count.assign(0)
+        with strategy.scope():
+            model = functional(AccumModel, accum_steps=steps)
+            model.compile(optimizers["adam"](), loss(), metrics=["accuracy"])
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        out[f"reductions_{steps}"] = int(reductions.count.numpy())
+        out[f"updates_{steps}"] = int(model.optimizer.iterations.numpy())
+
+    # flush() and resuming a pending window from a weights file.
+    def compiled():
+        with strategy.scope():
+            model = functional(AccumModel, accum_steps=4)
+            model.compile(optimizers["adam"](), loss())
+            model.optimizer.build(model.trainable_variables)
+        return model
+
+    def train(model, steps):
+        for i in steps:
+            model.train_on_batch(x[8 * i : 8 * i + 8], y[8 * i : 8 * i + 8])
+        return model
+
+    reference = functional()
+    reference.compile(optimizers["adam"](), loss())
+    for batch in (slice(0, 32), slice(32, 48)):
+        reference.train_on_batch(x[batch], y[batch])
+    flushed = train(compiled(), range(6))
+    flushed.flush()
+    out["flush"] = max_diff(reference, flushed)
+
+    uninterrupted = train(compiled(), range(8))
+    interrupted = train(compiled(), range(6))
+    path = os.path.join(tempfile.mkdtemp(), "m.weights.h5")
+    interrupted.save_weights(path)
+    resumed = compiled()
+    resumed.load_weights(path)
+    out["resumed_pending"] = resumed._accumulator.pending()
+    train(resumed, range(6, 8))
+    out["resume"] = max_diff(uninterrupted, resumed)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
