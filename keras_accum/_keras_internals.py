@@ -29,17 +29,26 @@ WRITTEN_AGAINST = "3.15.1"
 # the pending window travels in `.keras` and `.weights.h5` files without a
 # plain model that loads the same file ever seeing it.
 
-# `AccumModel.train_step` is `TensorFlowTrainer.train_step` with the optimizer
-# call replaced by accumulation. If Keras edits its train_step, ours must be
-# re-read against it; the test compares this fingerprint.
-TRAIN_STEP_SOURCE_SHA256 = (
-    "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c"
-)
+# Keras code that keras_accum mirrors rather than calls, by the SHA-256 of
+# its source: `AccumModel._accumulate` mirrors the TF trainer's train_step,
+# `make_replicated_train_function` its `_make_function`, and
+# `keras_accum.normaliser` the divisor Keras's `Loss.__call__`,
+# `reduce_values` and `apply_mask` compute, reached through
+# `CompileLoss.call`'s terms. tests/test_keras_internals.py compares these.
+MIRRORED_SOURCES = {
+    "TensorFlowTrainer.train_step": "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c",
+    "TensorFlowTrainer._make_function": "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0",
+    "Loss.__call__": "f42c42282ee8902b2fb95310f8b9347c728040cf1fbcfdd3b94538c07d2e9fa8",
+    "reduce_values": "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9",
+    "apply_mask": "61d8938cd8663dee3c27b678b4af5f17408c2b03ff039b7b2e9125cd07610d00",
+    "CompileLoss.call": "402aaf05f91c73c4a4bcaa65be5a447566fbbbb05f5079b29a35312bcbfd509f",
+}
 
 __all__ = [
     "Functional",
     "KerasSaveable",
     "TensorFlowTrainer",
+    "MIRRORED_SOURCES",
     "WRITTEN_AGAINST",
     "batch_size",
     "build_compiled_loss",

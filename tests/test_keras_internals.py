@@ -1,14 +1,15 @@
 """Fails loudly when the Keras internals keras_accum relies on move.
 
 If one of these fails after a Keras upgrade, re-read the named Keras source
-against keras_accum/_keras_internals.py (and AccumModel.train_step, which
-mirrors TensorFlowTrainer.train_step), adapt, then update the fingerprint.
+against keras_accum/_keras_internals.py and the code that mirrors it (named
+there), adapt, then update the fingerprint.
 """
 
 import hashlib
 import inspect
 
 import keras
+import numpy as np
 import pytest
 
 from keras_accum import _keras_internals as internals
@@ -20,14 +21,46 @@ MESSAGE = (
 )
 
 
-def test_train_step_is_the_one_accum_model_mirrors():
-    source = inspect.getsource(internals.TensorFlowTrainer.train_step)
+def _mirrored():
+    from keras.src.losses import loss
+    from keras.src.trainers.compile_utils import CompileLoss
+
+    trainer = internals.TensorFlowTrainer
+    return {
+        "TensorFlowTrainer.train_step": trainer.train_step,
+        "TensorFlowTrainer._make_function": trainer._make_function,
+        "Loss.__call__": loss.Loss.__call__,
+        "reduce_values": loss.reduce_values,
+        "apply_mask": loss.apply_mask,
+        "CompileLoss.call": CompileLoss.call,
+    }
+
+
+@pytest.mark.parametrize("name", sorted(internals.MIRRORED_SOURCES))
+def test_mirrored_keras_source_is_unchanged(name):
+    source = inspect.getsource(_mirrored()[name])
     digest = hashlib.sha256(source.encode()).hexdigest()
-    if digest != internals.TRAIN_STEP_SOURCE_SHA256:
+    if digest != internals.MIRRORED_SOURCES[name]:
         pytest.fail(
-            MESSAGE.format(found=keras.__version__, what="TensorFlowTrainer.train_step")
+            MESSAGE.format(found=keras.__version__, what=name)
             + f" New fingerprint: {digest}"
         )
+
+
+def test_compiled_loss_terms_are_recorded_once_each():
+    inputs = keras.Input((2,))
+    model = keras.Model(
+        inputs, {"a": keras.layers.Dense(1, name="a")(inputs), "b": keras.layers.Dense(1, name="b")(inputs)}
+    )
+    model.compile("sgd", {"a": "mse", "b": "mae"})
+    x = np.zeros((4, 2), "float32")
+    y = {"a": np.zeros((4, 1)), "b": np.zeros((4, 1))}
+    internals.build_compiled_loss(model, (x, y))
+    seen = []
+    with internals.recording_loss_calls(model, lambda fn, *_: seen.append(fn.name)):
+        model.compute_loss(x, y, model(x))
+    assert sorted(seen) == ["mae", "mse"]
+    assert len(model._compile_loss._flat_losses[0]) == 4  # (path, fn, weight, name)
 
 
 @pytest.mark.parametrize(
