@@ -15,6 +15,14 @@ the most memory `fit` itself ever held at once. That includes tracing the
 train step, which is about the same for every configuration, and for
 AccumModel its gradient buffers, which it creates in `fit`.
 
+The driver starts this process with MALLOC_MMAP_THRESHOLD_=131072. That
+pins glibc's mmap threshold, which glibc otherwise raises as large blocks are
+freed, so every tensor buffer above 128 KiB is mmapped and returned to the
+system as soon as it is freed, and RSS follows the memory that training
+really holds. With the adaptive default, freed activation buffers stay cached
+in malloc arenas at the whim of the allocation history, and the same
+configuration measured in two processes differed by tens of MiB.
+
 Where /proc/self/clear_refs cannot be written the peak cannot be reset, and
 `resource.getrusage(RUSAGE_SELF).ru_maxrss` after `fit` minus VmRSS before it
 is used instead (the output names the method used); it is the same number as
@@ -95,12 +103,12 @@ def run(config, quick):
     before = _status_bytes("VmRSS")
     if before is not None and _reset_peak():
         method = "VmHWM after fit - VmRSS before fit (peak reset via /proc/self/clear_refs)"
-        model.fit(dataset, epochs=1, verbose=0)
+        model.fit(dataset, epochs=1, shuffle=False, verbose=0)
         peak = _status_bytes("VmHWM")
     else:
         method = "ru_maxrss after fit - RSS before fit (peak could not be reset)"
         before = before if before is not None else _maxrss_bytes()
-        model.fit(dataset, epochs=1, verbose=0)
+        model.fit(dataset, epochs=1, shuffle=False, verbose=0)
         peak = _maxrss_bytes()
 
     return {
@@ -117,6 +125,7 @@ def run(config, quick):
         "parameters": int(model.count_params()),
         "updates": int(model.optimizer.iterations.numpy()),
         "method": method,
+        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
     }
 
 

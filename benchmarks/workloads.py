@@ -67,7 +67,7 @@ def mlp(quick=False):
     (several passes over ~1.6M parameters) is large next to the forward and
     backward pass of one 32-sample micro-batch."""
     features, width = (32, 64) if quick else (512, 1024)
-    samples = _samples(2 if quick else 20)
+    samples = _samples(2 if quick else 12)
 
     def build():
         import keras
@@ -128,7 +128,7 @@ def embedding(quick=False):
     micro-batch touches at most b*length rows: gradients are sparse, and any
     dense per-micro-batch work on the table is expensive."""
     vocabulary, length = (2_000, 8) if quick else (200_000, 32)
-    samples = _samples(2 if quick else 8)
+    samples = _samples(2 if quick else 3)
 
     def build():
         import keras

@@ -1,0 +1,304 @@
+"""Turns the workers' raw results into medians, ratios, a table and a chart.
+
+Pure Python plus matplotlib: the driver imports it without TensorFlow.
+"""
+
+import statistics
+
+from benchmarks import workloads
+
+IMPLEMENTATIONS = workloads.IMPLEMENTATIONS
+OTHERS = tuple(name for name in IMPLEMENTATIONS if name != "AccumModel")
+# The targets the README reads the results against.
+SPEED_TARGET = 1.00  # AccumModel / other, median paired ratio
+MEMORY_TARGET = 1.10  # AccumModel b x N / (plain b + one float32 weight copy)
+FAR_BELOW = 0.50  # AccumModel b x N / plain N*b counts as "far below" under this
+COLORS = {
+    "plain": "#9e9e9e",
+    "builtin": "#f0a030",
+    "gradient-accumulator": "#7aa6d6",
+    "AccumModel": "#2e7d32",
+}
+
+
+def summarise_timing(result):
+    """Medians and paired ratios of one workload's timing result.
+
+    Round 0 is skipped for everyone: it traces the train step. A paired
+    ratio is AccumModel's epoch time over another implementation's epoch
+    time in the same round, so both saw the same moment's machine load.
+
+    Returns:
+        `{implementation: {"median": s, "epochs": k, "ratio": r, "ratio_min":
+        ..., "ratio_max": ...}}`, with None where an implementation did not
+        run; "ratio*" only for implementations other than AccumModel.
+    """
+    seconds = result["seconds"]
+    measured = range(1, result["rounds"])
+    accum = seconds["AccumModel"]
+    summary = {}
+    for name in IMPLEMENTATIONS:
+        times = [seconds[name][r] for r in measured if seconds[name][r] is not None]
+        row = {"median": statistics.median(times) if times else None, "epochs": len(times)}
+        if name != "AccumModel":
+            ratios = [
+                accum[r] / seconds[name][r]
+                for r in measured
+                if accum[r] is not None and seconds[name][r] is not None
+            ]
+            row["ratio"] = statistics.median(ratios) if ratios else None
+            row["ratio_min"] = min(ratios) if ratios else None
+            row["ratio_max"] = max(ratios) if ratios else None
+        summary[name] = row
+    return summary
+
+
+def memory_by_config(memory_results):
+    """The memory workers' results keyed by configuration name."""
+    return {result["config"]: result for result in memory_results}
+
+
+def targets(results):
+    """The README's targets, each as `(met: bool or None, sentence)`."""
+    lines = []
+    for result in results["timing"]:
+        summary = summarise_timing(result)
+        name = result["workload"]
+        for other in OTHERS:
+            ratio = summary[other]["ratio"]
+            if ratio is None:
+                lines.append((None, f"{name}: AccumModel vs {other}: not measured ({other} unavailable)."))
+                continue
+            # Judged at the precision shown: 1.004 reads as 1.00 and meets it.
+            met = round(ratio, 2) <= SPEED_TARGET
+            if round(ratio, 2) == 1:
+                reading = f"the same time as {other}'s, to within 0.5%"
+            elif ratio < 1:
+                reading = f"{(1 - ratio) * 100:.0f}% less time than {other}'s"
+            else:
+                reading = f"{(ratio - 1) * 100:.0f}% more time than {other}'s"
+            lines.append((
+                met,
+                f"{name}: AccumModel / {other} = {ratio:.2f}: AccumModel's "
+                f"epochs take {reading} (target <= {SPEED_TARGET:.2f})",
+            ))
+    memory = memory_by_config(results["memory"])
+    accum = memory["AccumModel b x N"]
+    plain_b = memory["plain b"]
+    big = memory["plain N*b"]
+    allowance = plain_b["growth_mib"] + accum["weight_copy_mib"]
+    ratio = accum["growth_mib"] / allowance
+    lines.append((
+        ratio <= MEMORY_TARGET,
+        f"memory: AccumModel b x N / (plain b + one float32 weight copy) = "
+        f"{accum['growth_mib']:.0f} / ({plain_b['growth_mib']:.0f} + "
+        f"{accum['weight_copy_mib']:.2f}) MiB = {ratio:.2f} (target <= {MEMORY_TARGET:.2f})",
+    ))
+    ratio = accum["growth_mib"] / big["growth_mib"]
+    lines.append((
+        ratio <= FAR_BELOW,
+        f"memory: AccumModel b x N / plain N*b = {accum['growth_mib']:.0f} / "
+        f"{big['growth_mib']:.0f} MiB = {ratio:.2f} (\"far below\": target <= {FAR_BELOW:.2f})",
+    ))
+    return lines
+
+
+def _fmt(value, digits=2, suffix=""):
+    return "n/a" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def markdown(results):
+    """The whole results.md text."""
+    machine = results["machine"]
+    versions = results["versions"]
+    n, b = workloads.ACCUM_STEPS, workloads.MICRO_BATCH
+    out = ["# keras_accum benchmarks", ""]
+    if results["quick"]:
+        out += [
+            "**Quick mode**: tiny models and data, 2 measured epochs. A smoke "
+            "test of the benchmark itself; the numbers mean nothing.",
+            "",
+        ]
+    ga = versions.get("gradient-accumulator")
+    out += [
+        f"- **Date**: {results['date']}",
+        f"- **Machine**: {machine['cpu']}, {machine['cores']} cores "
+        f"({machine['affinity']} usable), load average {machine['load_start']} "
+        f"at the start and {machine['load_end']} at the end of the run",
+        f"- **Software**: Python {machine['python']}, TensorFlow "
+        f"{versions['tensorflow']}, Keras {versions['keras']}, numpy "
+        f"{versions['numpy']}, gradient-accumulator {ga or 'not installed'}; "
+        f"keras_accum at {machine.get('keras_accum', 'unknown')}",
+        f"- **Settings**: micro-batch b = {b}, accum_steps N = {n} (updates "
+        f"of {n * b} samples), Adam (learning rate {workloads.LEARNING_RATE}), "
+        "float32, CPU, Keras defaults otherwise (no XLA on CPU), no metrics, "
+        "`shuffle=False`",
+        "",
+        "## Speed",
+        "",
+        "Implementations, each trained with micro-batch b:",
+        "",
+    ]
+    out += [f"- `{name}`: {workloads.IMPLEMENTATION_NOTES[name]}" for name in IMPLEMENTATIONS]
+    rounds = results["timing"][0]["rounds"]
+    out += [
+        "",
+        f"Method: one fresh Python process per workload builds every "
+        f"implementation from the same seed (same initial weights) and then "
+        f"runs {rounds} rounds; each round trains every implementation for "
+        "one epoch on the same data, in an order rotated by one place per "
+        "round. Round 1 (tracing, warm-up) is dropped. An epoch's time is "
+        "wall-clock from `on_epoch_begin` to `on_epoch_end` (AccumModel's "
+        "end-of-epoch flush included). *Paired ratio*: AccumModel's epoch "
+        "time divided by the other implementation's epoch time **in the same "
+        "round**; the table gives the median over rounds (and min-max). Paired "
+        "ratios cancel most background load, which hits both epochs of a pair "
+        "alike; lower than 1.00 means AccumModel is faster.",
+        "",
+        "| workload | implementation | median epoch (s) | vs plain | "
+        "AccumModel / this: median paired ratio (min-max) |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    for result in results["timing"]:
+        summary = summarise_timing(result)
+        plain = summary["plain"]["median"]
+        for name in IMPLEMENTATIONS:
+            row = summary[name]
+            if row["median"] is None:
+                reason = result["unavailable"].get(name, "did not run")
+                out.append(f"| {result['workload']} | {name} | unavailable: {reason} | | |")
+                continue
+            ratio = (
+                "-"
+                if name == "AccumModel"
+                else f"**{_fmt(row['ratio'])}** ({_fmt(row['ratio_min'])}-{_fmt(row['ratio_max'])})"
+            )
+            out.append(
+                f"| {result['workload']} | {name} | {row['median']:.3f} | "
+                f"{row['median'] / plain:.2f} | {ratio} |"
+            )
+    out += ["", "Workloads (samples are a multiple of N*b: every window is full):", ""]
+    for result in results["timing"]:
+        differences = ", ".join(
+            f"{name} {value:.1e}"
+            for name, value in result["max_weight_difference_vs_AccumModel"].items()
+        )
+        out.append(
+            f"- **{result['workload']}**: {result['description']}; "
+            f"{result['parameters']:,} parameters, {result['steps_per_epoch']} "
+            f"micro-batches per epoch. Largest weight difference from "
+            f"AccumModel after the run: {differences or 'n/a'}."
+        )
+    memory = memory_by_config(results["memory"])
+    first = next(iter(memory.values()))
+    big, plain_b = memory["plain N*b"], memory["plain b"]
+    out += [
+        "",
+        "## Memory",
+        "",
+        f"Workload: {first['description']}; {first['parameters']:,} "
+        f"parameters, so one float32 copy of the trainable weights (what "
+        f"AccumModel's gradient buffers take) is {first['weight_copy_mib']:.2f} MiB.",
+        "",
+        "Method: one fresh Python process per configuration. After importing "
+        "TensorFlow, building and compiling the model, creating the optimizer's "
+        "slots and batching the data into a `tf.data.Dataset`, the peak RSS "
+        "is reset (`echo 5 > /proc/self/clear_refs`); one `fit` epoch of "
+        f"{first['samples']} samples then runs, and the table gives VmHWM "
+        "after `fit` minus VmRSS before it (/proc/self/status): the most "
+        "memory `fit` held at once, including tracing the step and "
+        "AccumModel's buffers. The processes run with "
+        f"`MALLOC_MMAP_THRESHOLD_={first.get('malloc_mmap_threshold')}` so "
+        "that glibc returns freed tensor memory at once instead of caching "
+        "it depending on allocation history (with glibc's adaptive default "
+        "the same configuration varies by tens of MiB between processes). "
+        f"Method actually used: {first['method']}.",
+        "",
+        "| configuration | batch | updates | peak RSS growth in fit (MiB) | / plain b | / plain N*b |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for config in workloads.MEMORY_CONFIGS:
+        row = memory[config]
+        batch = (
+            f"{row['batch_size']} x {row['accum_steps']}"
+            if row["accum_steps"] > 1
+            else str(row["batch_size"])
+        )
+        out.append(
+            f"| {config} | {batch} | {row['updates']} | {row['growth_mib']:.0f} | "
+            f"{row['growth_mib'] / plain_b['growth_mib']:.2f} | "
+            f"{row['growth_mib'] / big['growth_mib']:.2f} |"
+        )
+    out += ["", "## Targets", ""]
+    marks = {True: "met", False: "**missed**", None: "not measured"}
+    out += [f"- {marks[met]}: {sentence}" for met, sentence in targets(results)]
+    out.append("")
+    return "\n".join(out)
+
+
+def plot(results, path):
+    """Writes the two-panel chart: epoch time normalised to plain, and memory."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display; must precede pyplot
+    import matplotlib.pyplot as plt
+
+    fig, (speed, memory_axis) = plt.subplots(
+        1, 2, figsize=(12, 4.6), gridspec_kw={"width_ratios": [2.2, 1]}
+    )
+    timing = results["timing"]
+    width = 0.8 / len(IMPLEMENTATIONS)
+    for i, name in enumerate(IMPLEMENTATIONS):
+        xs, heights = [], []
+        for w, result in enumerate(timing):
+            summary = summarise_timing(result)
+            if summary[name]["median"] is not None:
+                xs.append(w + (i - (len(IMPLEMENTATIONS) - 1) / 2) * width)
+                heights.append(summary[name]["median"] / summary["plain"]["median"])
+        bars = speed.bar(xs, heights, width, label=name, color=COLORS[name])
+        speed.bar_label(bars, fmt="%.2f", fontsize=7, padding=1)
+    speed.axhline(1.0, color="black", linewidth=0.6)
+    speed.set_xticks(
+        range(len(timing)),
+        [
+            f"{r['workload']}\n(plain {summarise_timing(r)['plain']['median']:.2f} s/epoch)"
+            for r in timing
+        ],
+    )
+    speed.set_ylabel("median epoch time / plain's (lower is faster)")
+    n, b = workloads.ACCUM_STEPS, workloads.MICRO_BATCH
+    speed.set_title(f"Epoch time, micro-batch {b}, N = {n}")
+    top = max(bar.get_height() for bar in speed.patches)
+    speed.set_ylim(0, top * 1.22)  # headroom for the legend above the bars
+    speed.legend(fontsize=8, ncols=len(IMPLEMENTATIONS), loc="upper center")
+
+    memory = memory_by_config(results["memory"])
+    configs = list(workloads.MEMORY_CONFIGS)
+    values = [memory[c]["growth_mib"] for c in configs]
+    colors = [COLORS["plain"], COLORS["plain"], COLORS["AccumModel"]]
+    bars = memory_axis.bar(range(len(configs)), values, color=colors)
+    memory_axis.bar_label(bars, fmt="%.0f", fontsize=8)
+    allowance = MEMORY_TARGET * (
+        memory["plain b"]["growth_mib"] + memory["AccumModel b x N"]["weight_copy_mib"]
+    )
+    memory_axis.axhline(
+        allowance,
+        color=COLORS["AccumModel"],
+        linestyle="--",
+        linewidth=0.8,
+        label=f"target: {MEMORY_TARGET:.2f} x (plain {b} + weight copy)",
+    )
+    memory_axis.legend(fontsize=7, loc="upper right")
+    labels = {
+        "plain N*b": f"plain\nbatch {n * b}",
+        "plain b": f"plain\nbatch {b}",
+        "AccumModel b x N": f"AccumModel\n{b} x {n}",
+    }
+    memory_axis.set_xticks(range(len(configs)), [labels[c] for c in configs], fontsize=8)
+    memory_axis.set_ylabel("peak RSS growth during fit (MiB)")
+    memory_axis.set_title("Training memory, activation-heavy CNN")
+    title = "keras_accum benchmarks" + (" (quick mode: tiny, not meaningful)" if results["quick"] else "")
+    fig.suptitle(f"{title} - {results['machine']['cpu']}, {results['machine']['cores']} cores", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
