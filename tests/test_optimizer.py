@@ -169,3 +169,23 @@ def test_accum_model_refuses_an_accum_optimizer():
 def test_exported_from_the_package():
     assert keras_accum.AccumOptimizer is AccumOptimizer
     assert "AccumOptimizer" in keras_accum.__all__
+
+
+def test_variables_in_any_order_or_subset():
+    reference, _ = big_batch_steps(INNER["adam"], [32])
+    model = functional()
+    opt = AccumOptimizer(INNER["adam"](), accum_steps=2)
+    variables = model.trainable_variables
+    for i, order in enumerate((variables, variables[::-1])):
+        grads = gradients(model, X[16 * i : 16 * i + 16], Y[16 * i : 16 * i + 16])
+        index = {id(v): k for k, v in enumerate(variables)}
+        opt.apply([grads[index[id(v)]] for v in order], order)
+    assert_weights_close(reference, model)
+    # A subset: the other variables get no gradient, as with a plain optimizer.
+    frozen = [v.numpy() for v in variables[:2]]
+    for i in range(2):
+        grads = gradients(model, X[16 * i : 16 * i + 16], Y[16 * i : 16 * i + 16])
+        opt.apply(grads[2:], variables[2:])
+    assert int(opt.iterations) == 2
+    for before, v in zip(frozen, variables[:2]):
+        np.testing.assert_array_equal(before, v.numpy())
