@@ -4,10 +4,17 @@ Every exactness test trains a plain `keras.Model` on the big batch and an
 `AccumModel` on micro-batches from the same initial weights, then compares.
 """
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import keras
 import numpy as np
 
 import keras_accum
+
+ROOT = Path(__file__).resolve().parent.parent
 
 RTOL, ATOL = 1e-5, 1e-6
 FEATURES, CLASSES = 6, 3
@@ -86,3 +93,17 @@ def assert_trained(model, initial):
         np.abs(w - w0).max() for w, w0 in zip(model.get_weights(), initial)
     )
     assert moved > 1e-3, f"weights barely moved ({moved}); the test is vacuous"
+
+
+def run_python(*args, timeout=600, **env):
+    """Runs a fresh Python (`python *args`) from the repository root, with the
+    repository importable; returns the CompletedProcess (text output)."""
+    pythonpath = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": pythonpath, **env},
+    )

@@ -4,27 +4,15 @@ Only that it runs and what it writes are checked, never timings or memory
 numbers: those depend on the machine and on its load.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+from reference import run_python
 
-ROOT = Path(__file__).resolve().parent.parent
 IMPLEMENTATIONS = ("plain", "builtin", "gradient-accumulator", "AccumModel")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def test_quick_benchmark_writes_its_report(tmp_path):
-    pythonpath = os.pathsep.join(
-        [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    )
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--quick", "--out", str(tmp_path)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": pythonpath},
-        capture_output=True,
-        text=True,
-        timeout=900,
+    result = run_python(
+        "-m", "benchmarks.run", "--quick", "--out", str(tmp_path), timeout=900
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 

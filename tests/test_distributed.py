@@ -5,26 +5,14 @@ devices must be set up before TensorFlow starts its runtime.
 """
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-from reference import ATOL
-
-ROOT = Path(__file__).resolve().parent.parent
+from reference import ATOL, ROOT, run_python
 
 
 @pytest.fixture(scope="module")
 def mirrored():
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "tests" / "mirrored_checks.py")],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    result = run_python(str(ROOT / "tests" / "mirrored_checks.py"), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -1,15 +1,11 @@
 """The README's commands and code, and the examples, do what they say."""
 
-import os
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from reference import ROOT, run_python
 
-ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
 
@@ -38,13 +34,7 @@ def test_readme_quickstart_runs():
 
 
 def test_quickstart_example_matches_the_big_batch():
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "quickstart.py")],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    result = run_python(str(ROOT / "examples" / "quickstart.py"))
     assert result.returncode == 0, result.stderr[-3000:]
     accuracies = re.findall(r"test accuracy (\d\.\d+), (\d+) updates", result.stdout)
     assert len(accuracies) == 2 and accuracies[0] == accuracies[1], result.stdout
