@@ -277,19 +277,19 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
         `accum_steps` may be a Python int (traced as a constant) or a tensor.
         Works eagerly and inside `tf.function`/XLA.
         """
-        tf.cond(
-            self.micro_step >= accum_steps,
-            lambda: self.apply(optimizer, variables),
-            lambda: None,
-        )
+        self.when_full(accum_steps, lambda: self.apply(optimizer, variables))
 
     def flush(self, optimizer, variables):
         """Applies a partial window, if any; graph-safe."""
-        tf.cond(
-            self.micro_step > 0,
-            lambda: self.apply(optimizer, variables),
-            lambda: None,
-        )
+        self._when(self.micro_step > 0, lambda: self.apply(optimizer, variables))
+
+    def when_full(self, accum_steps, apply):
+        """Runs `apply()` once the window holds `accum_steps` micro-batches."""
+        self._when(self.micro_step >= accum_steps, apply)
+
+    @staticmethod
+    def _when(condition, apply):
+        tf.cond(condition, apply, lambda: None)
 
     def reset(self):
         """Zeroes the buffers and counters: a new window starts."""

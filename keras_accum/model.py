@@ -181,7 +181,7 @@ class AccumModel(keras.Model):
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
             return self.train_function
-        self._check_optimizer()
+        check_not_accumulating(self.optimizer, self._accum_steps)
         if self._accum_steps > 1:
             self._build_window()
             if self.distribute_strategy.num_replicas_in_sync > 1:
@@ -190,9 +190,6 @@ class AccumModel(keras.Model):
                 )
                 return self.train_function
         return super().make_train_function(force=force)
-
-    def _check_optimizer(self):
-        check_not_accumulating(self.optimizer, self._accum_steps)
 
     def _build_window(self):
         variables = self.trainable_variables
@@ -281,11 +278,7 @@ class AccumModel(keras.Model):
 
     def _apply_if_full_across_replicas(self):
         # Cross-replica context: replica 0's micro-step decides for all.
-        tf.cond(
-            self._accumulator.micro_step >= self._accum_steps,
-            self._apply_across_replicas,
-            lambda: None,
-        )
+        self._accumulator.when_full(self._accum_steps, self._apply_across_replicas)
 
     def _apply_across_replicas(self):
         strategy = self.distribute_strategy
