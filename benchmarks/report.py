@@ -13,6 +13,7 @@ OTHERS = tuple(name for name in IMPLEMENTATIONS if name != "AccumModel")
 SPEED_TARGET = 1.00  # AccumModel / other, median paired ratio
 MEMORY_TARGET = 1.10  # AccumModel b x N / (plain b + one float32 weight copy)
 FAR_BELOW = 0.50  # AccumModel b x N / plain N*b counts as "far below" under this
+WELL_UNDER_HALF = 0.50  # two workers: epoch at accum_steps N / at 1
 COLORS = {
     "plain": "#9e9e9e",
     "builtin": "#f0a030",
@@ -51,6 +52,29 @@ def summarise_timing(result):
             row["ratio_max"] = max(ratios) if ratios else None
         summary[name] = row
     return summary
+
+
+def summarise_multi_worker(result):
+    """Median epoch times at accum_steps 1 and N, and their paired ratio.
+
+    Round 0 (tracing) is skipped. The paired ratio is the epoch time at N
+    over the epoch time at 1 in the same round.
+
+    Returns:
+        `{"1": median, "N": median, "ratio": r, "ratio_min": ..., "ratio_max": ...}`
+        with N the benchmark's accum_steps.
+    """
+    seconds = result["seconds"]
+    n = next(k for k in seconds if k != "1")
+    one, many = seconds["1"][1:], seconds[n][1:]
+    ratios = [b / a for a, b in zip(one, many)]
+    return {
+        "1": statistics.median(one),
+        n: statistics.median(many),
+        "ratio": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+    }
 
 
 def memory_by_config(memory_results):
@@ -99,6 +123,12 @@ def targets(results):
         ratio <= FAR_BELOW,
         f"memory: AccumModel b x N / plain N*b = {accum['growth_mib']:.0f} / "
         f"{big['growth_mib']:.0f} MiB = {ratio:.2f} (\"far below\": target <= {FAR_BELOW:.2f})",
+    ))
+    summary = summarise_multi_worker(results["multi_worker"])
+    lines.append((
+        summary["ratio"] < WELL_UNDER_HALF,
+        f"two workers: epoch at accum_steps {workloads.ACCUM_STEPS} / at 1 = "
+        f"{summary['ratio']:.2f} (\"well under half\": target < {WELL_UNDER_HALF:.2f})",
     ))
     return lines
 
@@ -229,6 +259,7 @@ def markdown(results):
             f"{row['growth_mib'] / plain_b['growth_mib']:.2f} | "
             f"{row['growth_mib'] / big['growth_mib']:.2f} |"
         )
+    out += multi_worker_markdown(results["multi_worker"])
     out += ["", "## Targets", ""]
     marks = {True: "met", False: "**missed**", None: "not measured"}
     out += [f"- {marks[met]}: {sentence}" for met, sentence in targets(results)]
@@ -236,15 +267,47 @@ def markdown(results):
     return "\n".join(out)
 
 
+def multi_worker_markdown(result):
+    summary = summarise_multi_worker(result)
+    n = str(workloads.ACCUM_STEPS)
+    return [
+        "",
+        "## Two workers",
+        "",
+        f"Workload: {result['description']}; {result['parameters']:,} "
+        f"parameters, {result['micro_batches_per_epoch']} global micro-batches "
+        "per epoch: parameters large next to compute, so an update's "
+        "all-reduce of the gradients is most of a step.",
+        "",
+        "Method: two worker processes on this machine under "
+        "`MultiWorkerMirroredStrategy` (TF_CONFIG on localhost ports, "
+        "`tf.data` with `AutoShardPolicy.DATA`, one op thread each so they "
+        "do not oversubscribe the cores). Both train two AccumModels from the "
+        "same seed, at accum_steps 1 and N, one epoch each per round, the "
+        f"order alternating; {result['rounds']} rounds, the first dropped. "
+        "Paired ratio: the epoch at N over the epoch at 1 in the same round. "
+        "Plain `keras.Model.fit` and Keras's `gradient_accumulation_steps` do "
+        "not run under this strategy on TensorFlow 2.21 (tests/"
+        "test_distributed.py), so accum_steps=1 is AccumModel's own "
+        "no-accumulation path.",
+        "",
+        "| accum_steps | updates per epoch | median epoch (s) | paired ratio to accum_steps 1: median (min-max) |",
+        "| ---: | ---: | ---: | ---: |",
+        f"| 1 | {result['updates_per_epoch']['1']} | {summary['1']:.3f} | - |",
+        f"| {n} | {result['updates_per_epoch'][n]} | {summary[n]:.3f} | "
+        f"**{summary['ratio']:.2f}** ({summary['ratio_min']:.2f}-{summary['ratio_max']:.2f}) |",
+    ]
+
+
 def plot(results, path):
-    """Writes the two-panel chart: epoch time normalised to plain, and memory."""
+    """Writes the chart: epoch time normalised to plain, memory, two workers."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display; must precede pyplot
     import matplotlib.pyplot as plt
 
-    fig, (speed, memory_axis) = plt.subplots(
-        1, 2, figsize=(12, 4.6), gridspec_kw={"width_ratios": [2.2, 1]}
+    fig, (speed, memory_axis, workers_axis) = plt.subplots(
+        1, 3, figsize=(15, 4.6), gridspec_kw={"width_ratios": [2.2, 1, 0.8]}
     )
     timing = results["timing"]
     width = 0.8 / len(IMPLEMENTATIONS)
@@ -297,6 +360,15 @@ def plot(results, path):
     memory_axis.set_xticks(range(len(configs)), [labels[c] for c in configs], fontsize=8)
     memory_axis.set_ylabel("peak RSS growth during fit (MiB)")
     memory_axis.set_title("Training memory, activation-heavy CNN")
+    summary = summarise_multi_worker(results["multi_worker"])
+    labels = ["accum_steps\n1", f"accum_steps\n{n}"]
+    bars = workers_axis.bar(
+        range(2), [summary["1"], summary[str(n)]], color=[COLORS["plain"], COLORS["AccumModel"]]
+    )
+    workers_axis.bar_label(bars, fmt="%.2f s", fontsize=8)
+    workers_axis.set_xticks(range(2), labels, fontsize=8)
+    workers_axis.set_ylabel("median epoch time (s)")
+    workers_axis.set_title(f"Two workers: {summary['ratio']:.2f}x the time", fontsize=10)
     title = "keras_accum benchmarks" + (" (quick mode: tiny, not meaningful)" if results["quick"] else "")
     fig.suptitle(f"{title} - {results['machine']['cpu']}, {results['machine']['cores']} cores", fontsize=10)
     fig.tight_layout()

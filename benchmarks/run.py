@@ -16,6 +16,7 @@ import datetime
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
 import tempfile
@@ -61,14 +62,18 @@ def keras_accum_revision():
     return commit + (" with uncommitted changes to keras_accum/" if changed else "")
 
 
-def run_worker(module, arguments, timeout, extra_env=None):
+def run_worker(module, arguments, timeout, extra_env=None, workers=1):
     """Runs `python -m module arguments --json FILE` in a fresh process.
 
-    Its progress lines go straight to our stdout; its stderr (TensorFlow's
-    start-up chatter) is shown only if it fails.
+    With `workers` > 1, runs that many at once as a TensorFlow cluster on
+    localhost: each gets a TF_CONFIG naming all of them (on free ports) and
+    its own index, as MultiWorkerMirroredStrategy expects.
+
+    Progress lines go straight to our stdout; stderr (TensorFlow's start-up
+    chatter) is shown only if a process fails.
 
     Returns:
-        The JSON the worker wrote.
+        The JSON the (first) worker wrote.
     """
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
@@ -76,24 +81,46 @@ def run_worker(module, arguments, timeout, extra_env=None):
     )
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     env.update(extra_env or {})
+    cluster = {"worker": [f"localhost:{free_port()}" for _ in range(workers)]}
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "result.json"
-        command = [sys.executable, "-m", module, *arguments, "--json", str(path)]
-        completed = subprocess.run(
-            command,
-            cwd=REPO,
-            env=env,
-            stderr=subprocess.PIPE,
-            text=True,
-            timeout=timeout,
-        )
-        if completed.returncode != 0:
-            sys.stderr.write(completed.stderr[-5000:])
-            raise RuntimeError(
-                f"{' '.join(command[1:4])} ... failed with exit code "
-                f"{completed.returncode} (its stderr is above)."
+        paths = [Path(tmp) / f"result{i}.json" for i in range(workers)]
+        processes = []
+        for index, path in enumerate(paths):
+            if workers > 1:
+                task = {"type": "worker", "index": index}
+                env["TF_CONFIG"] = json.dumps({"cluster": cluster, "task": task})
+            command = [sys.executable, "-m", module, *arguments, "--json", str(path)]
+            processes.append(
+                subprocess.Popen(
+                    command,
+                    cwd=REPO,
+                    env=dict(env),
+                    # One worker's progress is enough: they run in lockstep.
+                    stdout=None if index == 0 else subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
             )
-        return json.loads(path.read_text())
+        try:
+            errors = [p.communicate(timeout=timeout)[1] for p in processes]
+        finally:
+            for p in processes:  # a worker whose peer died waits forever
+                if p.poll() is None:
+                    p.kill()
+        for p, error in zip(processes, errors):
+            if p.returncode != 0:
+                sys.stderr.write(error[-5000:])
+                raise RuntimeError(
+                    f"{' '.join(p.args[1:4])} ... failed with exit code "
+                    f"{p.returncode} (its stderr is above)."
+                )
+        return json.loads(paths[0].read_text())
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
 
 
 def main(argv=None):
@@ -167,6 +194,11 @@ def main(argv=None):
         print(f"  {config}: +{result['growth_mib']:.0f} MiB", flush=True)
         memory.append(result)
 
+    print("timing two workers, accum_steps 1 and N (two fresh processes)", flush=True)
+    multi_worker = run_worker(
+        "benchmarks.multi_worker", ["--rounds", str(rounds), *quick], timeout, workers=2
+    )
+
     machine["load_end"] = load_average()
     results = {
         "quick": args.quick,
@@ -176,6 +208,7 @@ def main(argv=None):
         "rounds": rounds,
         "timing": timing,
         "memory": memory,
+        "multi_worker": multi_worker,
     }
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     text = report.markdown(results)

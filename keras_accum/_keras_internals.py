@@ -11,7 +11,11 @@ import contextlib
 import tensorflow as tf
 from keras import tree
 from keras.src.backend.common.masking import get_keras_mask
-from keras.src.backend.tensorflow.trainer import TensorFlowTrainer, reduce_per_replica
+from keras.src.backend.tensorflow.trainer import (
+    TensorFlowTrainer,
+    _collective_all_reduce_multi_worker,
+    reduce_per_replica,
+)
 from keras.src.losses.loss import (
     apply_mask,
     squeeze_or_expand_to_same_rank,
@@ -31,10 +35,12 @@ WRITTEN_AGAINST = "3.15.1"
 
 # Keras code that keras_accum mirrors rather than calls, by the SHA-256 of
 # its source: `AccumModel._accumulate` mirrors the TF trainer's train_step,
-# `make_replicated_train_function` its `_make_function`, and
+# `make_replicated_function` its `_make_function`, and
 # `keras_accum.normaliser` the divisor Keras's `Loss.__call__`,
 # `reduce_values` and `apply_mask` compute, reached through
-# `CompileLoss.call`'s terms. tests/test_keras_internals.py compares these.
+# `CompileLoss.call`'s terms; `symbolic_build` and `reduce_outputs` replace
+# `_maybe_symbolic_build` and the multi-worker branch of `reduce_per_replica`
+# (tensorflow/tensorflow#72388). tests/test_keras_internals.py compares these.
 MIRRORED_SOURCES = {
     "TensorFlowTrainer.train_step": "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c",
     "TensorFlowTrainer._make_function": "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0",
@@ -42,6 +48,8 @@ MIRRORED_SOURCES = {
     "reduce_values": "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9",
     "apply_mask": "61d8938cd8663dee3c27b678b4af5f17408c2b03ff039b7b2e9125cd07610d00",
     "CompileLoss.call": "402aaf05f91c73c4a4bcaa65be5a447566fbbbb05f5079b29a35312bcbfd509f",
+    "TensorFlowTrainer._maybe_symbolic_build": "",
+    "reduce_per_replica": "",
 }
 
 __all__ = [
@@ -56,7 +64,10 @@ __all__ = [
     "compute_loss",
     "apply_mask",
     "functional_init_arguments",
-    "make_replicated_train_function",
+    "make_replicated_function",
+    "multi_worker",
+    "reduce_outputs",
+    "symbolic_build",
     "get_keras_mask",
     "recording_loss_calls",
     "squeeze_or_expand_to_same_rank",
@@ -138,35 +149,105 @@ def build_compiled_loss(model, data):
         model._symbolic_build(data_batch=data)
 
 
-def make_replicated_train_function(model, replica_step, after_step):
-    """A train function whose update runs in cross-replica context.
+def multi_worker(strategy):
+    """Whether `strategy` runs across several worker processes."""
+    return _collective_all_reduce_multi_worker(strategy)
+
+
+def symbolic_build(model, iterator=None, data_batch=None):
+    """`TensorFlowTrainer._maybe_symbolic_build`, without a cross-replica reduce.
+
+    Keras builds the model, compiled loss and metrics from a batch's shapes
+    before the first step; to get one batch out of a distributed iterator it
+    reduces the `PerReplica` batch across replicas, eagerly, which fails
+    under `MultiWorkerMirroredStrategy` (tensorflow/tensorflow#72388). Only
+    shapes and dtypes are read, so one local replica's batch does as well,
+    and no collective runs.
+    """
+    if model._distribute_strategy is None:
+        # As Keras: without a strategy, building waits for the first trace.
+        return
+    strategy = model.distribute_strategy
+
+    def local(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return strategy.experimental_local_results(value)[0]
+        return value
+
+    if iterator is not None:
+        for _, _, it in iterator:
+            data_batch = tree.map_structure(local, next(it))
+            break
+    with strategy.scope():
+        model._symbolic_build(data_batch=data_batch)
+
+
+def reduce_outputs(outputs, strategy):
+    """A step's logs, reduced over replicas as Keras's `fit` reduces them.
+
+    Keras's `reduce_per_replica(..., "auto")` takes the mean over replicas,
+    but across workers asks for it along axis 0, which fails for the scalar
+    logs every step returns (tensorflow/tensorflow#72388). Across workers
+    this takes the same mean with `axis=None`: over replicas, any shape.
+    """
+    if multi_worker(strategy):
+        return tree.map_structure(
+            lambda v: strategy.reduce("MEAN", v, axis=None), outputs
+        )
+    return reduce_per_replica(outputs, strategy, reduction="auto")
+
+
+def make_replicated_function(model, replica_step, after_step=None):
+    """A train or test function for a model under a multi-replica strategy.
 
     Keras's TF trainer (`TensorFlowTrainer._make_function`) runs the whole
     step inside `strategy.run`, so a conditional update is a `cond` around
     the optimizer's cross-replica `merge_call` inside a replica, which
     `tf.distribute` refuses (why Keras's own `gradient_accumulation_steps`
     fails under MirroredStrategy, keras-team/keras#20582). Here each step is
-    `strategy.run(replica_step)` followed by `after_step()` in cross-replica
-    context, where the conditional update lives. Outputs are reduced as
-    Keras's `one_step_on_data` reduces them.
+    `strategy.run(replica_step)` followed by `after_step()` (if given) in
+    cross-replica context, where the conditional update lives. Outputs are
+    reduced by `reduce_outputs`, which also works across workers.
     """
     strategy = model.distribute_strategy
 
     @tf.autograph.experimental.do_not_convert
     def one_step_on_data(data):
         outputs = strategy.run(replica_step, args=(data,))
-        after_step()
-        return reduce_per_replica(outputs, strategy, reduction="auto")
+        if after_step is not None:
+            after_step()
+        return reduce_outputs(outputs, strategy)
+
+    def one_step_on_iterator(iterator):
+        # The next batch is taken inside the traced step, as Keras does: an
+        # eager `next()` on a distributed iterator costs a launch of its own
+        # (across workers, also a collective to agree on whether data is
+        # left).
+        return one_step_on_data(iterator.get_next())
 
     if not model.run_eagerly:
         one_step_on_data = tf.function(
             one_step_on_data, reduce_retracing=True, jit_compile=model.jit_compile
         )
+        one_step_on_iterator = tf.function(one_step_on_iterator, reduce_retracing=True)
+
+    def steps(iterator):
+        if isinstance(iterator, tf.distribute.DistributedIterator):
+            # fit and evaluate; the end of the data is an OutOfRangeError.
+            for _ in range(model.steps_per_execution):
+                try:
+                    yield one_step_on_iterator(iterator)
+                except tf.errors.OutOfRangeError:
+                    return
+        else:
+            # train_on_batch and test_on_batch pass a list of batches.
+            for _, data in zip(range(model.steps_per_execution), iterator):
+                yield one_step_on_data(data)
 
     def function(iterator):
         outputs = None
-        for _, data in zip(range(model.steps_per_execution), iterator):
-            outputs = one_step_on_data(data)
+        for outputs in steps(iterator):
+            pass
         if outputs is None:
             raise StopIteration
         return outputs

@@ -182,14 +182,37 @@ class AccumModel(keras.Model):
         if self.train_function is not None and not force:
             return self.train_function
         check_not_accumulating(self.optimizer, self._accum_steps)
+        strategy = self.distribute_strategy
         if self._accum_steps > 1:
             self._build_window()
-            if self.distribute_strategy.num_replicas_in_sync > 1:
-                self.train_function = internals.make_replicated_train_function(
+            if strategy.num_replicas_in_sync > 1:
+                self.train_function = internals.make_replicated_function(
                     self, self._accumulate, self._apply_if_full_across_replicas
                 )
                 return self.train_function
+        elif internals.multi_worker(strategy):
+            # Keras's own train function fails across workers (its log
+            # reduction, tensorflow/tensorflow#72388); same step, our function.
+            self.train_function = internals.make_replicated_function(
+                self, self.train_step
+            )
+            return self.train_function
         return super().make_train_function(force=force)
+
+    def make_test_function(self, force=False):
+        if self.test_function is not None and not force:
+            return self.test_function
+        if internals.multi_worker(self.distribute_strategy):
+            # As for training: Keras's test function fails across workers.
+            self.test_function = internals.make_replicated_function(
+                self, self.test_step
+            )
+            return self.test_function
+        return super().make_test_function(force=force)
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras's version fails across workers (tensorflow/tensorflow#72388).
+        internals.symbolic_build(self, iterator=iterator, data_batch=data_batch)
 
     def _build_window(self):
         variables = self.trainable_variables

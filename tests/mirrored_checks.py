@@ -19,7 +19,7 @@ tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfigur
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from reference import functional, loss, make_data  # noqa: E402
+from reference import OPTIMIZERS, functional, loss, make_data  # noqa: E402
 
 from keras_accum import AccumModel  # noqa: E402
 
@@ -59,14 +59,10 @@ def main():
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=reductions)
     x, y = make_data(100)  # global micro-batch 8: 4 per replica; last one 4
     val = make_data(20, seed=3)
-    optimizers = {
-        "adam": lambda: keras.optimizers.Adam(0.01),
-        "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
-        "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
-    }
     fit = dict(epochs=2, shuffle=False, verbose=0, validation_data=val)
     out = {"weights": {}, "history": {}}
-    for name, make in optimizers.items():
+    for name in ("adam", "sgd_momentum", "adamw"):
+        make = OPTIMIZERS[name]
         plain = functional()
         plain.compile(make(), loss(), metrics=["accuracy"])
         h_plain = plain.fit(x, y, batch_size=32, **fit)
@@ -83,7 +79,7 @@ def main():
         reductions.count.assign(0)
         with strategy.scope():
             model = functional(AccumModel, accum_steps=steps)
-            model.compile(optimizers["adam"](), loss(), metrics=["accuracy"])
+            model.compile(OPTIMIZERS["adam"](), loss(), metrics=["accuracy"])
         model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
         out[f"reductions_{steps}"] = int(reductions.count.numpy())
         out[f"updates_{steps}"] = int(model.optimizer.iterations.numpy())
@@ -92,7 +88,7 @@ def main():
     def compiled():
         with strategy.scope():
             model = functional(AccumModel, accum_steps=4)
-            model.compile(optimizers["adam"](), loss())
+            model.compile(OPTIMIZERS["adam"](), loss())
             model.optimizer.build(model.trainable_variables)
         return model
 
@@ -102,7 +98,7 @@ def main():
         return model
 
     reference = functional()
-    reference.compile(optimizers["adam"](), loss())
+    reference.compile(OPTIMIZERS["adam"](), loss())
     for batch in (slice(0, 32), slice(32, 48)):
         reference.train_on_batch(x[batch], y[batch])
     flushed = train(compiled(), range(6))

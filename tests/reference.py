@@ -4,7 +4,9 @@ Every exactness test trains a plain `keras.Model` on the big batch and an
 `AccumModel` on micro-batches from the same initial weights, then compares.
 """
 
+import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +20,31 @@ ROOT = Path(__file__).resolve().parent.parent
 
 RTOL, ATOL = 1e-5, 1e-6
 FEATURES, CLASSES = 6, 3
+
+
+# The optimizers the reference tests run, each made fresh per model.
+OPTIMIZERS = {
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
+    "sgd_nesterov": lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True),
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.01, momentum=0.5),
+    "adam_ema": lambda: keras.optimizers.Adam(
+        0.01, use_ema=True, ema_momentum=0.5
+    ),
+    "sgd_clipnorm": lambda: keras.optimizers.SGD(0.5, clipnorm=0.05),
+    "adam_global_clipnorm": lambda: keras.optimizers.Adam(
+        0.01, global_clipnorm=0.05
+    ),
+    "sgd_clipvalue": lambda: keras.optimizers.SGD(0.5, clipvalue=0.005),
+    "adam_exponential_decay": lambda: keras.optimizers.Adam(
+        keras.optimizers.schedules.ExponentialDecay(0.02, 2, 0.5)
+    ),
+    "sgd_piecewise": lambda: keras.optimizers.SGD(
+        keras.optimizers.schedules.PiecewiseConstantDecay([2, 5], [0.3, 0.1, 0.01]),
+        momentum=0.9,
+    ),
+}
 
 
 def make_data(n=100, seed=0):
@@ -107,3 +134,50 @@ def run_python(*args, timeout=600, **env):
         timeout=timeout,
         env={**os.environ, "PYTHONPATH": pythonpath, **env},
     )
+
+
+def run_workers(*args, workers=2, timeout=600):
+    """Runs `python *args` as each worker of a cluster on localhost.
+
+    Each process gets a TF_CONFIG naming every worker (on free ports) and
+    its own index, as MultiWorkerMirroredStrategy expects. Returns the
+    workers' CompletedProcess results, in index order.
+    """
+    ports = []
+    for _ in range(workers):
+        with socket.socket() as s:
+            s.bind(("localhost", 0))
+            ports.append(s.getsockname()[1])
+    cluster = {"worker": [f"localhost:{port}" for port in ports]}
+    pythonpath = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    processes = [
+        subprocess.Popen(
+            [sys.executable, *args],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={
+                **os.environ,
+                "PYTHONPATH": pythonpath,
+                "TF_CONFIG": json.dumps(
+                    {"cluster": cluster, "task": {"type": "worker", "index": i}}
+                ),
+            },
+        )
+        for i in range(workers)
+    ]
+    results = []
+    try:
+        for process in processes:
+            stdout, stderr = process.communicate(timeout=timeout)
+            results.append(
+                subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+            )
+    finally:
+        # A worker whose peer died waits on its collectives forever.
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return results

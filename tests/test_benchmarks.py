@@ -22,5 +22,6 @@ def test_quick_benchmark_writes_its_report(tmp_path):
         # Listed even when unavailable (gradient-accumulator is optional).
         assert name in report, name
     assert "## Memory" in report
+    assert "## Two workers" in report
 
     assert (tmp_path / "results.png").read_bytes().startswith(PNG_SIGNATURE)

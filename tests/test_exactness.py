@@ -8,6 +8,7 @@ from reference import (
     ATOL,
     CLASSES,
     FEATURES,
+    OPTIMIZERS,
     RTOL,
     assert_history_close,
     assert_trained,
@@ -20,28 +21,6 @@ from reference import (
 
 from keras_accum import AccumModel
 
-OPTIMIZERS = {
-    "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
-    "sgd_nesterov": lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True),
-    "adam": lambda: keras.optimizers.Adam(0.01),
-    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
-    "rmsprop": lambda: keras.optimizers.RMSprop(0.01, momentum=0.5),
-    "adam_ema": lambda: keras.optimizers.Adam(
-        0.01, use_ema=True, ema_momentum=0.5
-    ),
-    "sgd_clipnorm": lambda: keras.optimizers.SGD(0.5, clipnorm=0.05),
-    "adam_global_clipnorm": lambda: keras.optimizers.Adam(
-        0.01, global_clipnorm=0.05
-    ),
-    "sgd_clipvalue": lambda: keras.optimizers.SGD(0.5, clipvalue=0.005),
-    "adam_exponential_decay": lambda: keras.optimizers.Adam(
-        keras.optimizers.schedules.ExponentialDecay(0.02, 2, 0.5)
-    ),
-    "sgd_piecewise": lambda: keras.optimizers.SGD(
-        keras.optimizers.schedules.PiecewiseConstantDecay([2, 5], [0.3, 0.1, 0.01]),
-        momentum=0.9,
-    ),
-}
 
 
 def train_both(

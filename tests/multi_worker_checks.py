@@ -1,0 +1,99 @@
+"""Run by test_distributed.py as each of two worker processes on localhost
+(TF_CONFIG set by the test): MultiWorkerMirroredStrategy needs one process
+per worker, and each must start its collectives with the other.
+
+Prints one JSON object of results (weights as nested lists, histories); the
+test compares them with single-process references and between the workers.
+"""
+
+import json
+import os
+import sys
+import tempfile
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import tensorflow as tf  # noqa: E402
+
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+
+import keras  # noqa: E402
+from reference import OPTIMIZERS, functional, loss, make_data  # noqa: E402
+
+from keras_accum import AccumModel  # noqa: E402
+
+MICRO_BATCH = 8  # global: 4 per worker
+
+
+def dataset(x, y, batch=MICRO_BATCH):
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = (
+        tf.data.experimental.AutoShardPolicy.DATA
+    )
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).with_options(options)
+
+
+def weights(model):
+    return [w.tolist() for w in model.get_weights()]
+
+
+def compiled(accum_steps, optimizer="adam", cls=AccumModel):
+    with strategy.scope():
+        model = functional(cls, accum_steps=accum_steps) if cls is AccumModel else functional(cls)
+        model.compile(OPTIMIZERS[optimizer](), loss(), metrics=["accuracy"])
+        # Built now so that `load_weights` restores optimizer state (as in
+        # Keras, an unbuilt optimizer skips it).
+        model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def main():
+    out = {"task": int(json.loads(os.environ["TF_CONFIG"])["task"]["index"])}
+    train, val = dataset(*make_data(100)), dataset(*make_data(20, seed=3))
+
+    # Plain Keras fit, for the README's claim that it fails here.
+    try:
+        compiled(1, cls=keras.Model).fit(train, epochs=1, verbose=0)
+        out["plain_keras"] = "trained"
+    except Exception as error:  # noqa: BLE001 - recorded, asserted by the test
+        out["plain_keras"] = f"{type(error).__name__}: {str(error)[:200]}"
+
+    # 100 samples, global micro-batch 8, N=4: windows of 4, 4, 4, 1 per epoch.
+    out["fit"] = {}
+    for name in ("adam", "sgd_momentum", "adamw"):
+        model = compiled(4, name)
+        history = model.fit(train, epochs=2, verbose=0, validation_data=val)
+        out["fit"][name] = {"weights": weights(model), "history": history.history}
+    model = compiled(1)
+    history = model.fit(train, epochs=2, verbose=0, validation_data=val)
+    out["accum_1"] = {"weights": weights(model), "history": history.history}
+
+    # A checkpoint written after 6 micro-batches (a window half done) on every
+    # worker; resumed by a fresh model, and flushed by another.
+    # Each worker writes its own file: all of them must take part in reading
+    # the sync-on-read state. Saved after micro-batches 6 and 12; 6 is used.
+    directory = tempfile.mkdtemp()
+    pattern = os.path.join(directory, f"worker{out['task']}-{{batch}}.weights.h5")
+    path = pattern.format(batch=6)
+    uninterrupted = compiled(4)
+    uninterrupted.fit(
+        train,
+        epochs=1,
+        verbose=0,
+        callbacks=[keras.callbacks.ModelCheckpoint(pattern, save_weights_only=True, save_freq=6)],
+    )
+    resumed = compiled(4)
+    resumed.load_weights(path)
+    out["resumed_pending"] = resumed._accumulator.pending()
+    resumed.fit(train.skip(6), epochs=1, verbose=0)
+    out["uninterrupted"], out["resumed"] = weights(uninterrupted), weights(resumed)
+    flushed = compiled(4)
+    flushed.load_weights(path)
+    flushed.flush()
+    out["flushed"] = weights(flushed)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
