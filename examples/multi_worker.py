@@ -78,7 +78,7 @@ def train():
 
     with strategy.scope():
         model = build(keras_accum.AccumModel, accum_steps=ACCUM_STEPS)
-    model.fit(dataset(x_train, y_train), epochs=EPOCHS, verbose=0)
+    model.fit(dataset(x_train, y_train), epochs=EPOCHS, shuffle=False, verbose=0)
     accuracy = model.evaluate(dataset(x_test, y_test), verbose=0, return_dict=True)["accuracy"]
     task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     print(

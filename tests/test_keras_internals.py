@@ -33,6 +33,8 @@ def _mirrored():
         "reduce_values": loss.reduce_values,
         "apply_mask": loss.apply_mask,
         "CompileLoss.call": CompileLoss.call,
+        "TensorFlowTrainer._maybe_symbolic_build": trainer._maybe_symbolic_build,
+        "reduce_per_replica": internals.reduce_per_replica,
     }
 
 
