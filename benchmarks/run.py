@@ -1,6 +1,6 @@
 """Runs the speed and memory benchmarks and writes results.md and results.png.
 
-    python -m benchmarks.run                  # full run (about 10 minutes on 2 cores)
+    python -m benchmarks.run                  # full run (about 15 minutes on 2 cores)
     python -m benchmarks.run --quick --out DIR  # tiny smoke run (under 2 minutes)
 
 Run from the repository root. The driver itself never imports TensorFlow:

@@ -51,6 +51,14 @@ class AccumModel(keras.Model):
     float32 buffers that are training state, not model weights: `weights`,
     `count_params()`, `summary()` and `get_weights()` are the plain model's.
 
+    Under `tf.distribute.MirroredStrategy` or `MultiWorkerMirroredStrategy`
+    (build and compile in `strategy.scope()`), `batch_size` is the global
+    micro-batch: each replica sums its share into its own buffers and
+    gradients cross devices once per update, so the effective batch is
+    micro-batch per replica x `accum_steps` x replicas. Across workers,
+    where plain Keras `fit` fails (tensorflow/tensorflow#72388), this model
+    trains with any `accum_steps`, 1 included.
+
     Args:
         *args: `inputs, outputs` for a functional model, or nothing when
             subclassing.

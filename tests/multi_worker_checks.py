@@ -65,6 +65,9 @@ def main():
         model = compiled(4, name)
         history = model.fit(train, epochs=2, verbose=0, validation_data=val)
         out["fit"][name] = {"weights": weights(model), "history": history.history}
+    # evaluate and predict on the last one: every sample, in order.
+    out["evaluate"] = model.evaluate(val, verbose=0, return_dict=True)
+    out["predict"] = model.predict(train, verbose=0).tolist()
     model = compiled(1)
     history = model.fit(train, epochs=2, verbose=0, validation_data=val)
     out["accum_1"] = {"weights": weights(model), "history": history.history}

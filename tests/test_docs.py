@@ -42,6 +42,16 @@ def test_quickstart_example_matches_the_big_batch():
     assert diff < 1e-4, result.stdout
 
 
+def test_multi_worker_example_matches_one_process():
+    # Starts two workers itself; both must report what one process with the
+    # big batch reports.
+    result = run_python(str(ROOT / "examples" / "multi_worker.py"), timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    reports = re.findall(r"test accuracy (\d\.\d+), (\d+) updates", result.stdout)
+    assert len(reports) == 3 and len(set(reports)) == 1, result.stdout
+    assert "worker 0 of 2" in result.stdout and "worker 1 of 2" in result.stdout
+
+
 def test_import_refuses_another_keras_backend(monkeypatch):
     import importlib
 
