@@ -68,6 +68,13 @@ def main():
     # evaluate and predict on the last one: every sample, in order.
     out["evaluate"] = model.evaluate(val, verbose=0, return_dict=True)
     out["predict"] = model.predict(train, verbose=0).tolist()
+    # numpy input: Keras makes the dataset and shards it the same way.
+    model = compiled(4)
+    history = model.fit(
+        *make_data(100), batch_size=MICRO_BATCH, epochs=2, shuffle=False, verbose=0,
+        validation_data=make_data(20, seed=3),
+    )
+    out["numpy"] = {"weights": weights(model), "history": history.history}
     model = compiled(1)
     history = model.fit(train, epochs=2, verbose=0, validation_data=val)
     out["accum_1"] = {"weights": weights(model), "history": history.history}
