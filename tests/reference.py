@@ -107,11 +107,11 @@ def assert_weights_close(a, b, rtol=RTOL, atol=ATOL):
 
 
 def assert_history_close(ha, hb, rtol=RTOL, atol=ATOL):
-    assert sorted(ha.history) == sorted(hb.history)
-    for key in ha.history:
-        np.testing.assert_allclose(
-            ha.history[key], hb.history[key], rtol=rtol, atol=atol, err_msg=key
-        )
+    """Compares two `fit` histories: `History` objects or their `.history` dicts."""
+    ha, hb = (getattr(h, "history", h) for h in (ha, hb))
+    assert sorted(ha) == sorted(hb)
+    for key in ha:
+        np.testing.assert_allclose(ha[key], hb[key], rtol=rtol, atol=atol, err_msg=key)
 
 
 def assert_trained(model, initial):
@@ -122,17 +122,22 @@ def assert_trained(model, initial):
     assert moved > 1e-3, f"weights barely moved ({moved}); the test is vacuous"
 
 
+def _environment(**env):
+    """This process's environment, with the repository importable, plus `env`."""
+    pythonpath = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": pythonpath, **env}
+
+
 def run_python(*args, timeout=600, **env):
     """Runs a fresh Python (`python *args`) from the repository root, with the
     repository importable; returns the CompletedProcess (text output)."""
-    pythonpath = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     return subprocess.run(
         [sys.executable, *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=timeout,
-        env={**os.environ, "PYTHONPATH": pythonpath, **env},
+        env=_environment(**env),
     )
 
 
@@ -149,7 +154,6 @@ def run_workers(*args, workers=2, timeout=600):
             s.bind(("localhost", 0))
             ports.append(s.getsockname()[1])
     cluster = {"worker": [f"localhost:{port}" for port in ports]}
-    pythonpath = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     processes = [
         subprocess.Popen(
             [sys.executable, *args],
@@ -157,13 +161,11 @@ def run_workers(*args, workers=2, timeout=600):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env={
-                **os.environ,
-                "PYTHONPATH": pythonpath,
-                "TF_CONFIG": json.dumps(
+            env=_environment(
+                TF_CONFIG=json.dumps(
                     {"cluster": cluster, "task": {"type": "worker", "index": i}}
-                ),
-            },
+                )
+            ),
         )
         for i in range(workers)
     ]

@@ -16,6 +16,7 @@ from reference import (
     OPTIMIZERS,
     ROOT,
     RTOL,
+    assert_history_close,
     functional,
     loss,
     make_data,
@@ -95,12 +96,6 @@ def assert_close_to(weights, model):
         np.testing.assert_allclose(np.array(w), v, rtol=RTOL, atol=ATOL)
 
 
-def assert_logs_close(logs, history):
-    assert sorted(logs) == sorted(history.history)
-    for key, values in logs.items():
-        np.testing.assert_allclose(values, history.history[key], rtol=RTOL, atol=ATOL, err_msg=key)
-
-
 def reference_fit(optimizer, batch_size):
     """One process, no strategy: what the workers' fit must reproduce."""
     model = functional()
@@ -138,7 +133,7 @@ def test_two_workers_match_one_process_big_batch(workers, optimizer, data):
     assert_close_to(a["weights"], plain)
     # Logged loss, accuracy and val_* on every worker, as on one device.
     for run in (a, b):
-        assert_logs_close(run["history"], history)
+        assert_history_close(run["history"], history)
 
 
 def test_evaluate_and_predict_across_workers(workers):
@@ -157,7 +152,7 @@ def test_accum_steps_1_trains_across_workers_like_one_process(workers):
     plain, history = reference_fit("adam", batch_size=8)
     for worker in workers:
         assert_close_to(worker["accum_1"]["weights"], plain)
-        assert_logs_close(worker["accum_1"]["history"], history)
+        assert_history_close(worker["accum_1"]["history"], history)
 
 
 def test_mid_window_checkpoint_resumes_and_flushes_across_workers(workers):
