@@ -62,6 +62,7 @@ __all__ = [
     "build_compiled_loss",
     "call_for_training",
     "compute_loss",
+    "copy_build_shapes",
     "apply_mask",
     "functional_init_arguments",
     "make_replicated_function",
@@ -73,6 +74,7 @@ __all__ = [
     "squeeze_or_expand_to_same_rank",
     "no_automatic_dependency_tracking",
     "track_loss",
+    "unknown_variables",
 ]
 
 
@@ -149,22 +151,41 @@ def build_compiled_loss(model, data):
         model._symbolic_build(data_batch=data)
 
 
+def copy_build_shapes(source, target):
+    """Records `source`'s build input shapes as `target`'s.
+
+    `Layer.build` records them when it runs; Keras's `export()` reads them
+    to serve a subclassed model. A wrapper made around a built model is
+    built without running `build`.
+    """
+    target._build_shapes_dict = getattr(source, "_build_shapes_dict", None)
+
+
+def unknown_variables(optimizer, variables):
+    """Those of `variables` a built `optimizer` was not built for."""
+    known = optimizer._trainable_variables_indices
+    return [v for v in variables if optimizer._var_key(v) not in known]
+
+
 def multi_worker(strategy):
     """Whether `strategy` runs across several worker processes."""
     return _collective_all_reduce_multi_worker(strategy)
 
 
-def symbolic_build(model, iterator=None, data_batch=None):
+def symbolic_build(model, iterator=None, data_batch=None, without_strategy=False):
     """`TensorFlowTrainer._maybe_symbolic_build`, without a cross-replica reduce.
 
-    Keras builds the model, compiled loss and metrics from a batch's shapes
-    before the first step; to get one batch out of a distributed iterator it
-    reduces the `PerReplica` batch across replicas, eagerly, which fails
-    under `MultiWorkerMirroredStrategy` (tensorflow/tensorflow#72388). Only
-    shapes and dtypes are read, so one local replica's batch does as well,
-    and no collective runs.
+    Keras builds the model, compiled loss, metrics and optimizer from a
+    batch's shapes before the first step; to get one batch out of a
+    distributed iterator it reduces the `PerReplica` batch across replicas,
+    eagerly, which fails under `MultiWorkerMirroredStrategy`
+    (tensorflow/tensorflow#72388). Only shapes and dtypes are read, so one
+    local replica's batch does as well, and no collective runs.
+
+    Without a strategy Keras waits for the first traced step instead; with
+    `without_strategy=True` the build happens here all the same.
     """
-    if model._distribute_strategy is None:
+    if model._distribute_strategy is None and not without_strategy:
         # As Keras: without a strategy, building waits for the first trace.
         return
     strategy = model.distribute_strategy
@@ -176,7 +197,10 @@ def symbolic_build(model, iterator=None, data_batch=None):
 
     if iterator is not None:
         for _, _, it in iterator:
-            data_batch = tree.map_structure(local, next(it))
+            try:
+                data_batch = tree.map_structure(local, next(it))
+            except StopIteration:
+                return  # no data: nothing will train
             break
     with strategy.scope():
         model._symbolic_build(data_batch=data_batch)

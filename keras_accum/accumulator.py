@@ -7,10 +7,14 @@ so the arithmetic that makes uneven windows exact lives in one place.
 import contextlib
 import numbers
 
+import keras
 import numpy as np
 import tensorflow as tf
 
 from keras_accum import _keras_internals as internals
+
+
+MAX_ACCUM_STEPS = 2**63 - 1
 
 
 def check_accum_steps(accum_steps):
@@ -34,6 +38,12 @@ def check_accum_steps(accum_steps):
             "`accum_steps` must be an integer >= 1. "
             f"Received: accum_steps={accum_steps!r}. "
             "Use accum_steps=1 for no accumulation."
+        )
+    if accum_steps > MAX_ACCUM_STEPS:
+        # The window length is an int64 counter.
+        raise ValueError(
+            f"`accum_steps` must be at most {MAX_ACCUM_STEPS} (2**63 - 1). "
+            f"Received: accum_steps={accum_steps!r}."
         )
     return int(accum_steps)
 
@@ -101,9 +111,17 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
         accum_steps: int64 scalar; the window length this window is being
             accumulated for, so a restored window is never finished under a
             different length by mistake.
-        acc_grads: one buffer per trainable variable holding the sum of
+        normalise: bool scalar; whether the window's gradient is the sum
+            divided by `window_weight` (a mean) or the plain sum (`sum`
+            losses). Written by every micro-batch, so a restored window is
+            finished with the arithmetic it was started with.
+        acc_grads: one buffer per variable of the window holding the sum of
             weighted gradients: float32 (float64 for float64 variables) unless
             `dtype` asks otherwise.
+        window_variables: the variables the buffers belong to, one each, by
+            identity; None for a window restored from a file until it is
+            bound to a model's variables (by position, as Keras pairs
+            weights). A window is only ever applied to these variables.
 
     Args:
         dtype: buffer dtype; None for the rule above.
@@ -113,9 +131,9 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
 
     ```python
     acc = GradientAccumulator()
-    acc.build(model.trainable_variables, accum_steps=4)
+    acc.bind(model.trainable_variables, accum_steps=4)
     acc.add(grads, weight=batch_size)   # every micro-batch
-    acc.apply_if_full(optimizer, model.trainable_variables, accum_steps=4)
+    acc.apply_if_full(optimizer, accum_steps=4)
     ```
     """
 
@@ -131,13 +149,19 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
         self.micro_step = None
         self.window_weight = None
         self.accum_steps = None
+        self.normalise = None
         self.acc_grads = []
-        # Indices of variables whose gradient was None when the step was
-        # traced: the optimizer must see None for them, as it does for a big
-        # batch, not a zero gradient (which would still move Adam or decay).
+        self._binding = _Binding(None)
+        # Indices of variables whose gradient is None in the traced step: the
+        # optimizer must see None for them, as it does for a big batch, not a
+        # zero gradient (which would still move Adam or decay). A property of
+        # the step's graph, hence Python; saved with the window, so a window
+        # restored from a file is applied with it before any step is traced.
         self._absent = frozenset()
-        self._normalise = True
         self._built = False
+        # Bumped whenever buffers are made: functions traced with the old
+        # ones must be traced again.
+        self.generation = getattr(self, "generation", 0) + 1
 
     def _obj_type(self):
         # Keras's saving accepts only its own kinds here; "Operation" makes
@@ -148,24 +172,101 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
     def built(self):
         return self._built
 
+    @property
+    def window_variables(self):
+        return self._binding.variables
+
     def pending(self):
         """Micro-batches in the open window (a Python int; 0 when unbuilt)."""
         return int(self.micro_step.numpy()) if self._built else 0
 
+    def window_length(self):
+        """The length the open window is accumulated for (a Python int)."""
+        return int(self.accum_steps.numpy())
+
     def shapes(self):
         return [tuple(b.shape) for b in self.acc_grads]
+
+    def bind(self, variables, accum_steps, strategy=None):
+        """Makes this the window of `variables`, `accum_steps` micro-batches long.
+
+        Eager only. With no window open, buffers are made for `variables`
+        unless they are this window's already. An open window must have been
+        computed for exactly these variables (or, restored from a file,
+        for variables of the same shapes in the same order) and for the same
+        window length; otherwise a ValueError says which differ and what to
+        do. A gradient never reaches a variable it was not computed for.
+
+        Returns:
+            True if buffers were made (functions traced with the old ones
+            must be traced again).
+        """
+        variables = list(variables)
+        if self.pending():
+            self._check_open_window_fits(variables, accum_steps)
+            self._binding.variables = variables
+            return False
+        bound = self.window_variables
+        if self._built and (
+            _same(bound, variables)
+            or (bound is None and self.shapes() == _shapes(variables))
+        ):
+            self._binding.variables = variables
+            self.accum_steps.assign(accum_steps)
+            return False
+        self.build(variables, accum_steps, strategy)
+        return True
+
+    def _check_open_window_fits(self, variables, accum_steps):
+        bound = self.window_variables
+        if bound is None:
+            if self.shapes() != _shapes(variables):
+                raise ValueError(
+                    f"This model has a pending window of {self.pending()} "
+                    "micro-batches whose gradient buffers (shapes "
+                    f"{self.shapes()}) do not fit its trainable variables "
+                    f"(shapes {_shapes(variables)}). It was restored from "
+                    "another model or the trainable set changed: restore a "
+                    "matching checkpoint, load weights saved at a window "
+                    "boundary, or call `reset_window()` to discard it."
+                )
+        elif not _same(bound, variables):
+            raise ValueError(
+                f"The open window ({self.pending()} micro-batches) holds "
+                f"gradients for the variables {_names(bound)}, but training "
+                f"now updates {_names(variables)} (the trainable set or the "
+                "model changed with a window open). Call `flush()` before "
+                "changing what is trainable to apply the window to the "
+                "variables it was computed for, or `reset_window()` to "
+                "discard it."
+            )
+        window_length = self.window_length()
+        if window_length != accum_steps:
+            raise ValueError(
+                f"This model's pending window ({self.pending()} micro-batches) "
+                f"was accumulated with accum_steps={window_length}, but the "
+                f"model now has accum_steps={accum_steps}. Set "
+                f"`model.accum_steps = {window_length}` to finish the window "
+                "as it began, call `model.flush()` to apply it now, or "
+                "`model.reset_window()` to discard it."
+            )
 
     def build(self, variables, accum_steps, strategy=None):
         """Creates a zeroed buffer for each of `variables` and the counters.
 
-        `variables` need only `shape` and `dtype` (numpy arrays will do).
-        Variables are created outside any surrounding `tf.function`. Under a
+        `variables` need only `shape` and `dtype` (numpy arrays will do; the
+        window is then bound to variables later, by `bind`). Variables are
+        created outside any surrounding `tf.function`. Under a
         `tf.distribute` strategy with several replicas, every variable is
         per-replica (sync-on-read): each replica sums its own micro-batches
         locally, and nothing crosses devices until the window is applied.
         Read across replicas, buffers and `window_weight` give their sum,
         the counters replica 0's value.
         """
+        variables = list(variables)
+        self._absent = frozenset()
+        self._binding.variables = None
+        self.generation += 1
         local = {}
         strategy = strategy or self._strategy
         if strategy is not None and strategy.num_replicas_in_sync > 1:
@@ -187,6 +288,9 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
             self.accum_steps = tf.Variable(
                 accum_steps, dtype=tf.int64, trainable=False, name="accum_steps", **first
             )
+            self.normalise = tf.Variable(
+                True, dtype=tf.bool, trainable=False, name="normalise", **first
+            )
             # Appended one by one to the list tracked since __init__ (not a
             # new list) so that a tf.train.Checkpoint restored before the
             # build fills each buffer as it is created.
@@ -201,14 +305,16 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
                         **total,
                     )
                 )
+        if variables and all(isinstance(v, _VARIABLE_TYPES) for v in variables):
+            self._binding.variables = variables
         self._built = True
 
-    def add(self, grads, weight, grad_scale=None, normalise=True):
+    def add(self, grads, weight, grad_scale=None, normalise=True, variables=None):
         """Adds one micro-batch: `acc_grads += grad_scale * grads`, and `weight`.
 
         Args:
-            grads: the micro-batch's gradients. `tf.IndexedSlices` are
-                scatter-added, never densified.
+            grads: the micro-batch's gradients, one per buffer. `tf.IndexedSlices`
+                are scatter-added, never densified.
             weight: scalar; what this micro-batch's loss was normalised by.
                 The buffers must end up holding `weight * gradient`: either
                 the caller folded `weight` into the loss before
@@ -218,11 +324,26 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
                 added, in the buffer's dtype; also how loss-scaled gradients
                 are unscaled (`weight / loss_scale`).
             normalise: whether the window's gradient is divided by the
-                window's total weight (a mean); False for a sum. Like the
-                None-gradient pattern, fixed when the step is traced.
+                window's total weight (a mean); False for a sum.
+            variables: the variables `grads` belong to, if known: checked,
+                when traced, to be the window's own.
         """
+        if not self._built:
+            raise ValueError(
+                "The accumulator has no buffers yet: `bind` it to the "
+                "variables before adding gradients."
+            )
+        if len(grads) != len(self.acc_grads) or (
+            variables is not None and not _same(self.window_variables, variables)
+        ):
+            raise ValueError(
+                "These gradients are not for this window's variables: "
+                f"{len(grads)} gradients for "
+                f"{_names(variables) if variables is not None else '?'}, "
+                f"the window holds {len(self.acc_grads)} for "
+                f"{_names(self.window_variables)}."
+            )
         self._absent = frozenset(i for i, g in enumerate(grads) if g is None)
-        self._normalise = normalise
         for buf, g in zip(self.acc_grads, grads):
             if g is None:
                 continue
@@ -232,24 +353,24 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
             else:
                 buf.assign_add(_scaled(tf.cast(g, buf.dtype), grad_scale))
         self.window_weight.assign_add(tf.cast(weight, tf.float32))
+        self.normalise.assign(bool(normalise))
         self.micro_step.assign_add(1)
 
-    def window_gradients(self, variables, loss_scale=None, total_weight=None):
-        """The window's gradient per variable, in each variable's dtype.
+    def window_gradients(self, loss_scale=None, total_weight=None):
+        """The window's gradient per window variable, in each variable's dtype.
 
         Multiplied by `loss_scale` when given: what a loss-scaling optimizer
         expects. Divided by `total_weight` when given (the window's weight
-        summed over replicas), else by this `window_weight`. Variables that
-        had no gradient give None, as they would for the big batch.
+        summed over replicas), else by this `window_weight`, unless the
+        window is a sum. Variables that had no gradient give None, as they
+        would for the big batch.
         """
         if total_weight is None:
             total_weight = self.window_weight
         # divide_no_nan: a window whose loss terms were all masked has weight
         # 0 and, as Keras's big batch, a zero gradient.
-        inv = (
-            tf.math.divide_no_nan(1.0, total_weight)
-            if self._normalise
-            else tf.constant(1.0)
+        inv = tf.where(
+            self.normalise, tf.math.divide_no_nan(1.0, total_weight), 1.0
         )
         if loss_scale is not None:
             inv = inv * tf.cast(loss_scale, tf.float32)
@@ -257,31 +378,32 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
             None
             if i in self._absent
             else tf.cast(buf * tf.cast(inv, buf.dtype), v.dtype)
-            for i, (buf, v) in enumerate(zip(self.acc_grads, variables))
+            for i, (buf, v) in enumerate(zip(self.acc_grads, self._bound()))
         ]
 
-    def apply(self, optimizer, variables, total_weight=None):
-        """Applies the window's gradient through `optimizer`; a new window starts.
+    def apply(self, optimizer, total_weight=None):
+        """Applies the window's gradient to its variables through `optimizer`;
+        a new window starts.
 
         In a replica context the optimizer sums the replicas' gradients (its
         one cross-device reduction), so `total_weight` must then be the
         window's weight summed over replicas.
         """
-        grads = self.window_gradients(variables, loss_scale_of(optimizer), total_weight)
-        optimizer.apply(grads, variables)
+        grads = self.window_gradients(loss_scale_of(optimizer), total_weight)
+        optimizer.apply(grads, self._bound())
         self.reset()
 
-    def apply_if_full(self, optimizer, variables, accum_steps):
+    def apply_if_full(self, optimizer, accum_steps):
         """Applies the window once it holds `accum_steps` micro-batches.
 
         `accum_steps` may be a Python int (traced as a constant) or a tensor.
         Works eagerly and inside `tf.function`/XLA.
         """
-        self.when_full(accum_steps, lambda: self.apply(optimizer, variables))
+        self.when_full(accum_steps, lambda: self.apply(optimizer))
 
-    def flush(self, optimizer, variables):
+    def flush(self, optimizer):
         """Applies a partial window, if any; graph-safe."""
-        self._when(self.micro_step > 0, lambda: self.apply(optimizer, variables))
+        self._when(self.micro_step > 0, lambda: self.apply(optimizer))
 
     def when_full(self, accum_steps, apply):
         """Runs `apply()` once the window holds `accum_steps` micro-batches."""
@@ -292,11 +414,23 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
         tf.cond(condition, apply, lambda: None)
 
     def reset(self):
-        """Zeroes the buffers and counters: a new window starts."""
+        """Zeroes the buffers and counters: a new window starts.
+
+        Also how an open window is discarded: its gradients are dropped and
+        no update is made.
+        """
         for buf in self.acc_grads:
             buf.assign(tf.zeros_like(buf))
         self.window_weight.assign(0.0)
         self.micro_step.assign(0)
+
+    def _bound(self):
+        if self.window_variables is None:
+            raise ValueError(
+                "This window was restored from a file and is not yet bound to "
+                "variables: train a step, or call `flush()` on the model."
+            )
+        return self.window_variables
 
     # -- Keras saving (`model.save`, `save_weights`, `load_weights`) ----------
 
@@ -306,6 +440,10 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
         store["micro_step"] = self.micro_step.numpy()
         store["window_weight"] = self.window_weight.numpy()
         store["accum_steps"] = self.accum_steps.numpy()
+        store["normalise"] = np.int8(self.normalise.numpy())
+        store["has_gradient"] = np.array(
+            [i not in self._absent for i in range(len(self.acc_grads))], "int8"
+        )
         for i, buf in enumerate(self.acc_grads):
             store[f"acc_grad_{i}"] = buf.numpy()
 
@@ -320,7 +458,8 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
         expected = {"micro_step", "window_weight", "accum_steps"} | {
             f"acc_grad_{i}" for i in range(n)
         }
-        if keys != expected:
+        optional = {"normalise", "has_gradient"}
+        if not expected <= keys or keys - expected - optional:
             raise ValueError(
                 "The checkpoint's accumulation state is incomplete or not "
                 f"keras_accum's: expected entries {sorted(expected)}, found "
@@ -342,24 +481,63 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
         self.micro_step.assign(int(store["micro_step"]))
         self.window_weight.assign(float(store["window_weight"]))
         self.accum_steps.assign(int(store["accum_steps"]))
+        if "normalise" in keys:
+            self.normalise.assign(bool(np.asarray(store["normalise"])))
+        if "has_gradient" in keys:
+            has = np.asarray(store["has_gradient"])
+            self._absent = frozenset(int(i) for i in np.flatnonzero(has == 0))
 
     def snapshot(self):
         """All state as numpy, for `restore` after a failed load."""
         if not self._built:
             return None
-        return [v.numpy() for v in self._state()]
+        return [v.numpy() for v in self._state()], self._absent
 
     def restore(self, snapshot):
         if snapshot is None:
             self._unbuild()
             return
-        for v, value in zip(self._state(), snapshot):
+        values, self._absent = snapshot
+        for v, value in zip(self._state(), values):
             v.assign(value)
 
     def _state(self):
-        return [self.micro_step, self.window_weight, self.accum_steps, *self.acc_grads]
+        return [
+            self.micro_step,
+            self.window_weight,
+            self.accum_steps,
+            self.normalise,
+            *self.acc_grads,
+        ]
+
+
+class _Binding:
+    """Holds the window's variables out of sight of `tf.Module` tracking, so
+    that they are neither saved with the accumulator nor listed in its
+    `variables`."""
+
+    __slots__ = ("variables",)
+
+    def __init__(self, variables):
+        self.variables = variables
+
+
+_VARIABLE_TYPES = (tf.Variable, keras.Variable)
+
+
+def _same(a, b):
+    return a is not None and len(a) == len(b) and all(x is y for x, y in zip(a, b))
+
+
+def _shapes(variables):
+    return [tuple(v.shape) for v in variables]
+
+
+def _names(variables):
+    if variables is None:
+        return "(not yet bound)"
+    return [getattr(v, "path", None) or getattr(v, "name", "?") for v in variables]
 
 
 def _scaled(grad, scale):
     return grad if scale is None else grad * tf.cast(scale, grad.dtype)
-

@@ -26,12 +26,22 @@ class _WindowFlush(keras.callbacks.Callback):
     def __init__(self, model):
         super().__init__()
         self._accum_model = model
+        self._trained = False
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._trained = True
 
     def on_test_begin(self, logs=None):
-        self._accum_model.flush()
+        self._flush()
 
     def on_epoch_end(self, epoch, logs=None):
-        self._accum_model.flush()
+        self._flush()
+
+    def _flush(self):
+        # An epoch that trained on no data (Keras warns that the input ran
+        # out) leaves an open window from before the fit as it was.
+        if self._trained:
+            self._accum_model.flush()
 
 
 @keras.saving.register_keras_serializable(package="keras_accum")
@@ -109,6 +119,7 @@ class AccumModel(keras.Model):
         self._accum_steps = accum_steps
         self._accumulator = accumulator
         self._flush_function = None
+        self._flush_key = None
 
     @property
     def accum_steps(self):
@@ -121,7 +132,7 @@ class AccumModel(keras.Model):
         if value == self._accum_steps:
             return
         acc = self._accumulator
-        if acc.pending() and int(acc.accum_steps.numpy()) != value:
+        if acc.pending() and acc.window_length() != value:
             self.flush()
         self._accum_steps = value
         self._retrace()
@@ -160,6 +171,8 @@ class AccumModel(keras.Model):
         previous = self._accum_steps
         if accum_steps is not None:
             self.accum_steps = accum_steps
+        if isinstance(callbacks, keras.callbacks.Callback):
+            callbacks = [callbacks]  # Keras accepts one callback too
         flush = _WindowFlush(self)
         if isinstance(callbacks, keras.callbacks.CallbackList):
             callbacks.callbacks.insert(0, flush)
@@ -192,7 +205,8 @@ class AccumModel(keras.Model):
         check_not_accumulating(self.optimizer, self._accum_steps)
         strategy = self.distribute_strategy
         if self._accum_steps > 1:
-            self._build_window()
+            if self.built:
+                self._bind_window()
             if strategy.num_replicas_in_sync > 1:
                 self.train_function = internals.make_replicated_function(
                     self, self._accumulate, self._apply_if_full_across_replicas
@@ -219,51 +233,42 @@ class AccumModel(keras.Model):
         return super().make_test_function(force=force)
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
-        # Keras's version fails across workers (tensorflow/tensorflow#72388).
-        internals.symbolic_build(self, iterator=iterator, data_batch=data_batch)
+        # Keras builds a model without a strategy in its first traced step;
+        # a window needs the variables before that, so an accumulating model
+        # is built from the first batch's shapes, as Keras does under a
+        # strategy. Keras's own version also fails across workers
+        # (tensorflow/tensorflow#72388).
+        internals.symbolic_build(
+            self,
+            iterator=iterator,
+            data_batch=data_batch,
+            without_strategy=self._accum_steps > 1,
+        )
 
-    def _build_window(self):
-        variables = self.trainable_variables
+    def _bind_window(self):
+        """Makes the window the trainable variables' and builds the optimizer.
+
+        Eager, before a step is traced: the step trains the window's
+        variables (a trainable change takes effect at the next `compile()`,
+        as in Keras), and an open window computed for other variables is
+        refused with an error naming them.
+        """
         acc = self._accumulator
-        shapes = [tuple(v.shape) for v in variables]
-        if acc.built and acc.shapes() != shapes and acc.pending():
-            raise ValueError(
-                f"This model has a pending window of {acc.pending()} "
-                "micro-batches whose gradient buffers (shapes "
-                f"{acc.shapes()}) do not fit its trainable variables (shapes "
-                f"{shapes}). It was restored from another model or the "
-                "trainable set changed: restore a matching checkpoint, or "
-                "load weights saved at a window boundary."
-            )
-        if not acc.built or acc.shapes() != shapes:
-            acc.build(
-                variables,
-                accum_steps=self._accum_steps,
-                strategy=self.distribute_strategy,
-            )
-        window_length = int(acc.accum_steps.numpy())
-        if not acc.pending():
-            acc.accum_steps.assign(self._accum_steps)
-        elif window_length != self._accum_steps:
-            raise ValueError(
-                f"This model's pending window ({acc.pending()} micro-batches) "
-                f"was accumulated with accum_steps={window_length}, but the "
-                f"model now has accum_steps={self._accum_steps}. Set "
-                f"`model.accum_steps = {window_length}` to finish the window "
-                "as it began, or call `model.flush()` to apply it now."
-            )
+        acc.bind(
+            self.trainable_variables,
+            accum_steps=self._accum_steps,
+            strategy=self.distribute_strategy,
+        )
         if not self.optimizer.built:
             # Built here, eagerly: the optimizer first runs inside a
             # conditional branch, where it cannot create its variables.
-            self.optimizer.build(variables)
+            self.optimizer.build(acc.window_variables)
 
     def train_step(self, data):
         if self._accum_steps == 1:
             return super().train_step(data)
         logs = self._accumulate(data)
-        self._accumulator.apply_if_full(
-            self.optimizer, self.trainable_variables, self._accum_steps
-        )
+        self._accumulator.apply_if_full(self.optimizer, self._accum_steps)
         return logs
 
     def _accumulate(self, data):
@@ -290,7 +295,15 @@ class AccumModel(keras.Model):
             scaled = self.optimizer.scale_loss(loss)
             if fold:
                 scaled = scaled * tf.cast(weight, loss.dtype)
-        variables = self.trainable_variables
+        variables = self._accumulator.window_variables
+        if variables is None:
+            raise ValueError(
+                "This model was not built before its train function was "
+                "made, so it has no variables to accumulate gradients for. "
+                "Build it (call it on a batch, or `model.build(input_shape)`) "
+                "before training it outside `fit`, `train_on_batch` and "
+                "`evaluate`."
+            )
         grads = tape.gradient(scaled, variables)
         if fold:
             grad_scale = None
@@ -298,14 +311,16 @@ class AccumModel(keras.Model):
             grad_scale = weight
         else:
             grad_scale = weight / loss_scale
-        self._accumulator.add(grads, weight, grad_scale, normalise=normalise)
+        self._accumulator.add(
+            grads, weight, grad_scale, normalise=normalise, variables=variables
+        )
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def _apply_window(self):
         if self.distribute_strategy.num_replicas_in_sync > 1:
             self._apply_across_replicas()
         else:
-            self._accumulator.apply(self.optimizer, self.trainable_variables)
+            self._accumulator.apply(self.optimizer)
 
     def _apply_if_full_across_replicas(self):
         # Cross-replica context: replica 0's micro-step decides for all.
@@ -319,9 +334,7 @@ class AccumModel(keras.Model):
         # that summing replica gradients gives a mean); the window's total
         # weight is divided likewise to undo it.
         total = acc.window_weight.read_value() / strategy.num_replicas_in_sync
-        strategy.run(
-            lambda: acc.apply(self.optimizer, self.trainable_variables, total)
-        )
+        strategy.run(lambda: acc.apply(self.optimizer, total))
 
     def flush(self):
         """Applies the pending partial window now; a no-op if none is pending.
@@ -329,18 +342,49 @@ class AccumModel(keras.Model):
         `fit` calls it when an epoch's data ends. Call it yourself after
         `train_on_batch` loops, or before reading weights mid-window.
         """
-        if not self._accumulator.pending():
+        acc = self._accumulator
+        if not acc.pending():
             return
+        if acc.window_variables is None:
+            # Restored from a file and no step since: pair it with the
+            # trainable variables by position, as Keras pairs weights.
+            acc.bind(self.trainable_variables, accum_steps=acc.window_length())
+        if not self.optimizer.built:
+            self.optimizer.build(acc.window_variables)
+        unknown = internals.unknown_variables(self.optimizer, acc.window_variables)
+        if unknown:
+            raise ValueError(
+                f"The open window ({acc.pending()} micro-batches) holds "
+                f"gradients for {[v.path for v in unknown]}, which the "
+                "optimizer was not built for (the model was compiled again "
+                "after what is trainable changed). Call `flush()` before "
+                "changing what is trainable, or `reset_window()` to discard "
+                "the window."
+            )
         if self.run_eagerly:
             self._apply_window()
             return
-        if self._flush_function is None or self.train_function is None:
-            # Traced again after compile() (which clears train_function), as
-            # the optimizer may have changed. Held in a plain closure: a
-            # tf.function attribute would be tracked and exported.
+        # Traced for this optimizer and these buffers; again when either
+        # changes (compile() with another optimizer, a rebuilt window).
+        key = (id(self.optimizer), acc.generation)
+        if self._flush_key != key:
             function = tf.function(self._apply_window)
+            # Held in a plain closure: a tf.function attribute would be
+            # tracked and exported.
             self._flush_function = lambda: function()
+            self._flush_key = key
         self._flush_function()
+
+    def reset_window(self):
+        """Discards the open window: its gradients are dropped, no update is made.
+
+        For a window that must not be applied, e.g. after
+        `keras.callbacks.TerminateOnNaN(raise_error=True)` stopped `fit` with a
+        NaN gradient in it (`flush()` or the next `fit` would apply it). A
+        no-op if no window is open.
+        """
+        if self._accumulator.pending():
+            self._accumulator.reset()
 
     # -- saving -----------------------------------------------------------------
 
@@ -357,12 +401,17 @@ class AccumModel(keras.Model):
         saved = [v.numpy() for v in variables]
         window = self._accumulator.snapshot()
         try:
-            return super().load_weights(filepath, *args, **kwargs)
+            result = super().load_weights(filepath, *args, **kwargs)
         except Exception:
             for v, value in zip(variables, saved):
                 v.assign(value)
             self._accumulator.restore(window)
             raise
+        if self._accumulator.pending():
+            # The next step checks the restored window against this model
+            # (its variables and length) before it continues it.
+            self.train_function = None
+        return result
 
     # -- serialisation --------------------------------------------------------
 

@@ -39,7 +39,8 @@ class AccumOptimizer(keras.optimizers.Optimizer):
     so learning-rate schedules) counts updates. Pass `weight=` (the
     micro-batch's number of samples, say) to weight micro-batches, which makes
     an uneven window exactly the big batch's mean; without it, micro-batches
-    count equally. `flush()` applies a partial window.
+    count equally. `flush()` applies a partial window; `reset_window()`
+    discards it.
 
     For `model.fit`, prefer `AccumModel`: it weights by samples on its own and
     applies the window open at an epoch's end. `model.compile(optimizer=
@@ -93,7 +94,7 @@ class AccumOptimizer(keras.optimizers.Optimizer):
     @internals.no_automatic_dependency_tracking
     def build(self, var_list):
         self.inner_optimizer.build(var_list)
-        self._accumulator.build(var_list, accum_steps=self._accum_steps)
+        self._accumulator.bind(var_list, accum_steps=self._accum_steps)
         super().build(var_list)
 
     @property
@@ -128,9 +129,7 @@ class AccumOptimizer(keras.optimizers.Optimizer):
         self._accumulator.add(
             ordered, 1.0 if weight is None else weight, grad_scale=factor
         )
-        self._accumulator.apply_if_full(
-            self.inner_optimizer, self._trainable_variables, self._accum_steps
-        )
+        self._accumulator.apply_if_full(self.inner_optimizer, self._accum_steps)
 
     def apply_gradients(self, grads_and_vars, weight=None):
         grads, variables = zip(*grads_and_vars)
@@ -143,7 +142,16 @@ class AccumOptimizer(keras.optimizers.Optimizer):
         Works eagerly and inside `tf.function`.
         """
         if self.built:
-            self._accumulator.flush(self.inner_optimizer, self._trainable_variables)
+            self._accumulator.flush(self.inner_optimizer)
+
+    def reset_window(self):
+        """Discards the open window: its gradients are dropped, no update is made.
+
+        For a window that must not be applied, e.g. one holding a NaN
+        gradient. Works eagerly and inside `tf.function`.
+        """
+        if self.built:
+            self._accumulator.reset()
 
     @property
     def iterations(self):

@@ -30,8 +30,11 @@ class WrappedModel(AccumModel):
         kwargs.setdefault("name", model.name)
         super().__init__(accum_steps=accum_steps, **kwargs)
         self.wrapped = model
-        # Nothing of its own to build: built when the wrapped model is.
-        self.built = model.built
+        if model.built:
+            # Nothing of its own to build. The input shapes the wrapped
+            # model was built for are what `export()` serves.
+            self.built = True
+            internals.copy_build_shapes(model, self)
 
     def call(self, inputs, training=None):
         return self.wrapped(inputs, training=training)
@@ -88,7 +91,32 @@ def wrap(model, accum_steps=1):
     graph = _graph(model)
     if graph is not None:
         return AccumModel(*graph, name=model.name, accum_steps=accum_steps)
+    _check_no_step_overrides(model)
     return WrappedModel(model, accum_steps=accum_steps)
+
+
+# What fit, evaluate and predict call on the model they run. A wrapper runs
+# its own, so the wrapped model's versions would be silently ignored.
+_STEP_METHODS = ("train_step", "test_step", "predict_step", "compute_loss", "compute_metrics")
+
+
+def _check_no_step_overrides(model):
+    overridden = [
+        name
+        for name in _STEP_METHODS
+        if getattr(type(model), name) is not getattr(keras.Model, name)
+    ]
+    if overridden:
+        names = ", ".join(f"`{name}`" for name in overridden)
+        raise ValueError(
+            f"{type(model).__name__} overrides {names}, which wrap() cannot "
+            "honour: the wrapper runs its own training step around the "
+            "model's `call`. Make the class subclass `keras_accum.AccumModel` "
+            "instead of `keras.Model` (its `compute_loss`, `compute_metrics`, "
+            "`test_step` and `predict_step` overrides are honoured), or keep "
+            "a custom `train_step` and compile the plain model with "
+            "`optimizer=keras_accum.AccumOptimizer(...)`."
+        )
 
 
 def _graph(model):

@@ -88,6 +88,56 @@ class AccumNet(_Net, keras_accum.AccumModel):
     pass
 
 
+def _sequential_without_input():
+    return keras.Sequential(
+        [
+            keras.layers.Dense(16, activation="tanh", name="hidden"),
+            keras.layers.Dense(CLASSES, name="logits"),
+        ],
+        name="net",
+    )
+
+
+# Every way into keras_accum, as users take it: (accumulating model, plain
+# twin), both made from the same seed and neither built nor called, except
+# where the way in starts from a built model. Each value is a function of
+# `accum_steps` returning the pair's two makers.
+def _seeded(make):
+    def seeded():
+        keras.utils.set_random_seed(0)
+        return make()
+
+    return seeded
+
+
+WAYS_IN = {
+    "functional": lambda n: (
+        lambda: functional(keras_accum.AccumModel, accum_steps=n),
+        functional,
+    ),
+    "subclass": lambda n: (
+        _seeded(lambda: AccumNet(accum_steps=n)),
+        _seeded(PlainNet),
+    ),
+    "wrap_functional": lambda n: (
+        lambda: keras_accum.wrap(functional(), accum_steps=n),
+        functional,
+    ),
+    "wrap_subclassed": lambda n: (
+        _seeded(lambda: keras_accum.wrap(PlainNet(), accum_steps=n)),
+        _seeded(PlainNet),
+    ),
+    "wrap_built_subclassed": lambda n: (
+        lambda: keras_accum.wrap(subclassed(), accum_steps=n),
+        subclassed,
+    ),
+    "wrap_sequential_without_input": lambda n: (
+        _seeded(lambda: keras_accum.wrap(_sequential_without_input(), accum_steps=n)),
+        _seeded(_sequential_without_input),
+    ),
+}
+
+
 def subclassed(cls=keras.Model, seed=0, **kwargs):
     keras.utils.set_random_seed(seed)
     model = (AccumNet if cls is keras_accum.AccumModel else PlainNet)(**kwargs)
