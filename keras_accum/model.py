@@ -60,6 +60,11 @@ class AccumModel(keras.Model):
     Between updates the weights do not move; gradients are summed into
     float32 buffers that are training state, not model weights: `weights`,
     `count_params()`, `summary()` and `get_weights()` are the plain model's.
+    Each window belongs to the variables it was computed for: a trainable
+    change takes effect at the next `compile()`, as in Keras, and `flush()`
+    applies an open window to its own variables; `reset_window()` discards
+    it. The model need not be built before `fit`: an accumulating model is
+    built from the first batch's shapes.
 
     Under `tf.distribute.MirroredStrategy` or `MultiWorkerMirroredStrategy`
     (build and compile in `strategy.scope()`), `batch_size` is the global

@@ -58,7 +58,9 @@ def history_diff(ha, hb):
 def main():
     reductions = CountingReductions()
     strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=reductions)
-    x, y = make_data(100)  # global micro-batch 8: 4 per replica; last one 4
+    # Global micro-batch 8 (4 per replica), N=4: windows of 4, 4 and 2
+    # micro-batches, the last of 8 and 4 samples (2 per replica).
+    x, y = make_data(76)
     val = make_data(20, seed=3)
     fit = dict(epochs=2, shuffle=False, verbose=0, validation_data=val)
     out = {"weights": {}, "history": {}}
@@ -86,7 +88,7 @@ def main():
         out["history"][name] = history_diff(h_plain, h_acc)
         out.setdefault("moved", max_diff(plain, functional()))
         if name == "adam":
-            # Several steps per train-function call (3 does not divide 13).
+            # Several steps per train-function call (3 does not divide 10).
             with strategy.scope():
                 acc = functional(AccumModel, accum_steps=4)
                 acc.compile(make(), loss(), metrics=["accuracy"], steps_per_execution=3)

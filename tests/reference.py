@@ -156,6 +156,14 @@ def assert_weights_close(a, b, rtol=RTOL, atol=ATOL):
         np.testing.assert_allclose(va, vb, rtol=rtol, atol=atol)
 
 
+def assert_unchanged(before, model):
+    """`model`'s weights are exactly `before` (a `get_weights()` list)."""
+    after = model.get_weights()
+    assert len(before) == len(after)
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+
+
 def assert_history_close(ha, hb, rtol=RTOL, atol=ATOL):
     """Compares two `fit` histories: `History` objects or their `.history` dicts."""
     ha, hb = (getattr(h, "history", h) for h in (ha, hb))

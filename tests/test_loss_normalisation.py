@@ -147,7 +147,7 @@ def test_custom_loss_function_is_exact():
     def my_loss(y_true, y_pred):
         return keras.ops.mean(keras.ops.square(y_pred - keras.ops.one_hot(y_true, 3)), axis=-1)
 
-    x, y = make_data(60)
+    x, y = make_data(58)  # the last window's micro-batches: 4, 4 and 2
     plain, acc = train_pair(per_sample_model, x, y, my_loss)
     assert_weights_close(plain, acc)
 
@@ -169,8 +169,9 @@ class AccumManual(ManualLoss, AccumModel):
 
 
 def test_compute_loss_override_falls_back_to_sample_counts():
-    # A per-sample mean, so sample-count weighting is exactly right here.
-    x, y = make_data(60)
+    # A per-sample mean, so sample-count weighting is exactly right here;
+    # the last window's micro-batches hold 4, 4 and 2 samples.
+    x, y = make_data(58)
 
     def build(cls=keras.Model, **kwargs):
         return per_sample_model(AccumManual if cls is AccumModel else PlainManual, **kwargs)
@@ -247,3 +248,36 @@ def test_a_fully_masked_window_gives_a_zero_gradient_like_the_big_batch():
     plain, acc = train_pair(tagger, x, y, token_loss(), optimizer=lambda: keras.optimizers.SGD(0.5))
     assert all(np.isfinite(w).all() for w in acc.get_weights())
     assert_weights_close(plain, acc)
+
+
+@pytest.mark.parametrize(
+    "case", ["unmasked", "masked", "sample_weight"]
+)
+def test_the_normaliser_is_the_divisor_keras_applies(case):
+    # mean loss x normaliser == the sum of the loss elements Keras counts:
+    # exactly what makes a window divide like the big batch. (Keras needs a
+    # mask of the loss elements' shape, so with a mask the divisor is the
+    # number of unmasked elements.)
+    from keras_accum.normaliser import loss_normaliser
+
+    rng = np.random.default_rng(0)
+    tokens = np.array([[3, 1, 0, 0, 0], [2, 4, 4, 1, 0], [1, 0, 0, 0, 0], [5, 5, 5, 5, 5]])
+    embedded = keras.layers.Embedding(10, 3, mask_zero=True)(tokens)  # carries a mask
+    sample_weight = None
+    if case == "unmasked":
+        y_pred, y_true = rng.normal(size=(4, 3)).astype("float32"), np.array([0, 2, 1, 1])
+        make = token_loss
+    elif case == "masked":
+        y_pred, y_true = embedded, tokens % 3
+        make = token_loss
+    else:
+        y_pred, y_true = rng.normal(size=(4, 3)).astype("float32"), np.array([0, 2, 1, 1])
+        sample_weight = np.array([0.5, 3.0, 0.0, 1.0], "float32")
+        make = lambda **kw: token_loss(**kw)  # noqa: E731
+    reduction = "mean_with_sample_weight" if case == "sample_weight" else "sum_over_batch_size"
+    mean = make(reduction=reduction)
+    total = make(reduction="sum")(y_true, y_pred, sample_weight)
+    normaliser = loss_normaliser(mean, y_true, y_pred, sample_weight)
+    np.testing.assert_allclose(
+        float(mean(y_true, y_pred, sample_weight)) * float(normaliser), float(total), rtol=1e-6
+    )

@@ -17,12 +17,12 @@ from reference import (
     WAYS_IN,
     assert_history_close,
     assert_trained,
+    assert_unchanged,
     assert_weights_close,
     functional,
     loss,
     make_data,
     run_python,
-    subclassed,
 )
 
 import keras_accum
@@ -50,11 +50,12 @@ def _initial(make_plain, x):
     return model.get_weights()
 
 
-# 92 samples at micro-batch 8 and N=4: windows 8+8+8+8, 8+8+8+8, 8+8+8+4, so
-# that every weighting mistake shows.
+# 76 samples at micro-batch 8 and N=4: windows of 4, 4 and 2 micro-batches,
+# the last of 8+4 samples, so that every weighting mistake shows and the
+# epoch-end flush runs.
 @pytest.mark.parametrize("way", sorted(WAYS_IN))
 def test_models_built_by_fit_train_like_the_big_batch(way):
-    x, y = make_data(92)
+    x, y = make_data(76)
     make_accum, make_plain = _pair(way)
     plain = _compile(make_plain())
     expected = plain.fit(x, y, batch_size=BIG, epochs=2, shuffle=False, verbose=0)
@@ -113,21 +114,22 @@ def test_model_first_built_by_loading_a_saved_model(tmp_path):
 
 @pytest.mark.parametrize("way", ["functional", "subclass", "wrap_subclassed"])
 def test_recompiling_with_another_optimizer_takes_effect_at_epoch_end_too(way):
-    x, y = make_data(92)  # the last window is partial: the epoch-end flush runs
+    # 76 samples: windows of 4, 4 and 2 micro-batches (8+4 samples), so the
+    # epoch-end flush applies the last one.
+    x, y = make_data(76)
     make_accum, make_plain = _pair(way)
     model = _compile(make_accum())
     model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
     trained = model.get_weights()
     model.compile(keras.optimizers.SGD(0.0), loss())
     model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
-    for a, b in zip(trained, model.get_weights()):
-        np.testing.assert_array_equal(a, b)
+    assert_unchanged(trained, model)
     assert int(model.optimizer.iterations.numpy()) == 3
 
 
 @pytest.mark.parametrize("way", ["functional", "subclass", "wrap_subclassed", "wrap_sequential_without_input"])
 def test_fine_tuning_recipe_equals_the_big_batch(way):
-    x, y = make_data(92)
+    x, y = make_data(76)  # windows 4, 4 and a partial 2 (8+4 samples)
     make_accum, make_plain = _pair(way)
 
     def recipe(model, batch_size):
@@ -209,8 +211,7 @@ def test_an_open_window_for_other_variables_is_refused_by_name():
     before = model.get_weights()
     with pytest.raises(ValueError, match=r"(?s)hidden/kernel.*reset_window"):
         model.train_on_batch(x[8:], y[8:])
-    for a, b in zip(before, model.get_weights()):
-        np.testing.assert_array_equal(a, b)
+    assert_unchanged(before, model)
     # The new optimizer was built for the new set: it cannot apply it either.
     with pytest.raises(ValueError, match=r"(?s)hidden/kernel.*not built for.*reset_window"):
         model.flush()
@@ -232,7 +233,7 @@ def test_flush_before_a_trainable_change_applies_the_window_where_it_belongs():
 
 
 def test_trainable_change_between_fits_with_recompile_and_a_callback():
-    x, y = make_data(92)
+    x, y = make_data(76)
     make_accum, make_plain = _pair("subclass")
     results = []
     for make, batch_size in ((make_plain, BIG), (make_accum, MICRO)):
@@ -342,8 +343,7 @@ def test_accum_steps_beyond_int64_is_refused_before_anything_changes(value):
     with pytest.raises(ValueError, match=match):
         model.fit(x, y, batch_size=MICRO, accum_steps=value, verbose=0)
     assert model.accum_steps == N and model._accumulator.pending() == 1
-    for a, b in zip(before, model.get_weights()):
-        np.testing.assert_array_equal(a, b)
+    assert_unchanged(before, model)
 
 
 # -- state restored with a window ---------------------------------------------------
@@ -428,8 +428,7 @@ def test_loading_into_a_trained_model_restores_the_window_length(tmp_path):
     before = model.get_weights()
     with pytest.raises(ValueError, match=r"accum_steps=4.*accum_steps=2"):
         model.train_on_batch(x[8:16], y[8:16])
-    for a, b in zip(before, model.get_weights()):
-        np.testing.assert_array_equal(a, b)
+    assert_unchanged(before, model)
     model.accum_steps = 4
     for start in (8, 16, 24):
         model.train_on_batch(x[start : start + 8], y[start : start + 8])
@@ -471,5 +470,4 @@ def test_fit_on_no_data_leaves_an_open_window_open():
     # Not applied: the open window waits for data.
     assert model._accumulator.pending() >= 1
     assert int(model.optimizer.iterations.numpy()) == 0
-    for a, b in zip(before, model.get_weights()):
-        np.testing.assert_array_equal(a, b)
+    assert_unchanged(before, model)
