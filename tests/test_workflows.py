@@ -150,6 +150,52 @@ def test_fine_tuning_recipe_equals_the_big_batch(way):
     assert_weights_close(plain, model)
 
 
+@pytest.mark.parametrize("way", ["subclass", "wrap_sequential_without_input"])
+def test_recompiling_with_another_loss_and_metrics(way):
+    # A mean loss, then a summed one: the window's arithmetic follows the
+    # compiled loss, as does what is logged.
+    x, y = make_data(76)
+    make_accum, make_plain = _pair(way)
+    runs = []
+    for make, batch_size in ((make_plain, BIG), (make_accum, MICRO)):
+        m = _compile(make(), lambda: keras.optimizers.SGD(0.05))
+        m.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
+        m.compile(
+            keras.optimizers.SGD(0.002),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum"),
+            metrics=["sparse_categorical_crossentropy"],
+        )
+        history = m.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+        runs.append((m, history))
+    (plain, expected), (model, history) = runs
+    assert_weights_close(plain, model)
+    # The logged summed loss is Keras's per-batch sum averaged by batch
+    # size, which differs between batch sizes (see the README); the metric
+    # is a per-sample mean and must match.
+    np.testing.assert_allclose(
+        history.history["sparse_categorical_crossentropy"],
+        expected.history["sparse_categorical_crossentropy"],
+        rtol=1e-5,
+    )
+
+
+@pytest.mark.parametrize("way", ["functional", "wrap_subclassed"])
+def test_freezing_between_fits_without_recompiling_is_as_in_keras(way):
+    # Keras keeps training with the variables its step was traced with
+    # until compile() is called again; so does AccumModel.
+    x, y = make_data(76)
+    make_accum, make_plain = _pair(way)
+    models = []
+    for make, batch_size in ((make_plain, BIG), (make_accum, MICRO)):
+        m = _compile(make())
+        m.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
+        getattr(m, "wrapped", m).get_layer("hidden").trainable = False
+        m.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0)
+        models.append(m)
+    assert_weights_close(*models)
+    assert int(models[1].optimizer.iterations.numpy()) == 6
+
+
 def _three_same_shaped_layers(cls=keras.Model, **kwargs):
     # Layers a, b, c of one shape: a gradient handed to the wrong one would
     # fit silently.
