@@ -125,6 +125,9 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
         # Made inside a strategy's scope (with its model): build per-replica
         # buffers even when the build comes from loading a checkpoint.
         self._strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+        # A NonFiniteWindows that applies a window only if its gradient is
+        # finite; set by the owner (skip_nonfinite=True). None: always apply.
+        self.nonfinite = None
         self._unbuild()
 
     def _unbuild(self):
@@ -260,15 +263,20 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
             for i, (buf, v) in enumerate(zip(self.acc_grads, variables))
         ]
 
-    def apply(self, optimizer, variables, total_weight=None):
+    def apply(self, optimizer, variables, total_weight=None, check_finite=True):
         """Applies the window's gradient through `optimizer`; a new window starts.
 
         In a replica context the optimizer sums the replicas' gradients (its
         one cross-device reduction), so `total_weight` must then be the
-        window's weight summed over replicas.
+        window's weight summed over replicas, and `check_finite` False: a
+        conditional update inside a replica cannot be made, the caller
+        decides across replicas (`NonFiniteWindows.across_replicas`).
         """
         grads = self.window_gradients(variables, loss_scale_of(optimizer), total_weight)
-        optimizer.apply(grads, variables)
+        if self.nonfinite is None or not check_finite:
+            optimizer.apply(grads, variables)
+        else:
+            self.nonfinite.apply(optimizer, grads, variables)
         self.reset()
 
     def apply_if_full(self, optimizer, variables, accum_steps):

@@ -50,7 +50,7 @@ class WrappedModel(AccumModel):
         return cls(model, **config)
 
 
-def wrap(model, accum_steps=1):
+def wrap(model, accum_steps=1, skip_nonfinite=False):
     """Returns an `AccumModel` that trains `model`'s own layers and weights.
 
     Training the result trains `model`: no weights are copied. A functional
@@ -61,6 +61,8 @@ def wrap(model, accum_steps=1):
     Args:
         model: a `keras.Model` (Sequential, functional or subclassed).
         accum_steps: micro-batches per optimizer update, an integer >= 1.
+        skip_nonfinite: skip windows whose gradient is not finite; see
+            `AccumModel`.
 
     Returns:
         An `AccumModel`, not yet compiled.
@@ -87,8 +89,13 @@ def wrap(model, accum_steps=1):
         )
     graph = _graph(model)
     if graph is not None:
-        return AccumModel(*graph, name=model.name, accum_steps=accum_steps)
-    return WrappedModel(model, accum_steps=accum_steps)
+        return AccumModel(
+            *graph,
+            name=model.name,
+            accum_steps=accum_steps,
+            skip_nonfinite=skip_nonfinite,
+        )
+    return WrappedModel(model, accum_steps=accum_steps, skip_nonfinite=skip_nonfinite)
 
 
 def _graph(model):
