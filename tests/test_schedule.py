@@ -109,6 +109,16 @@ def test_epochs_before_the_first_key_keep_the_models_accum_steps():
     assert_weights_close(plain, model)
 
 
+def test_a_callable_returning_none_keeps_the_current_value():
+    model = functional(AccumModel, accum_steps=3)
+    model.compile(OPTIMIZERS["adam"](), loss())
+    schedule = AccumScheduler(lambda epoch: 2 if epoch == 1 else None)
+    history = model.fit(X, Y, batch_size=MICRO, epochs=3, callbacks=[schedule], **FIT)
+    assert history.history["accum_steps"] == [3, 2, 2]
+    plain, _ = plain_following(lambda epoch: 3 if epoch == 0 else 2, epochs=3)
+    assert_weights_close(plain, model)
+
+
 def test_initial_epoch_applies_the_schedule_for_the_starting_epoch():
     # The model's own accum_steps (3) is not in the schedule: had the
     # schedule not been applied at epoch 2, the windows would differ.
