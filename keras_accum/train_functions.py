@@ -32,7 +32,15 @@ class TrainFunctionCache:
         return entry[1]
 
     def put(self, model, function):
-        self._functions[model.accum_steps] = (_captured(model), function)
+        captured = _captured(model)
+        # Entries of an earlier compile would never be used again, yet hold
+        # on to its optimizer and traced graphs.
+        self._functions = {
+            steps: entry
+            for steps, entry in self._functions.items()
+            if _same(entry[0], captured)
+        }
+        self._functions[model.accum_steps] = (captured, function)
 
     def clear(self):
         self._functions.clear()

@@ -164,13 +164,16 @@ def test_backup_and_restore_resume_reapplies_the_schedule(tmp_path):
     backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
     model = compiled()
     with pytest.raises(RuntimeError, match="interrupted"):
-        # Mid-window in epoch 3, where accum_steps is 4.
-        model.fit(X, Y, callbacks=[AccumScheduler(SCHEDULE), backup, Interrupt(3, 5)], **fit)
-    # A new process would start from a fresh model with accum_steps=1.
+        # Mid-window in epoch 4, where accum_steps is 4 (set at epoch 3).
+        model.fit(X, Y, callbacks=[AccumScheduler(SCHEDULE), backup, Interrupt(4, 5)], **fit)
+    # A new process would start from a fresh model with accum_steps=1 and
+    # resume at epoch 4, which is no key of the schedule.
     model = compiled()
     model.fit(X, Y, callbacks=[AccumScheduler(SCHEDULE), backup], **fit)
     assert_weights_close(reference, model, rtol=0, atol=0)
     assert model.optimizer.iterations.numpy() == reference.optimizer.iterations.numpy()
+    plain, _ = plain_following(step_of(SCHEDULE))
+    assert_weights_close(plain, model)
 
 
 def test_verbose_reports_changes(capsys):
