@@ -9,6 +9,7 @@ model = keras_accum.AccumModel(inputs, outputs, accum_steps=4)
 model = keras_accum.wrap(existing_model, accum_steps=4)
 model.fit(x, y, batch_size=32, accum_steps=8)
 optimizer = keras_accum.AccumOptimizer(keras.optimizers.Adam(), accum_steps=4)
+model.fit(x, y, batch_size=32, callbacks=[keras_accum.AccumScheduler({0: 1, 3: 4})])
 ```
 """
 
@@ -32,8 +33,9 @@ if keras.backend.backend() != "tensorflow":
 
 from keras_accum.model import AccumModel  # noqa: E402
 from keras_accum.optimizer import AccumOptimizer  # noqa: E402
+from keras_accum.scheduler import AccumScheduler  # noqa: E402
 from keras_accum.wrap import wrap  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["AccumModel", "AccumOptimizer", "__version__", "wrap"]
+__all__ = ["AccumModel", "AccumOptimizer", "AccumScheduler", "__version__", "wrap"]

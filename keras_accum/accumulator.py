@@ -143,6 +143,9 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
         # Made inside a strategy's scope (with its model): build per-replica
         # buffers even when the build comes from loading a checkpoint.
         self._strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+        # A NonFiniteWindows that applies a window only if its gradient is
+        # finite; set by the owner (skip_nonfinite=True). None: always apply.
+        self.nonfinite = None
         self._unbuild()
 
     def _unbuild(self):
@@ -198,8 +201,8 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
         do. A gradient never reaches a variable it was not computed for.
 
         Returns:
-            True if buffers were made (functions traced with the old ones
-            must be traced again).
+            True if buffers were replaced (functions traced with the old
+            ones must be traced again).
         """
         variables = list(variables)
         if self.pending():
@@ -214,8 +217,9 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
             self._binding.variables = variables
             self.accum_steps.assign(accum_steps)
             return False
+        replaced = self._built
         self.build(variables, accum_steps, strategy)
-        return True
+        return replaced
 
     def _check_open_window_fits(self, variables, accum_steps):
         bound = self.window_variables
@@ -381,16 +385,21 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
             for i, (buf, v) in enumerate(zip(self.acc_grads, self._bound()))
         ]
 
-    def apply(self, optimizer, total_weight=None):
+    def apply(self, optimizer, total_weight=None, check_finite=True):
         """Applies the window's gradient to its variables through `optimizer`;
         a new window starts.
 
         In a replica context the optimizer sums the replicas' gradients (its
         one cross-device reduction), so `total_weight` must then be the
-        window's weight summed over replicas.
+        window's weight summed over replicas, and `check_finite` False: a
+        conditional update inside a replica cannot be made, the caller
+        decides across replicas (`NonFiniteWindows.across_replicas`).
         """
         grads = self.window_gradients(loss_scale_of(optimizer), total_weight)
-        optimizer.apply(grads, self._bound())
+        if self.nonfinite is None or not check_finite:
+            optimizer.apply(grads, self._bound())
+        else:
+            self.nonfinite.apply(optimizer, grads, self._bound())
         self.reset()
 
     def apply_if_full(self, optimizer, accum_steps):

@@ -9,8 +9,10 @@ from keras_accum.accumulator import (
     check_accum_steps,
     loss_scale_of,
 )
+from keras_accum.nonfinite import NonFiniteWindows
 from keras_accum.normaliser import loss_normaliser, micro_batch_weight
 from keras_accum.optimizer import check_not_accumulating
+from keras_accum.train_functions import TrainFunctionCache
 
 
 class _WindowFlush(keras.callbacks.Callback):
@@ -36,6 +38,8 @@ class _WindowFlush(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self._flush()
+        if logs is not None and self._accum_model.skip_nonfinite:
+            logs["skipped_windows"] = self._accum_model.skipped_windows
 
     def _flush(self):
         # An epoch that trained on no data (Keras warns that the input ran
@@ -82,6 +86,10 @@ class AccumModel(keras.Model):
         accum_dtype: dtype of the gradient buffers. Default None: float32
             (float64 for float64 weights), whatever the compute dtype, so
             mixed-precision gradients are summed in float32.
+        skip_nonfinite: if True, a window whose gradient holds a NaN or an
+            Inf makes no update (weights, optimizer state and `iterations`
+            untouched) and is discarded; `skipped_windows` counts them and
+            `fit` logs the count. Default False: applied, as the big batch.
         **kwargs: passed to `keras.Model`.
 
     Example:
@@ -110,7 +118,9 @@ class AccumModel(keras.Model):
             cls = _functional_variant(cls)
         return super().__new__(cls, *args, **kwargs)
 
-    def __init__(self, *args, accum_steps=1, accum_dtype=None, **kwargs):
+    def __init__(
+        self, *args, accum_steps=1, accum_dtype=None, skip_nonfinite=False, **kwargs
+    ):
         accum_steps = check_accum_steps(accum_steps)
         accumulator = GradientAccumulator(dtype=accum_dtype)
         if internals.functional_init_arguments(args, kwargs):
@@ -125,6 +135,27 @@ class AccumModel(keras.Model):
         self._accumulator = accumulator
         self._flush_function = None
         self._flush_key = None
+        self._train_functions = TrainFunctionCache()
+        self._set_skip_nonfinite(skip_nonfinite)
+
+    def _set_skip_nonfinite(self, skip_nonfinite):
+        if not isinstance(skip_nonfinite, bool):
+            raise TypeError(
+                "`skip_nonfinite` must be True or False. "
+                f"Received: skip_nonfinite={skip_nonfinite!r}."
+            )
+        self._nonfinite = NonFiniteWindows() if skip_nonfinite else None
+        self._accumulator.nonfinite = self._nonfinite
+
+    @property
+    def skip_nonfinite(self):
+        """Whether windows with a non-finite gradient are skipped."""
+        return self._nonfinite is not None
+
+    @property
+    def skipped_windows(self):
+        """Windows skipped for a non-finite gradient (0 unless `skip_nonfinite`)."""
+        return 0 if self._nonfinite is None else int(self._nonfinite.skipped.numpy())
 
     @property
     def accum_steps(self):
@@ -144,10 +175,12 @@ class AccumModel(keras.Model):
 
     def _retrace(self):
         # The window length is a Python constant in the traced step (cheaper
-        # than a variable read every micro-batch), so a new one needs a new
-        # trace. Rebuild rather than clear: fit() holds on to the function.
+        # than a variable read every micro-batch), so a new one needs its own
+        # function: the cached one, else a new trace. Replaced now rather
+        # than cleared: fit() reads the attribute before every step.
         if self.train_function is not None:
-            self.make_train_function(force=True)
+            self.train_function = None
+            self.make_train_function()
 
     # -- training -----------------------------------------------------------
 
@@ -208,10 +241,18 @@ class AccumModel(keras.Model):
         if self.train_function is not None and not force:
             return self.train_function
         check_not_accumulating(self.optimizer, self._accum_steps)
+        if self._windowed() and self.built:
+            self._bind_window()
+        function = None if force else self._train_functions.get(self)
+        if function is None:
+            function = self._new_train_function()
+            self._train_functions.put(self, function)
+        self.train_function = function
+        return function
+
+    def _new_train_function(self):
         strategy = self.distribute_strategy
-        if self._accum_steps > 1:
-            if self.built:
-                self._bind_window()
+        if self._windowed():
             if strategy.num_replicas_in_sync > 1:
                 self.train_function = internals.make_replicated_function(
                     self, self._accumulate, self._apply_if_full_across_replicas
@@ -224,7 +265,8 @@ class AccumModel(keras.Model):
                 self, self.train_step
             )
             return self.train_function
-        return super().make_train_function(force=force)
+        super().make_train_function(force=True)
+        return self.train_function
 
     def make_test_function(self, force=False):
         if self.test_function is not None and not force:
@@ -239,15 +281,13 @@ class AccumModel(keras.Model):
 
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # Keras builds a model without a strategy in its first traced step;
-        # a window needs the variables before that, so an accumulating model
-        # is built from the first batch's shapes, as Keras does under a
-        # strategy. Keras's own version also fails across workers
+        # a window needs the variables before that (and a cached train
+        # function the variables it was traced with), so the model is built
+        # from the first batch's shapes, as Keras does under a strategy.
+        # Keras's own version also fails across workers
         # (tensorflow/tensorflow#72388).
         internals.symbolic_build(
-            self,
-            iterator=iterator,
-            data_batch=data_batch,
-            without_strategy=self._accum_steps > 1,
+            self, iterator=iterator, data_batch=data_batch, without_strategy=True
         )
 
     def _bind_window(self):
@@ -259,18 +299,23 @@ class AccumModel(keras.Model):
         refused with an error naming them.
         """
         acc = self._accumulator
-        acc.bind(
+        if acc.bind(
             self.trainable_variables,
             accum_steps=self._accum_steps,
             strategy=self.distribute_strategy,
-        )
+        ):
+            self._train_functions.clear()  # they hold the old buffers
         if not self.optimizer.built:
             # Built here, eagerly: the optimizer first runs inside a
             # conditional branch, where it cannot create its variables.
             self.optimizer.build(acc.window_variables)
 
+    def _windowed(self):
+        # accum_steps=1 is Keras's own step, unless windows may be skipped.
+        return self._accum_steps > 1 or self._nonfinite is not None
+
     def train_step(self, data):
-        if self._accum_steps == 1:
+        if not self._windowed():
             return super().train_step(data)
         logs = self._accumulate(data)
         self._accumulator.apply_if_full(self.optimizer, self._accum_steps)
@@ -339,7 +384,22 @@ class AccumModel(keras.Model):
         # that summing replica gradients gives a mean); the window's total
         # weight is divided likewise to undo it.
         total = acc.window_weight.read_value() / strategy.num_replicas_in_sync
-        strategy.run(lambda: acc.apply(self.optimizer, total))
+
+        def apply():
+            strategy.run(
+                lambda: acc.apply(self.optimizer, total, check_finite=False)
+            )
+
+        if self._nonfinite is None:
+            apply()
+        else:
+            self._nonfinite.across_replicas(
+                strategy,
+                lambda: acc.window_gradients(total_weight=total),
+                self.optimizer,
+                apply,
+                lambda: strategy.run(acc.reset),
+            )
 
     def flush(self):
         """Applies the pending partial window now; a no-op if none is pending.
@@ -425,6 +485,8 @@ class AccumModel(keras.Model):
         config["accum_steps"] = self._accum_steps
         if self._accumulator.dtype is not None:
             config["accum_dtype"] = self._accumulator.dtype.name
+        if self._nonfinite is not None:
+            config["skip_nonfinite"] = True
         return config
 
     @classmethod
@@ -432,10 +494,12 @@ class AccumModel(keras.Model):
         config = dict(config)
         accum_steps = config.pop("accum_steps", 1)
         accum_dtype = config.pop("accum_dtype", None)
+        skip_nonfinite = config.pop("skip_nonfinite", False)
         model = super().from_config(config, custom_objects=custom_objects)
         model.accum_steps = accum_steps
         if accum_dtype is not None:
             model._accumulator = GradientAccumulator(dtype=accum_dtype)
+        model._set_skip_nonfinite(skip_nonfinite)
         return model
 
 

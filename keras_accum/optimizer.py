@@ -9,6 +9,7 @@ from keras_accum.accumulator import (
     check_accum_steps,
     loss_scale_of,
 )
+from keras_accum.nonfinite import NonFiniteWindows
 
 
 def check_not_accumulating(optimizer, accum_steps):
@@ -51,6 +52,9 @@ class AccumOptimizer(keras.optimizers.Optimizer):
         accum_steps: micro-batches per update, an integer >= 1.
         accum_dtype: dtype of the gradient buffers; default float32
             (float64 for float64 variables).
+        skip_nonfinite: if True, a window whose gradient holds a NaN or an
+            Inf makes no update and is discarded; `skipped_windows` counts
+            them. Default False.
         name: optional name.
 
     Example:
@@ -66,7 +70,15 @@ class AccumOptimizer(keras.optimizers.Optimizer):
     ```
     """
 
-    def __init__(self, optimizer, accum_steps=1, accum_dtype=None, name=None, **kwargs):
+    def __init__(
+        self,
+        optimizer,
+        accum_steps=1,
+        accum_dtype=None,
+        skip_nonfinite=False,
+        name=None,
+        **kwargs,
+    ):
         accum_steps = check_accum_steps(accum_steps)
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise TypeError(
@@ -75,6 +87,11 @@ class AccumOptimizer(keras.optimizers.Optimizer):
                 f"(of type {type(optimizer).__name__})."
             )
         check_not_accumulating(optimizer, accum_steps)
+        if not isinstance(skip_nonfinite, bool):
+            raise TypeError(
+                "`skip_nonfinite` must be True or False. "
+                f"Received: skip_nonfinite={skip_nonfinite!r}."
+            )
         if kwargs:
             raise ValueError(
                 "AccumOptimizer takes no optimizer arguments of its own; set "
@@ -85,6 +102,13 @@ class AccumOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer = optimizer
         self._accum_steps = accum_steps
         self._accumulator = GradientAccumulator(dtype=accum_dtype)
+        self._nonfinite = NonFiniteWindows() if skip_nonfinite else None
+        self._accumulator.nonfinite = self._nonfinite
+
+    @property
+    def skipped_windows(self):
+        """Windows skipped for a non-finite gradient (0 unless `skip_nonfinite`)."""
+        return 0 if self._nonfinite is None else int(self._nonfinite.skipped.numpy())
 
     @property
     def accum_steps(self):
@@ -179,6 +203,7 @@ class AccumOptimizer(keras.optimizers.Optimizer):
             "accum_dtype": None
             if self._accumulator.dtype is None
             else self._accumulator.dtype.name,
+            "skip_nonfinite": self._nonfinite is not None,
         }
 
     @classmethod

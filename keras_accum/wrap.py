@@ -53,7 +53,7 @@ class WrappedModel(AccumModel):
         return cls(model, **config)
 
 
-def wrap(model, accum_steps=1):
+def wrap(model, accum_steps=1, skip_nonfinite=False):
     """Returns an `AccumModel` that trains `model`'s own layers and weights.
 
     Training the result trains `model`: no weights are copied. A functional
@@ -64,6 +64,8 @@ def wrap(model, accum_steps=1):
     Args:
         model: a `keras.Model` (Sequential, functional or subclassed).
         accum_steps: micro-batches per optimizer update, an integer >= 1.
+        skip_nonfinite: skip windows whose gradient is not finite; see
+            `AccumModel`.
 
     Returns:
         An `AccumModel`, not yet compiled.
@@ -90,9 +92,14 @@ def wrap(model, accum_steps=1):
         )
     graph = _graph(model)
     if graph is not None:
-        return AccumModel(*graph, name=model.name, accum_steps=accum_steps)
+        return AccumModel(
+            *graph,
+            name=model.name,
+            accum_steps=accum_steps,
+            skip_nonfinite=skip_nonfinite,
+        )
     _check_no_step_overrides(model)
-    return WrappedModel(model, accum_steps=accum_steps)
+    return WrappedModel(model, accum_steps=accum_steps, skip_nonfinite=skip_nonfinite)
 
 
 # What fit, evaluate and predict call on the model they run. A wrapper runs

@@ -22,7 +22,7 @@ import numpy as np  # noqa: E402
 from reference import OPTIMIZERS, functional, loss, make_data  # noqa: E402
 from test_precision_and_sparse import mlp  # noqa: E402
 
-from keras_accum import AccumModel  # noqa: E402
+from keras_accum import AccumModel, AccumScheduler  # noqa: E402
 
 
 class CountingReductions(tf.distribute.ReductionToOneDevice):
@@ -155,6 +155,48 @@ def main():
     out["resumed_pending"] = resumed._accumulator.pending()
     train(resumed, range(6, 8))
     out["resume"] = max_diff(uninterrupted, resumed)
+
+    # AccumScheduler: batch 8, then 16, then 32 (global), as a plain model
+    # on one device whose batch size follows the schedule.
+    plain = functional()
+    plain.compile(OPTIMIZERS["adam"](), loss())
+    for epoch, batch in enumerate((8, 16, 32)):
+        plain.fit(x, y, batch_size=batch, epochs=epoch + 1, initial_epoch=epoch, shuffle=False, verbose=0)
+    with strategy.scope():
+        acc = functional(AccumModel)
+        acc.compile(OPTIMIZERS["adam"](), loss())
+    acc.fit(
+        x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+        callbacks=[AccumScheduler({0: 1, 1: 2, 2: 4})],
+    )
+    out["schedule"] = max_diff(plain, acc)
+    out["schedule_iterations"] = [int(m.optimizer.iterations.numpy()) for m in (plain, acc)]
+
+    # skip_nonfinite: one NaN sample in the second window of each epoch, in
+    # replica 0's half of its micro-batch only; both replicas must skip.
+    x_nan = x.copy()
+    x_nan[41, 0] = np.nan
+    plain = functional()
+    plain.compile(OPTIMIZERS["adam"](), loss())
+    for _ in range(2):
+        for batch in (slice(0, 32), slice(64, 96), slice(96, 100)):
+            plain.train_on_batch(x[batch], y[batch])
+    with strategy.scope():
+        acc = functional(AccumModel, accum_steps=4, skip_nonfinite=True)
+        acc.compile(OPTIMIZERS["adam"](), loss())
+    history = acc.fit(x_nan, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    # Each replica's own copy of every weight, read on that replica.
+    local = strategy.run(lambda: [tf.identity(w) for w in acc.weights])
+    replicas = [strategy.experimental_local_results(w) for w in local]
+    out["skip"] = {
+        "diff": max_diff(plain, acc),
+        "finite": bool(all(np.isfinite(w).all() for w in acc.get_weights())),
+        "replicas_differ": float(max(np.abs(r[0].numpy() - r[1].numpy()).max() for r in replicas)),
+        "replicas": len(replicas[0]),
+        "skipped": acc.skipped_windows,
+        "logged": history.history["skipped_windows"],
+        "iterations": int(acc.optimizer.iterations.numpy()),
+    }
     print(json.dumps(out))
 
 

@@ -84,3 +84,35 @@ def test_builtin_carries_a_partial_window_into_the_next_epoch():
     assert int(builtin.optimizer.iterations) == 2
     assert max_difference(plain, builtin) > 1e-3
     assert_weights_close(plain, ours)
+
+
+def test_builtin_ignores_a_change_of_gradient_accumulation_steps_between_epochs():
+    # Its window length is traced into the step: set between two fit calls,
+    # it changes nothing (AccumScheduler retraces; tests/test_schedule.py).
+    x, y = make_data(64)
+    runs = []
+    for change in (False, True):
+        builtin = functional()
+        builtin.compile(sgd(gradient_accumulation_steps=N), loss())
+        builtin.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
+        if change:
+            builtin.optimizer.gradient_accumulation_steps = 2
+        builtin.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
+        runs.append(builtin)
+    assert_weights_close(runs[0], runs[1], rtol=0, atol=0)
+
+
+def test_builtin_applies_a_window_with_a_nan_gradient():
+    # float32, one NaN sample: the built-in's update makes every weight NaN;
+    # AccumModel(skip_nonfinite=True) skips that window (tests/test_nonfinite.py).
+    x, y = make_data(64)
+    x[40, 0] = np.nan
+    builtin = functional()
+    builtin.compile(sgd(gradient_accumulation_steps=N), loss())
+    builtin.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
+    assert all(np.isnan(w).all() for w in builtin.get_weights())
+    ours = functional(AccumModel, accum_steps=N, skip_nonfinite=True)
+    ours.compile(sgd(), loss())
+    ours.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
+    assert all(np.isfinite(w).all() for w in ours.get_weights())
+    assert ours.skipped_windows == 1

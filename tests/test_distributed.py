@@ -79,6 +79,21 @@ def test_flush_and_resume_across_replicas(mirrored):
     assert mirrored["resume"] < ATOL
 
 
+def test_accum_scheduler_across_replicas(mirrored):
+    # Batch 8, 16, 32 over three epochs, as one device with that batch size.
+    assert mirrored["schedule"] < ATOL
+    assert mirrored["schedule_iterations"][0] == mirrored["schedule_iterations"][1] == 13 + 7 + 4
+
+
+def test_skip_nonfinite_every_replica_agrees(mirrored):
+    # The NaN is in one replica's data only; both skip the window.
+    run = mirrored["skip"]
+    assert run["finite"] and run["replicas"] == 2 and run["replicas_differ"] == 0
+    assert run["diff"] < ATOL
+    assert run["skipped"] == 2 and run["logged"] == [1, 2]
+    assert run["iterations"] == 6
+
+
 # -- MultiWorkerMirroredStrategy: two worker processes -------------------------
 
 

@@ -1,0 +1,141 @@
+"""`AccumScheduler`: change `accum_steps` at epoch boundaries (batch-size warm-up)."""
+
+import numbers
+
+import keras
+
+from keras_accum.accumulator import check_accum_steps
+
+
+class AccumScheduler(keras.callbacks.Callback):
+    """Sets `model.accum_steps` at the start of each epoch, from a schedule.
+
+    Like `keras.callbacks.LearningRateScheduler`, for the effective batch:
+    a small batch early, a larger one later. The window open at an epoch's
+    end is applied then (as always in `fit`), so every window lies inside
+    one epoch and the training equals a plain model whose batch size
+    follows the same schedule: `micro-batch x accum_steps` in each epoch.
+
+    `optimizer.iterations` counts updates, so learning-rate schedules see
+    the big-batch run's steps. Each distinct value is traced once for the
+    whole `fit`, however often the schedule returns to it. On resume
+    (`initial_epoch`, `BackupAndRestore`) the schedule is applied for the
+    epoch training starts at. Like `fit(accum_steps=...)`, the change lasts
+    for that `fit` only: afterwards `model.accum_steps` is what it was
+    before. The value in force is logged as `accum_steps` in each epoch's
+    logs.
+
+    Args:
+        schedule: a dict `{epoch: accum_steps}` (0-based epochs; each value
+            holds from its epoch until the next key; before the first key,
+            the model's own `accum_steps`), or a callable
+            `epoch -> accum_steps` (None keeps the current value). A dict is
+            checked here; a callable is checked for every epoch of the
+            `fit` before training starts.
+        verbose: 1 prints a message when the value changes.
+
+    Example:
+
+    ```python
+    model = keras_accum.AccumModel(inputs, outputs)
+    model.compile("adam", "sparse_categorical_crossentropy")
+    # batch 32 for epochs 0-1, 64 for epoch 2, 128 from epoch 3 on
+    warmup = keras_accum.AccumScheduler({0: 1, 2: 2, 3: 4})
+    model.fit(x, y, batch_size=32, epochs=10, callbacks=[warmup])
+
+    # or as a function of the epoch
+    keras_accum.AccumScheduler(lambda epoch: min(2 ** epoch, 8))
+    ```
+    """
+
+    def __init__(self, schedule, verbose=0):
+        super().__init__()
+        if isinstance(schedule, dict):
+            self._table = _checked_table(schedule)
+            self._schedule = self._lookup
+        elif callable(schedule):
+            self._table = None
+            self._schedule = schedule
+        else:
+            raise TypeError(
+                "`schedule` must be a dict {epoch: accum_steps} or a callable "
+                "epoch -> accum_steps. "
+                f"Received: schedule={schedule!r} (of type {type(schedule).__name__})."
+            )
+        self.schedule = schedule
+        self.verbose = verbose
+
+    def _lookup(self, epoch):
+        value = None
+        for start, steps in self._table:
+            if start > epoch:
+                break
+            value = steps
+        return value
+
+    def _value(self, epoch):
+        value = self._schedule(epoch)
+        if value is None:
+            return None
+        try:
+            return check_accum_steps(value)
+        except (TypeError, ValueError) as error:
+            raise type(error)(
+                f"`schedule` returned {value!r} for epoch {epoch}: {error}"
+            ) from None
+
+    def on_train_begin(self, logs=None):
+        self._check_model()
+        if self._table is None:
+            # A callable is checked for every epoch before the first step.
+            for epoch in range(self.params.get("epochs") or 0):
+                self._value(epoch)
+
+    def _check_model(self):
+        if not hasattr(type(self.model), "accum_steps"):
+            raise ValueError(
+                "AccumScheduler needs a keras_accum model (AccumModel or "
+                f"keras_accum.wrap(model)). Received a {type(self.model).__name__}."
+            )
+
+    def on_epoch_begin(self, epoch, logs=None):
+        value = self._value(epoch)
+        if value is None or value == self.model.accum_steps:
+            return
+        # The previous epoch's window was applied at its end, so nothing is
+        # pending here (a resumed mid-epoch window was opened with this value).
+        self.model.accum_steps = value
+        if self.verbose > 0:
+            print(f"\nEpoch {epoch + 1}: AccumScheduler setting accum_steps to {value}.")
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["accum_steps"] = self.model.accum_steps
+
+
+def _checked_table(schedule):
+    if not schedule:
+        raise ValueError(
+            "`schedule` must map at least one epoch to accum_steps, e.g. "
+            "{0: 1, 5: 4}. Received: schedule={}."
+        )
+    table = []
+    for epoch, steps in schedule.items():
+        if (
+            isinstance(epoch, bool)
+            or not isinstance(epoch, numbers.Integral)
+            or epoch < 0
+        ):
+            raise ValueError(
+                "`schedule` keys must be epochs, integers >= 0 (0 is the "
+                f"first epoch). Received: schedule={schedule!r} with key {epoch!r}."
+            )
+        try:
+            steps = check_accum_steps(steps)
+        except (TypeError, ValueError) as error:
+            raise type(error)(
+                f"`schedule` value for epoch {epoch} is not a valid accum_steps: "
+                f"{error} Received: schedule={schedule!r}."
+            ) from None
+        table.append((int(epoch), steps))
+    return sorted(table)

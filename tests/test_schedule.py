@@ -1,0 +1,311 @@
+"""AccumScheduler (batch-size warm-up) and one traced step per accum_steps."""
+
+import keras
+import numpy as np
+import pytest
+from reference import (
+    OPTIMIZERS,
+    assert_history_close,
+    assert_trained,
+    assert_weights_close,
+    functional,
+    loss,
+    make_data,
+    subclassed,
+)
+
+import keras_accum
+from keras_accum import AccumModel, AccumScheduler
+
+# 92 samples at micro-batch 8: 11 micro-batches of 8 and one of 4, so every
+# epoch ends on a short window (8+4 at N=2, 8+8+8+4 at N=4), which is exact
+# only if micro-batches are weighted by their size.
+X, Y = make_data(92)
+MICRO = 8
+SCHEDULE = {0: 1, 2: 2, 3: 4}
+EPOCHS = 5
+FIT = dict(shuffle=False, verbose=0)
+
+KINDS = {
+    "functional": lambda **kw: functional(AccumModel, **kw),
+    "subclassed": lambda **kw: subclassed(AccumModel, **kw),
+    "wrap_functional": lambda **kw: keras_accum.wrap(functional(), **kw),
+    "wrap_subclassed": lambda **kw: keras_accum.wrap(subclassed(), **kw),
+}
+PLAIN = {
+    "functional": functional,
+    "subclassed": subclassed,
+    "wrap_functional": functional,
+    "wrap_subclassed": subclassed,
+}
+
+
+def plain_following(schedule, optimizer="adam", make=functional, start=0, epochs=EPOCHS):
+    """A plain model whose batch size follows `schedule` (through initial_epoch);
+    returns it and its history over all epochs."""
+    plain = make()
+    plain.compile(OPTIMIZERS[optimizer](), loss(), metrics=["accuracy"])
+    history = {}
+    for epoch in range(start, epochs):
+        h = plain.fit(
+            X, Y, batch_size=MICRO * schedule(epoch), epochs=epoch + 1, initial_epoch=epoch, **FIT
+        )
+        for key, values in h.history.items():
+            history.setdefault(key, []).extend(values)
+    return plain, history
+
+
+def step_of(schedule):
+    return lambda epoch: max(v for e, v in schedule.items() if e <= epoch)
+
+
+def without_accum_steps(history):
+    history = dict(history.history)
+    history.pop("accum_steps")
+    return history
+
+
+@pytest.mark.parametrize("optimizer", ["adam_exponential_decay", "sgd_momentum"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_dict_schedule_equals_a_plain_model_with_the_scheduled_batch(kind, optimizer):
+    model = KINDS[kind]()
+    model.compile(OPTIMIZERS[optimizer](), loss(), metrics=["accuracy"])
+    history = model.fit(
+        X, Y, batch_size=MICRO, epochs=EPOCHS, callbacks=[AccumScheduler(SCHEDULE)], **FIT
+    )
+    plain, plain_history = plain_following(step_of(SCHEDULE), optimizer, PLAIN[kind])
+    assert_trained(plain, PLAIN[kind]().get_weights())
+    assert_weights_close(plain, model)
+    # Updates: 12 + 12 at batch 8, 6 at 16, 3 + 3 at 32; the LR schedule saw them.
+    assert int(model.optimizer.iterations.numpy()) == 36
+    assert int(plain.optimizer.iterations.numpy()) == 36
+    assert_history_close(without_accum_steps(history), plain_history)
+    assert history.history["accum_steps"] == [1, 1, 2, 4, 4]
+    # As fit(accum_steps=...): the model's own setting is back after fit.
+    assert model.accum_steps == 1
+
+
+def test_callable_schedule_equals_a_plain_model_with_the_scheduled_batch():
+    def schedule(epoch):
+        return [2, 4, 1, 4][epoch]
+
+    model = functional(AccumModel, accum_steps=3)
+    model.compile(OPTIMIZERS["adam"](), loss(), metrics=["accuracy"])
+    history = model.fit(
+        X, Y, batch_size=MICRO, epochs=4, callbacks=[AccumScheduler(schedule)], **FIT
+    )
+    plain, plain_history = plain_following(schedule, epochs=4)
+    assert_weights_close(plain, model)
+    assert model.optimizer.iterations.numpy() == plain.optimizer.iterations.numpy() == 6 + 3 + 12 + 3
+    assert_history_close(without_accum_steps(history), plain_history)
+    assert model.accum_steps == 3
+
+
+def test_epochs_before_the_first_key_keep_the_models_accum_steps():
+    model = functional(AccumModel, accum_steps=2)
+    model.compile(OPTIMIZERS["adam"](), loss())
+    model.fit(X, Y, batch_size=MICRO, epochs=3, callbacks=[AccumScheduler({2: 4})], **FIT)
+    plain, _ = plain_following(lambda epoch: 2 if epoch < 2 else 4, epochs=3)
+    assert_weights_close(plain, model)
+
+
+def test_a_callable_returning_none_keeps_the_current_value():
+    model = functional(AccumModel, accum_steps=3)
+    model.compile(OPTIMIZERS["adam"](), loss())
+    schedule = AccumScheduler(lambda epoch: 2 if epoch == 1 else None)
+    history = model.fit(X, Y, batch_size=MICRO, epochs=3, callbacks=[schedule], **FIT)
+    assert history.history["accum_steps"] == [3, 2, 2]
+    plain, _ = plain_following(lambda epoch: 3 if epoch == 0 else 2, epochs=3)
+    assert_weights_close(plain, model)
+
+
+def test_initial_epoch_applies_the_schedule_for_the_starting_epoch():
+    # The model's own accum_steps (3) is not in the schedule: had the
+    # schedule not been applied at epoch 2, the windows would differ.
+    model = functional(AccumModel, accum_steps=3)
+    model.compile(OPTIMIZERS["adam"](), loss())
+    model.fit(
+        X,
+        Y,
+        batch_size=MICRO,
+        epochs=EPOCHS,
+        initial_epoch=2,
+        callbacks=[AccumScheduler(SCHEDULE)],
+        **FIT,
+    )
+    plain, _ = plain_following(step_of(SCHEDULE), start=2)
+    assert_weights_close(plain, model)
+    assert model.optimizer.iterations.numpy() == 6 + 3 + 3
+
+
+class Interrupt(keras.callbacks.Callback):
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at = (epoch, batch)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise RuntimeError("interrupted")
+
+
+def test_backup_and_restore_resume_reapplies_the_schedule(tmp_path):
+    def compiled():
+        model = functional(AccumModel)
+        model.compile(OPTIMIZERS["adam"](), loss())
+        return model
+
+    fit = dict(batch_size=MICRO, epochs=EPOCHS, **FIT)
+    reference = compiled()
+    reference.fit(X, Y, callbacks=[AccumScheduler(SCHEDULE)], **fit)
+
+    backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+    model = compiled()
+    with pytest.raises(RuntimeError, match="interrupted"):
+        # Mid-window in epoch 4, where accum_steps is 4 (set at epoch 3).
+        model.fit(X, Y, callbacks=[AccumScheduler(SCHEDULE), backup, Interrupt(4, 5)], **fit)
+    # A new process would start from a fresh model with accum_steps=1 and
+    # resume at epoch 4, which is no key of the schedule.
+    model = compiled()
+    model.fit(X, Y, callbacks=[AccumScheduler(SCHEDULE), backup], **fit)
+    assert_weights_close(reference, model, rtol=0, atol=0)
+    assert model.optimizer.iterations.numpy() == reference.optimizer.iterations.numpy()
+    plain, _ = plain_following(step_of(SCHEDULE))
+    assert_weights_close(plain, model)
+
+
+def test_verbose_reports_changes(capsys):
+    model = functional(AccumModel)
+    model.compile(OPTIMIZERS["adam"](), loss())
+    model.fit(X[:16], Y[:16], batch_size=MICRO, epochs=2, callbacks=[AccumScheduler({1: 2}, verbose=1)], **FIT)
+    assert "Epoch 2: AccumScheduler setting accum_steps to 2." in capsys.readouterr().out
+
+
+# -- bad schedules ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "schedule, error, match",
+    [
+        ({0: 0}, ValueError, r"`schedule` value for epoch 0.*Received: accum_steps=0"),
+        ({0: 1, 3: 2.5}, TypeError, r"`schedule` value for epoch 3.*Received: accum_steps=2.5"),
+        ({0: True}, TypeError, r"`schedule` value for epoch 0.*Received: accum_steps=True"),
+        ({-1: 2}, ValueError, r"`schedule` keys must be epochs.*with key -1"),
+        ({"2": 2}, ValueError, r"`schedule` keys must be epochs.*with key '2'"),
+        ({1.0: 2}, ValueError, r"`schedule` keys must be epochs.*with key 1.0"),
+        ({}, ValueError, r"`schedule` must map at least one epoch.*Received: schedule=\{\}"),
+        ([(0, 2)], TypeError, r"`schedule` must be a dict.*Received: schedule=\[\(0, 2\)\]"),
+        (4, TypeError, r"`schedule` must be a dict.*Received: schedule=4"),
+    ],
+)
+def test_bad_dict_schedules_are_refused_at_construction(schedule, error, match):
+    with pytest.raises(error, match=match):
+        AccumScheduler(schedule)
+
+
+@pytest.mark.parametrize(
+    "value, error", [(0, ValueError), (1.5, TypeError), ("2", TypeError)]
+)
+def test_bad_callable_schedule_is_refused_before_training(value, error):
+    # Wrong only for the last epoch: still refused before the first step.
+    model = functional(AccumModel)
+    model.compile(OPTIMIZERS["adam"](), loss())
+    initial = model.get_weights()
+    scheduler = AccumScheduler(lambda epoch: value if epoch == 2 else 2)
+    with pytest.raises(error, match=rf"`schedule` returned {value!r} for epoch 2"):
+        model.fit(X, Y, batch_size=MICRO, epochs=3, callbacks=[scheduler], **FIT)
+    assert int(model.optimizer.iterations.numpy()) == 0
+    for w, w0 in zip(model.get_weights(), initial):
+        np.testing.assert_array_equal(w, w0)
+    assert model.accum_steps == 1
+
+
+def test_a_plain_model_is_refused_before_training():
+    model = functional()
+    model.compile(OPTIMIZERS["adam"](), loss())
+    initial = model.get_weights()
+    with pytest.raises(ValueError, match="AccumScheduler needs a keras_accum model"):
+        model.fit(X, Y, batch_size=MICRO, callbacks=[AccumScheduler({0: 2})], **FIT)
+    for w, w0 in zip(model.get_weights(), initial):
+        np.testing.assert_array_equal(w, w0)
+
+
+# -- one traced step per accum_steps value ---------------------------------------------
+
+X96, Y96 = make_data(96)  # equal batches only: one trace per function
+
+
+class CountingTraces(AccumModel):
+    """Logs the accum_steps of each trace of its step: the Python body runs
+    once per trace, not per step."""
+
+    traced = []
+
+    def train_step(self, data):
+        CountingTraces.traced.append(self.accum_steps)
+        return super().train_step(data)
+
+
+def traces():
+    """The values traced, in order. A step that creates variables (Keras's
+    own, at accum_steps=1, builds the optimizer) is traced twice by
+    tf.function on its first call: consecutive repeats are one function."""
+    log = CountingTraces.traced
+    return [v for i, v in enumerate(log) if i == 0 or log[i - 1] != v]
+
+
+@pytest.fixture
+def counting():
+    CountingTraces.traced = []
+    model = functional(CountingTraces)
+    model.compile(OPTIMIZERS["adam"](), loss())
+    return model
+
+
+def test_a_schedule_traces_each_distinct_value_once(counting):
+    schedule = {0: 1, 1: 2, 2: 4, 3: 2, 4: 1, 5: 4}
+    history = counting.fit(
+        X96, Y96, batch_size=MICRO, epochs=6, callbacks=[AccumScheduler(schedule)], **FIT
+    )
+    assert history.history["accum_steps"] == [1, 2, 4, 2, 1, 4]
+    assert traces() == [1, 2, 4]
+
+
+def test_repeated_fit_with_accum_steps_traces_once(counting):
+    for _ in range(3):
+        counting.fit(X96, Y96, batch_size=MICRO, accum_steps=4, **FIT)
+        assert counting.accum_steps == 1
+    assert CountingTraces.traced == [4]
+    counting.fit(X96, Y96, batch_size=MICRO, **FIT)  # its own accum_steps=1
+    counting.fit(X96, Y96, batch_size=MICRO, accum_steps=4, **FIT)
+    assert traces() == [4, 1]
+    plain = functional()
+    plain.compile(OPTIMIZERS["adam"](), loss())
+    plain.fit(X96, Y96, batch_size=32, epochs=3, **FIT)
+    plain.fit(X96, Y96, batch_size=8, **FIT)
+    plain.fit(X96, Y96, batch_size=32, **FIT)
+    assert_weights_close(plain, counting)
+
+
+def test_compile_makes_new_steps_for_the_new_optimizer(counting):
+    counting.fit(X96, Y96, batch_size=MICRO, accum_steps=2, **FIT)
+    first = counting.optimizer
+    counting.compile(keras.optimizers.SGD(0.1), loss())
+    counting.fit(X96, Y96, batch_size=MICRO, accum_steps=2, **FIT)
+    assert CountingTraces.traced == [2, 2]
+    # A stale step would have kept updating the first optimizer.
+    assert int(first.iterations.numpy()) == 6
+    assert int(counting.optimizer.iterations.numpy()) == 6
+
+
+def test_a_change_of_trainable_variables_makes_new_steps(counting):
+    counting.fit(X96, Y96, batch_size=MICRO, accum_steps=2, **FIT)
+    # Not recompiled (Keras warns): the new trainable set alone must tell.
+    counting.get_layer("hidden").trainable = False
+    frozen = counting.get_layer("hidden").get_weights()
+    counting.fit(X96, Y96, batch_size=MICRO, accum_steps=2, **FIT)
+    assert CountingTraces.traced == [2, 2]
+    for w, w0 in zip(counting.get_layer("hidden").get_weights(), frozen):
+        np.testing.assert_array_equal(w, w0)
