@@ -9,6 +9,7 @@ from keras_accum.accumulator import (
     check_accum_steps,
     loss_scale_of,
 )
+from keras_accum.batchnorm import BatchNormWindow, check_batchnorm
 from keras_accum.normaliser import loss_normaliser, micro_batch_weight
 from keras_accum.optimizer import check_not_accumulating
 
@@ -67,6 +68,13 @@ class AccumModel(keras.Model):
         accum_dtype: dtype of the gradient buffers. Default None: float32
             (float64 for float64 weights), whatever the compute dtype, so
             mixed-precision gradients are summed in float32.
+        batchnorm: how `BatchNormalization` layers in training mode update
+            their moving statistics. 'window' (default): once per optimizer
+            update, from the moments of the whole window pooled over its
+            micro-batches, as the big batch would. 'micro_batch': Keras's own
+            update at every micro-batch (momentum applied `accum_steps`
+            times per update). The forward pass normalises each micro-batch
+            with its own moments either way.
         **kwargs: passed to `keras.Model`.
 
     Example:
@@ -95,8 +103,11 @@ class AccumModel(keras.Model):
             cls = _functional_variant(cls)
         return super().__new__(cls, *args, **kwargs)
 
-    def __init__(self, *args, accum_steps=1, accum_dtype=None, **kwargs):
+    def __init__(
+        self, *args, accum_steps=1, accum_dtype=None, batchnorm="window", **kwargs
+    ):
         accum_steps = check_accum_steps(accum_steps)
+        batchnorm = check_batchnorm(batchnorm)
         accumulator = GradientAccumulator(dtype=accum_dtype)
         if internals.functional_init_arguments(args, kwargs):
             # Calling Functional.__init__ ourselves, on a class that already
@@ -109,6 +120,7 @@ class AccumModel(keras.Model):
         self._accum_steps = accum_steps
         self._accumulator = accumulator
         self._flush_function = None
+        self._batchnorm = BatchNormWindow(self, batchnorm)
 
     @property
     def accum_steps(self):
@@ -252,6 +264,7 @@ class AccumModel(keras.Model):
                 f"`model.accum_steps = {window_length}` to finish the window "
                 "as it began, or call `model.flush()` to apply it now."
             )
+        self._batchnorm.build(self.distribute_strategy)
         if not self.optimizer.built:
             # Built here, eagerly: the optimizer first runs inside a
             # conditional branch, where it cannot create its variables.
@@ -261,9 +274,7 @@ class AccumModel(keras.Model):
         if self._accum_steps == 1:
             return super().train_step(data)
         logs = self._accumulate(data)
-        self._accumulator.apply_if_full(
-            self.optimizer, self.trainable_variables, self._accum_steps
-        )
+        self._accumulator.when_full(self._accum_steps, self._apply_window)
         return logs
 
     def _accumulate(self, data):
@@ -279,7 +290,8 @@ class AccumModel(keras.Model):
         fold = loss_scale is None and self.dtype_policy.compute_dtype != "float16"
         normalisers = []
         with tf.GradientTape() as tape:
-            y_pred = internals.call_for_training(self, x)
+            with self._batchnorm.micro_batch():
+                y_pred = internals.call_for_training(self, x)
             with internals.recording_loss_calls(
                 self, lambda *call: normalisers.append(loss_normaliser(*call))
             ):
@@ -306,6 +318,7 @@ class AccumModel(keras.Model):
             self._apply_across_replicas()
         else:
             self._accumulator.apply(self.optimizer, self.trainable_variables)
+            self._batchnorm.apply()
 
     def _apply_if_full_across_replicas(self):
         # Cross-replica context: replica 0's micro-step decides for all.
@@ -319,9 +332,12 @@ class AccumModel(keras.Model):
         # that summing replica gradients gives a mean); the window's total
         # weight is divided likewise to undo it.
         total = acc.window_weight.read_value() / strategy.num_replicas_in_sync
-        strategy.run(
-            lambda: acc.apply(self.optimizer, self.trainable_variables, total)
-        )
+
+        def apply():
+            acc.apply(self.optimizer, self.trainable_variables, total)
+            self._batchnorm.apply()
+
+        strategy.run(apply)
 
     def flush(self):
         """Applies the pending partial window now; a no-op if none is pending.
@@ -356,12 +372,14 @@ class AccumModel(keras.Model):
             variables += list(self.optimizer.variables)
         saved = [v.numpy() for v in variables]
         window = self._accumulator.snapshot()
+        batchnorm = self._batchnorm.snapshot()
         try:
             return super().load_weights(filepath, *args, **kwargs)
         except Exception:
             for v, value in zip(variables, saved):
                 v.assign(value)
             self._accumulator.restore(window)
+            self._batchnorm.restore(batchnorm)
             raise
 
     # -- serialisation --------------------------------------------------------
@@ -371,6 +389,7 @@ class AccumModel(keras.Model):
         config["accum_steps"] = self._accum_steps
         if self._accumulator.dtype is not None:
             config["accum_dtype"] = self._accumulator.dtype.name
+        config["batchnorm"] = self._batchnorm.mode
         return config
 
     @classmethod
@@ -378,7 +397,9 @@ class AccumModel(keras.Model):
         config = dict(config)
         accum_steps = config.pop("accum_steps", 1)
         accum_dtype = config.pop("accum_dtype", None)
+        batchnorm = config.pop("batchnorm", "window")
         model = super().from_config(config, custom_objects=custom_objects)
+        model._batchnorm = BatchNormWindow(model, batchnorm)
         model.accum_steps = accum_steps
         if accum_dtype is not None:
             model._accumulator = GradientAccumulator(dtype=accum_dtype)

@@ -4,6 +4,7 @@ import keras
 
 from keras_accum import _keras_internals as internals
 from keras_accum.accumulator import check_accum_steps
+from keras_accum.batchnorm import check_batchnorm
 from keras_accum.model import AccumModel
 
 
@@ -17,7 +18,7 @@ class WrappedModel(AccumModel):
     Args:
         model: the `keras.Model` to train.
         accum_steps: micro-batches per optimizer update.
-        **kwargs: passed to `keras.Model`.
+        **kwargs: passed to `AccumModel` (e.g. `batchnorm`) and `keras.Model`.
 
     Example:
 
@@ -50,7 +51,7 @@ class WrappedModel(AccumModel):
         return cls(model, **config)
 
 
-def wrap(model, accum_steps=1):
+def wrap(model, accum_steps=1, batchnorm="window"):
     """Returns an `AccumModel` that trains `model`'s own layers and weights.
 
     Training the result trains `model`: no weights are copied. A functional
@@ -61,6 +62,9 @@ def wrap(model, accum_steps=1):
     Args:
         model: a `keras.Model` (Sequential, functional or subclassed).
         accum_steps: micro-batches per optimizer update, an integer >= 1.
+        batchnorm: 'window' (default) or 'micro_batch': how
+            `BatchNormalization` layers update their moving statistics; see
+            `AccumModel`.
 
     Returns:
         An `AccumModel`, not yet compiled.
@@ -74,6 +78,7 @@ def wrap(model, accum_steps=1):
     ```
     """
     accum_steps = check_accum_steps(accum_steps)
+    check_batchnorm(batchnorm)
     if not isinstance(model, keras.Model):
         raise TypeError(
             "`model` must be a keras.Model. "
@@ -87,8 +92,10 @@ def wrap(model, accum_steps=1):
         )
     graph = _graph(model)
     if graph is not None:
-        return AccumModel(*graph, name=model.name, accum_steps=accum_steps)
-    return WrappedModel(model, accum_steps=accum_steps)
+        return AccumModel(
+            *graph, name=model.name, accum_steps=accum_steps, batchnorm=batchnorm
+        )
+    return WrappedModel(model, accum_steps=accum_steps, batchnorm=batchnorm)
 
 
 def _graph(model):
