@@ -9,6 +9,7 @@ layer's own momentum.
 """
 
 import contextlib
+import threading
 import weakref
 
 import numpy as np
@@ -138,6 +139,8 @@ class BatchNormWindow(tf.Module, internals.KerasSaveable):
         self._windows = {}
         # Restored from a file before the layer was built: used when built.
         self._restored = {}
+        self._lock = threading.Lock()
+        self._entered = 0
 
     def _obj_type(self):
         # As GradientAccumulator: Keras saving visits our state, no further.
@@ -177,16 +180,30 @@ class BatchNormWindow(tf.Module, internals.KerasSaveable):
 
     @contextlib.contextmanager
     def micro_batch(self):
-        """Records the moments of every pooled layer's forward pass in the block."""
-        with contextlib.ExitStack() as stack:
-            for index, (layer, plain) in enumerate(self._layers()):
-                if not (plain and layer.trainable):
-                    continue
-                stack.enter_context(
-                    internals.recording_moments(layer, self._recorder(index, layer))
-                )
-                stack.enter_context(_momentum_one(layer))
+        """Records the moments of every pooled layer's forward pass in the block.
+
+        Reentrant across threads: under MirroredStrategy each replica's step
+        is traced in a thread of its own, which all enter this block, and
+        they may interleave at cross-replica calls. The first to enter
+        patches the layers, the last to leave restores them.
+        """
+        with self._lock:
+            if not self._entered:
+                self._patches = contextlib.ExitStack()
+                for index, (layer, plain) in enumerate(self._layers()):
+                    if plain and layer.trainable:
+                        self._patches.enter_context(
+                            internals.recording_moments(layer, self._recorder(index, layer))
+                        )
+                        self._patches.enter_context(_momentum_one(layer))
+            self._entered += 1
+        try:
             yield
+        finally:
+            with self._lock:
+                self._entered -= 1
+                if not self._entered:
+                    self._patches.close()
 
     def _recorder(self, index, layer):
         def record(inputs, mask, mean, variance):

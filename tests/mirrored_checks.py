@@ -153,6 +153,24 @@ def main():
     out["resumed_pending"] = resumed._accumulator.pending()
     train(resumed, range(6, 8))
     out["resume"] = max_diff(uninterrupted, resumed)
+    # BatchNormalization(synchronized=True) on the raw input: moving
+    # statistics of the whole window over both replicas, once per update.
+    from test_batchnorm import data as bn_data
+    from test_batchnorm import functional_net as bn_net
+    from test_batchnorm import moving
+
+    bx, by = bn_data(92)  # global micro-batch 8, 4 per replica: 8+8+8+4 windows
+    plain = bn_net(bn_kwargs={"synchronized": True})
+    plain.compile(keras.optimizers.SGD(0.1), loss())
+    plain.fit(bx, by, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    with strategy.scope():
+        acc = bn_net(AccumModel, accum_steps=4, bn_kwargs={"synchronized": True})
+        acc.compile(keras.optimizers.SGD(0.1), loss())
+    acc.fit(bx, by, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    out["batchnorm"] = {
+        "plain": [v.tolist() for v in moving(plain)],
+        "accum": [v.tolist() for v in moving(acc)],
+    }
     print(json.dumps(out))
 
 

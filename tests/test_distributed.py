@@ -73,6 +73,13 @@ def test_gradients_cross_devices_only_on_updates(mirrored):
     assert mirrored["reductions_4"] < mirrored["reductions_1"]
 
 
+def test_synchronized_batchnorm_across_replicas_has_big_batch_moving_statistics(mirrored):
+    run = mirrored["batchnorm"]
+    assert abs(np.array(run["plain"][0])).min() > 0.5  # the statistics moved
+    for a, b in zip(run["accum"], run["plain"]):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+
+
 def test_flush_and_resume_across_replicas(mirrored):
     assert mirrored["flush"] < ATOL
     assert mirrored["resumed_pending"] == 2
