@@ -348,6 +348,26 @@ def test_resume_mid_window_restores_pending_statistics(suffix, tmp_path):
         np.testing.assert_array_equal(u, v)
 
 
+@pytest.mark.parametrize("built", [True, False], ids=["built", "restored_on_build"])
+def test_tf_train_checkpoint_restores_pending_statistics(built, tmp_path):
+    import tensorflow as tf
+
+    x, y = data(64)
+    uninterrupted = train(compiled(functional_net(AccumModel, accum_steps=N)), x, y, range(8))
+    interrupted = train(compiled(functional_net(AccumModel, accum_steps=N)), x, y, range(6))
+    prefix = tf.train.Checkpoint(model=interrupted, optimizer=interrupted.optimizer).save(
+        str(tmp_path / "ckpt")
+    )
+    resumed = compiled(functional_net(AccumModel, accum_steps=N, seed=1))
+    if built:
+        resumed.optimizer.build(resumed.trainable_variables)
+        resumed._batchnorm.build()
+    tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).restore(prefix)
+    train(resumed, x, y, range(6, 8))
+    for u, v in zip(moving(uninterrupted), moving(resumed)):
+        np.testing.assert_array_equal(u, v)
+
+
 def test_resume_a_subclassed_model(tmp_path):
     x, y = data(64)
 
