@@ -11,12 +11,12 @@ import contextlib
 import tensorflow as tf
 from keras import tree
 from keras.src.backend.common.masking import get_keras_mask
-from keras.src.layers.normalization.batch_normalization import BatchNormalization
 from keras.src.backend.tensorflow.trainer import (
     TensorFlowTrainer,
     _collective_all_reduce_multi_worker,
     reduce_per_replica,
 )
+from keras.src.layers.normalization.batch_normalization import BatchNormalization
 from keras.src.losses.loss import (
     apply_mask,
     squeeze_or_expand_to_same_rank,
@@ -59,6 +59,7 @@ MIRRORED_SOURCES = {
 }
 
 __all__ = [
+    "BatchNormalization",
     "Functional",
     "KerasSaveable",
     "TensorFlowTrainer",

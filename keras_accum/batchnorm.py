@@ -67,7 +67,7 @@ class _LayerWindow(tf.Module):
                 tf.constant(initial[2], dtype), trainable=False, name="m2", **total
             )
 
-    def variables_(self):
+    def state(self):
         return (self.count, self.mean, self.m2)
 
     def add(self, count, mean, variance):
@@ -83,7 +83,7 @@ class _LayerWindow(tf.Module):
         self.count.assign(total)
 
     def reset(self):
-        for v in self.variables_():
+        for v in self.state():
             v.assign(tf.zeros_like(v))
 
 
@@ -231,7 +231,7 @@ class BatchNormWindow(tf.Module, internals.KerasSaveable):
         layers = self._layers()
         for key, window in self._windows.items():
             layer = layers[int(key)][0]
-            count, mean, m2 = (v.read_value() for v in window.variables_())
+            count, mean, m2 = (v.read_value() for v in window.state())
             variance = tf.math.divide_no_nan(m2, count)
             seen = count > 0
             for moving, batch in (
@@ -254,7 +254,7 @@ class BatchNormWindow(tf.Module, internals.KerasSaveable):
 
     def save_own_variables(self, store):
         for key, window in self._windows.items():
-            for part, v in zip(("count", "mean", "m2"), window.variables_()):
+            for part, v in zip(("count", "mean", "m2"), window.state()):
                 store[f"{part}_{key}"] = v.numpy()
 
     def load_own_variables(self, store):
@@ -296,7 +296,7 @@ class BatchNormWindow(tf.Module, internals.KerasSaveable):
         self._restored = {}
         for index, value in values.items():
             if index in self._windows:
-                for v, array in zip(self._windows[index].variables_(), value):
+                for v, array in zip(self._windows[index].state(), value):
                     v.assign(array)
             else:
                 self._restored[index] = value
@@ -304,7 +304,7 @@ class BatchNormWindow(tf.Module, internals.KerasSaveable):
     def snapshot(self):
         """All state as numpy, for `restore` after a failed load."""
         return (
-            {k: [v.numpy() for v in w.variables_()] for k, w in self._windows.items()},
+            {k: [v.numpy() for v in w.state()] for k, w in self._windows.items()},
             dict(self._restored),
         )
 
@@ -312,7 +312,7 @@ class BatchNormWindow(tf.Module, internals.KerasSaveable):
         windows, self._restored = snapshot
         for key, window in self._windows.items():
             if key in windows:
-                for v, value in zip(window.variables_(), windows[key]):
+                for v, value in zip(window.state(), windows[key]):
                     v.assign(value)
             else:
                 window.reset()
