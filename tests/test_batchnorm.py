@@ -297,6 +297,23 @@ def test_train_on_batch_then_flush():
         np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
 
 
+def test_renorm_layers_keep_the_per_micro_batch_update():
+    # Batch renormalisation's extra statistics also steer training; such
+    # layers are left to Keras, as with batchnorm="micro_batch".
+    x, y = data(92)
+    moving_stats = []
+    for mode in ("window", "micro_batch"):
+        model = functional_net(
+            AccumModel, accum_steps=N, batchnorm=mode, bn_kwargs={"renorm": True}
+        )
+        model.compile(keras.optimizers.SGD(0.1), loss())
+        model.fit(x, y, batch_size=MICRO, epochs=1, shuffle=False, verbose=0)
+        moving_stats.append(moving(model))
+        assert not model._batchnorm._windows
+    for u, v in zip(*moving_stats):
+        np.testing.assert_array_equal(u, v)
+
+
 @pytest.mark.parametrize("value", ["windows", None, True, "MICRO_BATCH"])
 def test_bad_batchnorm_argument(value):
     with pytest.raises(ValueError, match=rf"`batchnorm` must be .*Received: batchnorm={value!r}"):
@@ -411,14 +428,16 @@ def test_a_failed_load_leaves_the_pending_statistics_unchanged(tmp_path):
 # -- precision, XLA, steps_per_execution ------------------------------------------------
 
 
+@pytest.mark.parametrize("kind", ["functional", "subclass"])
 @pytest.mark.parametrize(
     "compile_kwargs",
     [{"jit_compile": True}, {"steps_per_execution": 3}],
     ids=["xla", "steps_per_execution_3"],
 )
-def test_xla_and_steps_per_execution(compile_kwargs):
+def test_xla_and_steps_per_execution(compile_kwargs, kind):
+    # The subclassed model is built inside the first (XLA) trace.
     x, y = data(92)
-    plain, acc = fit_pair(functional_net, x, y, compile_kwargs=compile_kwargs)
+    plain, acc = fit_pair(MAKERS[kind], x, y, compile_kwargs=compile_kwargs)
     assert_moved(plain)
     assert_moving_close(plain, acc)
 
