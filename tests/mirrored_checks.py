@@ -159,7 +159,9 @@ def main():
     from test_batchnorm import functional_net as bn_net
     from test_batchnorm import moving
 
-    bx, by = bn_data(92)  # global micro-batch 8, 4 per replica: 8+8+8+4 windows
+    # 91 samples: the last micro-batch of each epoch (3) splits 2+1 across
+    # replicas, so replicas must count the moments they pool globally.
+    bx, by = bn_data(91)
     plain = bn_net(bn_kwargs={"synchronized": True})
     plain.compile(keras.optimizers.SGD(0.1), loss())
     plain.fit(bx, by, batch_size=32, epochs=2, shuffle=False, verbose=0)
