@@ -54,18 +54,17 @@ class _LayerWindow(tf.Module):
             kwargs = {"synchronization": tf.VariableSynchronization.ON_READ}
         total = dict(kwargs, aggregation=tf.VariableAggregation.SUM) if kwargs else {}
         mean = dict(kwargs, aggregation=tf.VariableAggregation.MEAN) if kwargs else {}
-        initial = initial or (np.zeros(shape),) * 3
         scope = strategy.scope() if kwargs else contextlib.nullcontext()
         with tf.init_scope(), scope:
-            self.count = tf.Variable(
-                tf.constant(initial[0], dtype), trainable=False, name="count", **total
-            )
-            self.mean = tf.Variable(
-                tf.constant(initial[1], dtype), trainable=False, name="mean", **mean
-            )
-            self.m2 = tf.Variable(
-                tf.constant(initial[2], dtype), trainable=False, name="m2", **total
-            )
+            zeros = tf.zeros(shape, dtype)
+            self.count = tf.Variable(zeros, trainable=False, name="count", **total)
+            self.mean = tf.Variable(zeros, trainable=False, name="mean", **mean)
+            self.m2 = tf.Variable(zeros, trainable=False, name="m2", **total)
+            if initial is not None:
+                # Assigned, not initialised: across replicas an assigned sum
+                # is shared out, as when the window was read for saving.
+                for v, value in zip(self.state(), initial):
+                    v.assign(tf.constant(value, dtype))
 
     def state(self):
         return (self.count, self.mean, self.m2)
