@@ -16,6 +16,7 @@ from keras.src.backend.tensorflow.trainer import (
     _collective_all_reduce_multi_worker,
     reduce_per_replica,
 )
+from keras.src.layers.normalization.batch_normalization import BatchNormalization
 from keras.src.losses.loss import (
     apply_mask,
     squeeze_or_expand_to_same_rank,
@@ -40,7 +41,10 @@ WRITTEN_AGAINST = "3.15.1"
 # `reduce_values` and `apply_mask` compute, reached through
 # `CompileLoss.call`'s terms; `symbolic_build` and `reduce_outputs` replace
 # `_maybe_symbolic_build` and the multi-worker branch of `reduce_per_replica`
-# (tensorflow/tensorflow#72388). tests/test_keras_internals.py compares these.
+# (tensorflow/tensorflow#72388). `keras_accum.batchnorm` relies on
+# `BatchNormalization.call` updating the moving statistics as
+# `moving * momentum + batch * (1 - momentum)` from what `_moments` returns.
+# tests/test_keras_internals.py compares these.
 MIRRORED_SOURCES = {
     "TensorFlowTrainer.train_step": "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c",
     "TensorFlowTrainer._make_function": "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0",
@@ -50,9 +54,12 @@ MIRRORED_SOURCES = {
     "CompileLoss.call": "402aaf05f91c73c4a4bcaa65be5a447566fbbbb05f5079b29a35312bcbfd509f",
     "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
     "reduce_per_replica": "2e7d54b1e6edc29a8c6a7e6b66cd4c8be3ba7842412c93753ac3afe169fa7fb8",
+    "BatchNormalization.call": "31502bd832c5eb64f0bb108a4db21f204b906fff8bebd34ffa3a4f68eab00eb5",
+    "BatchNormalization._moments": "2ba739b46f4fadea719cd8e41e56d591ef86adae38d58c11930efba046093378",
 }
 
 __all__ = [
+    "BatchNormalization",
     "Functional",
     "KerasSaveable",
     "TensorFlowTrainer",
@@ -64,6 +71,8 @@ __all__ = [
     "compute_loss",
     "copy_build_shapes",
     "apply_mask",
+    "batch_normalization_layers",
+    "recording_moments",
     "functional_init_arguments",
     "make_replicated_function",
     "multi_worker",
@@ -277,3 +286,42 @@ def make_replicated_function(model, replica_step, after_step=None):
         return outputs
 
     return function
+
+
+def batch_normalization_layers(model):
+    """Every Keras `BatchNormalization` in `model` (nested ones included), in
+    a fixed order, and whether keras_accum may pool its statistics: a layer
+    whose class overrides `call` or `_moments`, or that uses batch
+    renormalisation, updates its statistics in ways we do not mirror."""
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if isinstance(layer, BatchNormalization):
+            cls = type(layer)
+            plain = (
+                cls.call is BatchNormalization.call
+                and cls._moments is BatchNormalization._moments
+                and not layer.renorm
+            )
+            yield layer, plain
+
+
+@contextlib.contextmanager
+def recording_moments(layer, record):
+    """Inside the block, `record(inputs, mask, mean, variance)` is called with
+    every batch's moments that `layer` computes in training mode.
+
+    `BatchNormalization.call` gets its batch mean and variance from
+    `self._moments(inputs, mask)`; an instance attribute shadows the method
+    for the block (a trace, or one eager step).
+    """
+    original = layer._moments
+
+    def moments(inputs, mask):
+        mean, variance = original(inputs, mask)
+        record(inputs, mask, mean, variance)
+        return mean, variance
+
+    layer._moments = moments
+    try:
+        yield
+    finally:
+        del layer._moments

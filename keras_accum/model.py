@@ -9,6 +9,7 @@ from keras_accum.accumulator import (
     check_accum_steps,
     loss_scale_of,
 )
+from keras_accum.batchnorm import BatchNormWindow, check_batchnorm
 from keras_accum.nonfinite import NonFiniteWindows
 from keras_accum.normaliser import loss_normaliser, micro_batch_weight
 from keras_accum.optimizer import check_not_accumulating
@@ -90,6 +91,13 @@ class AccumModel(keras.Model):
             Inf makes no update (weights, optimizer state and `iterations`
             untouched) and is discarded; `skipped_windows` counts them and
             `fit` logs the count. Default False: applied, as the big batch.
+        batchnorm: how `BatchNormalization` layers in training mode update
+            their moving statistics. 'window' (default): once per optimizer
+            update, from the moments of the whole window pooled over its
+            micro-batches, as the big batch would. 'micro_batch': Keras's own
+            update at every micro-batch (momentum applied `accum_steps`
+            times per update). The forward pass normalises each micro-batch
+            with its own moments either way.
         **kwargs: passed to `keras.Model`.
 
     Example:
@@ -119,9 +127,16 @@ class AccumModel(keras.Model):
         return super().__new__(cls, *args, **kwargs)
 
     def __init__(
-        self, *args, accum_steps=1, accum_dtype=None, skip_nonfinite=False, **kwargs
+        self,
+        *args,
+        accum_steps=1,
+        accum_dtype=None,
+        skip_nonfinite=False,
+        batchnorm="window",
+        **kwargs,
     ):
         accum_steps = check_accum_steps(accum_steps)
+        batchnorm = check_batchnorm(batchnorm)
         accumulator = GradientAccumulator(dtype=accum_dtype)
         if internals.functional_init_arguments(args, kwargs):
             # Calling Functional.__init__ ourselves, on a class that already
@@ -137,6 +152,7 @@ class AccumModel(keras.Model):
         self._flush_key = None
         self._train_functions = TrainFunctionCache()
         self._set_skip_nonfinite(skip_nonfinite)
+        self._batchnorm = BatchNormWindow(self, batchnorm)
 
     def _set_skip_nonfinite(self, skip_nonfinite):
         if not isinstance(skip_nonfinite, bool):
@@ -305,6 +321,7 @@ class AccumModel(keras.Model):
             strategy=self.distribute_strategy,
         ):
             self._train_functions.clear()  # they hold the old buffers
+        self._batchnorm.build(self.distribute_strategy)
         if not self.optimizer.built:
             # Built here, eagerly: the optimizer first runs inside a
             # conditional branch, where it cannot create its variables.
@@ -318,7 +335,7 @@ class AccumModel(keras.Model):
         if not self._windowed():
             return super().train_step(data)
         logs = self._accumulate(data)
-        self._accumulator.apply_if_full(self.optimizer, self._accum_steps)
+        self._accumulator.when_full(self._accum_steps, self._apply_window)
         return logs
 
     def _accumulate(self, data):
@@ -334,7 +351,8 @@ class AccumModel(keras.Model):
         fold = loss_scale is None and self.dtype_policy.compute_dtype != "float16"
         normalisers = []
         with tf.GradientTape() as tape:
-            y_pred = internals.call_for_training(self, x)
+            with self._batchnorm.micro_batch():
+                y_pred = internals.call_for_training(self, x)
             with internals.recording_loss_calls(
                 self, lambda *call: normalisers.append(loss_normaliser(*call))
             ):
@@ -371,6 +389,16 @@ class AccumModel(keras.Model):
             self._apply_across_replicas()
         else:
             self._accumulator.apply(self.optimizer)
+            self._apply_batchnorm()
+
+    def _apply_batchnorm(self):
+        # With skip_nonfinite, non-finite statistics (a NaN sample's) are
+        # kept out of the moving averages, as the window's update is.
+        self._batchnorm.apply(finite_only=self._nonfinite is not None)
+
+    def _discard_window(self):
+        self._accumulator.reset()
+        self._batchnorm.reset()
 
     def _apply_if_full_across_replicas(self):
         # Cross-replica context: replica 0's micro-step decides for all.
@@ -386,9 +414,8 @@ class AccumModel(keras.Model):
         total = acc.window_weight.read_value() / strategy.num_replicas_in_sync
 
         def apply():
-            strategy.run(
-                lambda: acc.apply(self.optimizer, total, check_finite=False)
-            )
+            strategy.run(lambda: acc.apply(self.optimizer, total, check_finite=False))
+            strategy.run(self._apply_batchnorm)
 
         if self._nonfinite is None:
             apply()
@@ -398,7 +425,7 @@ class AccumModel(keras.Model):
                 lambda: acc.window_gradients(total_weight=total),
                 self.optimizer,
                 apply,
-                lambda: strategy.run(acc.reset),
+                lambda: strategy.run(self._discard_window),
             )
 
     def flush(self):
@@ -449,7 +476,7 @@ class AccumModel(keras.Model):
         no-op if no window is open.
         """
         if self._accumulator.pending():
-            self._accumulator.reset()
+            self._discard_window()
 
     # -- saving -----------------------------------------------------------------
 
@@ -465,12 +492,14 @@ class AccumModel(keras.Model):
             variables += list(self.optimizer.variables)
         saved = [v.numpy() for v in variables]
         window = self._accumulator.snapshot()
+        batchnorm = self._batchnorm.snapshot()
         try:
             result = super().load_weights(filepath, *args, **kwargs)
         except Exception:
             for v, value in zip(variables, saved):
                 v.assign(value)
             self._accumulator.restore(window)
+            self._batchnorm.restore(batchnorm)
             raise
         if self._accumulator.pending():
             # The next step checks the restored window against this model
@@ -487,6 +516,7 @@ class AccumModel(keras.Model):
             config["accum_dtype"] = self._accumulator.dtype.name
         if self._nonfinite is not None:
             config["skip_nonfinite"] = True
+        config["batchnorm"] = self._batchnorm.mode
         return config
 
     @classmethod
@@ -495,7 +525,9 @@ class AccumModel(keras.Model):
         accum_steps = config.pop("accum_steps", 1)
         accum_dtype = config.pop("accum_dtype", None)
         skip_nonfinite = config.pop("skip_nonfinite", False)
+        batchnorm = config.pop("batchnorm", "window")
         model = super().from_config(config, custom_objects=custom_objects)
+        model._batchnorm = BatchNormWindow(model, batchnorm)
         model.accum_steps = accum_steps
         if accum_dtype is not None:
             model._accumulator = GradientAccumulator(dtype=accum_dtype)

@@ -4,6 +4,7 @@ import keras
 
 from keras_accum import _keras_internals as internals
 from keras_accum.accumulator import check_accum_steps
+from keras_accum.batchnorm import check_batchnorm
 from keras_accum.model import AccumModel
 
 
@@ -17,7 +18,7 @@ class WrappedModel(AccumModel):
     Args:
         model: the `keras.Model` to train.
         accum_steps: micro-batches per optimizer update.
-        **kwargs: passed to `keras.Model`.
+        **kwargs: passed to `AccumModel` (e.g. `batchnorm`) and `keras.Model`.
 
     Example:
 
@@ -53,7 +54,7 @@ class WrappedModel(AccumModel):
         return cls(model, **config)
 
 
-def wrap(model, accum_steps=1, skip_nonfinite=False):
+def wrap(model, accum_steps=1, skip_nonfinite=False, batchnorm="window"):
     """Returns an `AccumModel` that trains `model`'s own layers and weights.
 
     Training the result trains `model`: no weights are copied. A functional
@@ -65,6 +66,9 @@ def wrap(model, accum_steps=1, skip_nonfinite=False):
         model: a `keras.Model` (Sequential, functional or subclassed).
         accum_steps: micro-batches per optimizer update, an integer >= 1.
         skip_nonfinite: skip windows whose gradient is not finite; see
+            `AccumModel`.
+        batchnorm: 'window' (default) or 'micro_batch': how
+            `BatchNormalization` layers update their moving statistics; see
             `AccumModel`.
 
     Returns:
@@ -79,6 +83,7 @@ def wrap(model, accum_steps=1, skip_nonfinite=False):
     ```
     """
     accum_steps = check_accum_steps(accum_steps)
+    check_batchnorm(batchnorm)
     if not isinstance(model, keras.Model):
         raise TypeError(
             "`model` must be a keras.Model. "
@@ -97,9 +102,15 @@ def wrap(model, accum_steps=1, skip_nonfinite=False):
             name=model.name,
             accum_steps=accum_steps,
             skip_nonfinite=skip_nonfinite,
+            batchnorm=batchnorm,
         )
     _check_no_step_overrides(model)
-    return WrappedModel(model, accum_steps=accum_steps, skip_nonfinite=skip_nonfinite)
+    return WrappedModel(
+        model,
+        accum_steps=accum_steps,
+        skip_nonfinite=skip_nonfinite,
+        batchnorm=batchnorm,
+    )
 
 
 # What fit, evaluate and predict call on the model they run. A wrapper runs

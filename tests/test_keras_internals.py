@@ -35,6 +35,8 @@ def _mirrored():
         "CompileLoss.call": CompileLoss.call,
         "TensorFlowTrainer._maybe_symbolic_build": trainer._maybe_symbolic_build,
         "reduce_per_replica": internals.reduce_per_replica,
+        "BatchNormalization.call": internals.BatchNormalization.call,
+        "BatchNormalization._moments": internals.BatchNormalization._moments,
     }
 
 
