@@ -140,6 +140,9 @@ class BatchNormWindow(tf.Module, internals.KerasSaveable):
         self._restored = {}
         self._lock = threading.Lock()
         self._entered = 0
+        # Per thread (replica): the moving statistics as they were before this
+        # micro-batch, put back after it (see micro_batch).
+        self._before = threading.local()
 
     def _obj_type(self):
         # As GradientAccumulator: Keras saving visits our state, no further.
@@ -196,9 +199,16 @@ class BatchNormWindow(tf.Module, internals.KerasSaveable):
                         )
                         self._patches.enter_context(_momentum_one(layer))
             self._entered += 1
+        self._before.values = []
         try:
             yield
+            # Keras's own update with momentum 1 leaves the moving statistics
+            # as they were, but for a non-finite micro-batch (nan * 0 is nan):
+            # put back what they were, so that only the window decides them.
+            for variable, value in self._before.values:
+                variable.assign(value)
         finally:
+            self._before.values = []
             with self._lock:
                 self._entered -= 1
                 if not self._entered:
@@ -206,6 +216,9 @@ class BatchNormWindow(tf.Module, internals.KerasSaveable):
 
     def _recorder(self, index, layer):
         def record(inputs, mask, mean, variance):
+            self._before.values.extend(
+                (v, tf.identity(v.value)) for v in (layer.moving_mean, layer.moving_variance)
+            )
             window = self._window(index, layer)
             count = _count(layer, inputs, mask, mean.dtype)
             if layer.synchronized:

@@ -454,3 +454,32 @@ def test_mixed_float16():
     # The layer's input is rounded to float16 identically in both runs; the
     # moments and the moving statistics are float32.
     assert_moving_close(plain, acc)
+
+
+def test_a_discarded_or_skipped_window_leaves_the_moving_statistics():
+    # reset_window() and skip_nonfinite drop the window's statistics with its
+    # gradients: the moving statistics are those of the big batches without
+    # that window (on the raw input, exactly).
+    x, y = data(96)
+    x_nan = x.copy()
+    x_nan[40, 0] = np.nan  # the second window
+    plain = functional_net()
+    plain.compile(keras.optimizers.SGD(0.1), loss())
+    for start in (0, 64):
+        plain.train_on_batch(x[start : start + 32], y[start : start + 32])
+    skipping = functional_net(AccumModel, accum_steps=N, skip_nonfinite=True)
+    skipping.compile(keras.optimizers.SGD(0.1), loss())
+    skipping.fit(x_nan, y, batch_size=MICRO, shuffle=False, verbose=0)
+    resetting = functional_net(AccumModel, accum_steps=N)
+    resetting.compile(keras.optimizers.SGD(0.1), loss())
+    for start in range(0, 96, MICRO):
+        if start == 56:
+            # Three micro-batches into the NaN window: drop it, and its last
+            # micro-batch with it.
+            resetting.reset_window()
+            continue
+        resetting.train_on_batch(x_nan[start : start + MICRO], y[start : start + MICRO])
+    for model in (skipping, resetting):
+        for a, b in zip(moving(model), moving(plain)):
+            assert np.isfinite(a).all()
+            np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
