@@ -168,6 +168,7 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
         """
         local = {}
         strategy = strategy or self._strategy
+        self._strategy = strategy
         if strategy is not None and strategy.num_replicas_in_sync > 1:
             local = {"synchronization": tf.VariableSynchronization.ON_READ}
         total = dict(local, aggregation=tf.VariableAggregation.SUM) if local else {}
@@ -299,15 +300,22 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
         self.micro_step.assign(0)
 
     # -- Keras saving (`model.save`, `save_weights`, `load_weights`) ----------
+    # Saving and loading touch only this process's replicas: across workers a
+    # cross-replica read of a per-replica buffer is a collective, which would
+    # make every save wait for (and fail with) a dead peer. Each process
+    # writes its share of the window (the sum over its own replicas) and
+    # `shares`, how many processes' files together hold the window.
 
     def save_own_variables(self, store):
         if not self._built:
             return
-        store["micro_step"] = self.micro_step.numpy()
-        store["window_weight"] = self.window_weight.numpy()
-        store["accum_steps"] = self.accum_steps.numpy()
+        first = self._local(self.micro_step)[0]
+        store["micro_step"] = first.numpy()
+        store["window_weight"] = _local_sum(self._local(self.window_weight))
+        store["accum_steps"] = self._local(self.accum_steps)[0].numpy()
+        store["shares"] = np.int64(self._shares())
         for i, buf in enumerate(self.acc_grads):
-            store[f"acc_grad_{i}"] = buf.numpy()
+            store[f"acc_grad_{i}"] = _local_sum(self._local(buf))
 
     def load_own_variables(self, store):
         keys = set(store.keys())
@@ -320,7 +328,8 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
         expected = {"micro_step", "window_weight", "accum_steps"} | {
             f"acc_grad_{i}" for i in range(n)
         }
-        if keys != expected:
+        # Files written before `shares` existed hold the whole window.
+        if keys - {"shares"} != expected:
             raise ValueError(
                 "The checkpoint's accumulation state is incomplete or not "
                 f"keras_accum's: expected entries {sorted(expected)}, found "
@@ -333,31 +342,81 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
                 f"gradient buffers have shapes {[v.shape for v in values]}, "
                 f"this model's trainable variables have {self.shapes()}."
             )
+        micro_step = int(store["micro_step"])
+        saved_shares = int(store["shares"]) if "shares" in keys else 1
+        weight = np.float32(store["window_weight"])
+        if micro_step and saved_shares != 1 and saved_shares != self._shares():
+            raise ValueError(
+                f"The checkpoint's pending window ({micro_step} micro-batches) "
+                f"was saved by {saved_shares} worker processes, each file "
+                "holding one worker's share, but this model runs in "
+                f"{self._shares()}. Restore it with {saved_shares} workers, or "
+                "load weights saved at a window boundary (e.g. at an epoch's "
+                "end)."
+            )
+        if saved_shares == 1 and self._shares() > 1 and not internals.is_first_worker(
+            self._strategy
+        ):
+            # A whole window loaded by every worker: the first worker holds it.
+            values = [np.zeros_like(v) for v in values]
+            weight = np.float32(0.0)
         if not self._built:
             self.build(values, accum_steps=int(store["accum_steps"]))
-        # Per-replica (sync-on-read SUM) variables read as the sum over
-        # replicas; assigning that sum back gives each replica its share.
         for buf, value in zip(self.acc_grads, values):
-            buf.assign(value)
-        self.micro_step.assign(int(store["micro_step"]))
-        self.window_weight.assign(float(store["window_weight"]))
-        self.accum_steps.assign(int(store["accum_steps"]))
+            _assign_share(self._local(buf), value)
+        _assign_share(self._local(self.window_weight), weight)
+        _assign_all(self._local(self.micro_step), micro_step)
+        _assign_all(self._local(self.accum_steps), int(store["accum_steps"]))
 
     def snapshot(self):
-        """All state as numpy, for `restore` after a failed load."""
+        """This process's state as numpy, for `restore` after a failed load."""
         if not self._built:
             return None
-        return [v.numpy() for v in self._state()]
+        return [[c.numpy() for c in self._local(v)] for v in self._state()]
 
     def restore(self, snapshot):
         if snapshot is None:
             self._unbuild()
             return
-        for v, value in zip(self._state(), snapshot):
-            v.assign(value)
+        for v, values in zip(self._state(), snapshot):
+            for component, value in zip(self._local(v), values):
+                component.assign(value)
+
+    def _local(self, variable):
+        """`variable`'s components on this process's replicas (no collective)."""
+        if self._strategy is None:
+            return (variable,)
+        return self._strategy.experimental_local_results(variable)
+
+    def _shares(self):
+        """How many processes hold a part of the window: 1 unless multi-worker."""
+        if self._strategy is None:
+            return 1
+        local = len(self._strategy.experimental_local_results(self.micro_step))
+        return self._strategy.num_replicas_in_sync // local
 
     def _state(self):
         return [self.micro_step, self.window_weight, self.accum_steps, *self.acc_grads]
+
+
+def _local_sum(components):
+    total = components[0].numpy()
+    for c in components[1:]:
+        total = total + c.numpy()
+    return total
+
+
+def _assign_share(components, value):
+    # The whole share on the first local replica, zeros on the others: sums
+    # over replicas then give back exactly the saved value.
+    components[0].assign(value)
+    for c in components[1:]:
+        c.assign(np.zeros_like(value))
+
+
+def _assign_all(components, value):
+    for c in components:
+        c.assign(value)
 
 
 def _scaled(grad, scale):

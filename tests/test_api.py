@@ -41,7 +41,9 @@ def reference_after(batches, make_optimizer=lambda: keras.optimizers.Adam(0.01))
 
 
 def test_public_surface():
-    assert set(keras_accum.__all__) == {"AccumModel", "AccumOptimizer", "wrap", "__version__"}
+    assert set(keras_accum.__all__) == {
+        "AccumModel", "AccumOptimizer", "BackupAndRestore", "wrap", "__version__"
+    }
     for name in keras_accum.__all__:
         assert hasattr(keras_accum, name)
     assert isinstance(keras_accum.__version__, str)

@@ -1,0 +1,272 @@
+"""`BackupAndRestore`: Keras's fault-tolerance callback, safe across workers.
+
+Keras 3's `keras.callbacks.BackupAndRestore` saves and loads each worker's
+files on their own. Across workers (`MultiWorkerMirroredStrategy`) a worker
+that dies around an epoch-end backup leaves the others' backups one epoch
+ahead of its own; on restart each resumes from a different epoch and the
+collectives no longer line up. A save that is cut short also overwrites
+the only backup in place. This callback keeps the same arguments and fixes
+both: backups are written to a temporary name and committed by a rename,
+and on restart the workers agree on the newest epoch every one of them
+has, before any of them loads.
+"""
+
+import json
+import os
+import re
+import shutil
+
+import h5py
+import keras
+import numpy as np
+import tensorflow as tf
+
+from keras_accum import _keras_internals as internals
+
+_COMMITTED = re.compile(r"^epoch-(\d+)\.json$")
+# Fixed-size rows, so that one all-gather carries every worker's answer.
+_PATH_BYTES = 1024
+_KEPT = 2
+
+
+class BackupAndRestore(keras.callbacks.BackupAndRestore):
+    """Backs up training at each epoch's end; restores it when `fit` restarts.
+
+    A drop-in for `keras.callbacks.BackupAndRestore` (same arguments) that
+    also works across workers. Each backup is the model's weights, optimizer
+    state and accumulation window (`save_weights`), written under a
+    temporary name and committed by renaming it and then writing its epoch
+    file, so a worker killed while saving leaves its previous backup intact.
+    Saving reads only this worker's own values: it never waits for a peer.
+
+    Under `MultiWorkerMirroredStrategy` every worker passes its OWN
+    directory (all may be on one filesystem), and `double_checkpoint=True`
+    is required: a worker that dies around an epoch's end is then one
+    backup behind the others, and with two kept each, all of them still
+    share an epoch. When `fit` starts, the workers exchange which epochs
+    they hold and all restore the newest one every worker has; a shared
+    directory, or backups with no epoch in common, are refused before
+    anything is trained or written, with an error naming the directories.
+
+    Args:
+        backup_dir: this worker's directory for the backups. Not shared with
+            another worker or another callback.
+        save_freq: `"epoch"`. An integer (a backup every N batches) is
+            refused: Keras restarts an epoch from its first batch, so a
+            resumed run would train the already-seen micro-batches of the
+            epoch twice. Epoch-end backups are exact (no window is open at
+            an epoch's end).
+        double_checkpoint: keep the previous backup too (required across
+            workers). Also used when the newest backup cannot be read.
+        delete_checkpoint: delete `backup_dir` when training ends.
+
+    Example:
+
+    ```python
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    task = strategy.cluster_resolver.task_id
+    backup = keras_accum.BackupAndRestore(
+        f"/shared/backups/worker-{task}", double_checkpoint=True
+    )
+    model.fit(dataset, epochs=10, callbacks=[backup])
+    ```
+    """
+
+    def __init__(
+        self,
+        backup_dir,
+        save_freq="epoch",
+        double_checkpoint=False,
+        delete_checkpoint=True,
+    ):
+        if save_freq != "epoch":
+            raise ValueError(
+                "keras_accum.BackupAndRestore backs up at epoch ends only. "
+                f"Received: save_freq={save_freq!r}. Keras resumes a "
+                "batch-level backup by replaying its epoch from the first "
+                "batch, which trains the micro-batches seen before the backup "
+                "twice; use save_freq='epoch' (every epoch-end backup resumes "
+                "exactly), or shorter epochs (`steps_per_epoch`)."
+            )
+        super().__init__(
+            backup_dir,
+            save_freq=save_freq,
+            double_checkpoint=double_checkpoint,
+            delete_checkpoint=delete_checkpoint,
+        )
+
+    # -- restoring ---------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        strategy = self.model.distribute_strategy
+        own = self._restore_points()
+        if internals.multi_worker(strategy):
+            epoch = self._agree(strategy, own)
+        else:
+            epoch = max(own, default=None)
+        if epoch is None:
+            return
+        self._discard_newer_than(epoch)
+        optimizer = self.model.optimizer
+        if optimizer is not None and not optimizer.built:
+            # As Keras: optimizer variables must exist before loading.
+            optimizer.build(self.model.trainable_variables)
+        self.model.load_weights(self._weights_file(epoch))
+        internals.set_initial_epoch(self.model, epoch)
+
+    def _restore_points(self):
+        """Epochs with a committed backup here that opens, oldest first."""
+        if not os.path.isdir(self.backup_dir):
+            return []
+        points = []
+        for name in os.listdir(self.backup_dir):
+            match = _COMMITTED.match(name)
+            if match and _readable(self._weights_file(int(match.group(1)))):
+                points.append(int(match.group(1)))
+        points = sorted(points)
+        if not self.double_checkpoint:
+            points = points[-1:]
+        return points
+
+    def _agree(self, strategy, own):
+        """The newest epoch every worker holds, the same on every worker.
+
+        One all-gather of (directory, epochs) rows: every worker then takes
+        the same decision from the same table, or raises the same error.
+        """
+        path = os.path.realpath(self.backup_dir).encode()[:_PATH_BYTES]
+        row = np.full(_PATH_BYTES + _KEPT, -1, np.int64)
+        row[: len(path)] = np.frombuffer(path, np.uint8)
+        for i, epoch in enumerate(own[-_KEPT:]):
+            row[_PATH_BYTES + i] = epoch
+        table = _all_gather(strategy, row)
+        workers = []
+        for r in table:
+            path = bytes(int(b) for b in r[:_PATH_BYTES] if b >= 0).decode()
+            workers.append((path, sorted(int(e) for e in r[_PATH_BYTES:] if e >= 0)))
+        _check_directories(workers)
+        if not self.double_checkpoint:
+            raise ValueError(
+                "Across workers, keras_accum.BackupAndRestore needs "
+                "double_checkpoint=True: a worker that dies around an "
+                "epoch's end is one backup behind the others, and only with "
+                "the previous backup kept do all workers still share an "
+                "epoch to resume from. Received: double_checkpoint=False."
+            )
+        held = [set(epochs) for _, epochs in workers]
+        common = set.intersection(*held)
+        if common:
+            return max(common)
+        if not any(held):
+            return None
+        listing = "; ".join(
+            f"worker {i}: {path} has epochs {epochs or 'none'}"
+            for i, (path, epochs) in enumerate(workers)
+        )
+        raise ValueError(
+            "The workers' backups have no epoch in common, so training "
+            f"cannot resume consistently ({listing}). Restore the missing "
+            "backups, or delete every worker's backup directory to start "
+            "over."
+        )
+
+    def _discard_newer_than(self, epoch):
+        # Newer backups than the agreed one belong to a run that is being
+        # replayed; keeping them would mix two runs at the next agreement.
+        for other in self._restore_points_on_disk():
+            if other > epoch:
+                self._remove(other)
+
+    # -- saving --------------------------------------------------------------
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._current_epoch = epoch + 1
+        self._save_model()
+
+    def _save_model(self):
+        epoch = self._current_epoch
+        os.makedirs(self.backup_dir, exist_ok=True)
+        weights = self._weights_file(epoch)
+        partial = os.path.join(self.backup_dir, f"partial-{epoch}.weights.h5")
+        self.model.save_weights(partial, overwrite=True)
+        os.replace(partial, weights)
+        # The epoch file commits the backup: written last, also atomically.
+        _write_atomically(
+            self._epoch_file(epoch), json.dumps({"epoch": epoch, "batch": 0})
+        )
+        kept = _KEPT if self.double_checkpoint else 1
+        for other in self._restore_points_on_disk()[:-kept]:
+            self._remove(other)
+
+    def on_train_end(self, logs=None):
+        if self.delete_checkpoint and os.path.isdir(self.backup_dir):
+            shutil.rmtree(self.backup_dir)
+
+    # -- files -------------------------------------------------------------
+
+    def _weights_file(self, epoch):
+        return os.path.join(self.backup_dir, f"epoch-{epoch}.weights.h5")
+
+    def _epoch_file(self, epoch):
+        return os.path.join(self.backup_dir, f"epoch-{epoch}.json")
+
+    def _restore_points_on_disk(self):
+        if not os.path.isdir(self.backup_dir):
+            return []
+        return sorted(
+            int(m.group(1))
+            for m in map(_COMMITTED.match, os.listdir(self.backup_dir))
+            if m
+        )
+
+    def _remove(self, epoch):
+        # The epoch file first: a backup is never committed without weights.
+        for path in (self._epoch_file(epoch), self._weights_file(epoch)):
+            if os.path.exists(path):
+                os.remove(path)
+
+
+def _check_directories(workers):
+    paths = [path for path, _ in workers]
+    for i, a in enumerate(paths):
+        for j, b in enumerate(paths):
+            if i < j and (a == b or _inside(a, b) or _inside(b, a)):
+                raise ValueError(
+                    "Workers must not share a backup directory: worker "
+                    f"{i} uses {a} and worker {j} uses {b}. Give each worker "
+                    "its own, e.g. f'{backup_dir}/worker-{task_id}' with "
+                    "task_id = strategy.cluster_resolver.task_id."
+                )
+
+
+def _inside(path, directory):
+    return path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
+def _readable(path):
+    try:
+        with h5py.File(path, "r") as f:
+            f.visit(lambda name: None)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _write_atomically(path, text):
+    partial = path + ".partial"
+    with open(partial, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(partial, path)
+
+
+def _all_gather(strategy, row):
+    """Every worker's `row`, stacked in worker order (a collective)."""
+    local = len(strategy.extended.worker_devices)
+    rows = strategy.experimental_distribute_values_from_function(
+        lambda context: tf.constant(row[None], tf.int64)
+    )
+    table = strategy.gather(rows, axis=0).numpy()
+    # Each worker contributed one identical row per local replica.
+    return table[::local]

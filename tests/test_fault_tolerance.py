@@ -1,0 +1,237 @@
+"""Fault tolerance: a worker may die at any moment, and a restart loses nothing.
+
+Across workers, the test starts two worker processes
+(tests/fault_tolerance_worker.py), stops one at a named point of training,
+kills it there with SIGKILL, waits (bounded) for the survivor to exit,
+restarts both, and compares their final weights with one process trained
+on the big batch. Each multi-worker test is bounded by subprocess
+timeouts, not by a pytest plugin.
+"""
+
+import functools
+import json
+import time
+
+import keras
+import numpy as np
+import pytest
+from reference import (
+    ATOL,
+    OPTIMIZERS,
+    ROOT,
+    RTOL,
+    assert_weights_close,
+    functional,
+    loss,
+    make_data,
+    run_python,
+)
+from workers import Cluster, run_workers, wait_for_file
+
+import keras_accum
+
+WORKER = str(ROOT / "tests" / "fault_tolerance_worker.py")
+EPOCHS = 4  # as in the worker script
+# Bounds, in seconds, on each wait: a worker reaching its point (start-up
+# included, on a loaded 2-core machine), the survivor's exit, a whole run.
+REACH, SURVIVE, RUN = 240, 120, 300
+
+
+@functools.lru_cache(maxsize=None)
+def big_batch_weights():
+    """One process, no strategy, batch 32 = 8 (global micro-batch) x 4."""
+    model = functional()
+    model.compile(OPTIMIZERS["adam"](), loss())
+    model.fit(*make_data(100), batch_size=32, epochs=EPOCHS, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+def outputs(prefix):
+    return [json.loads(open(f"{prefix}.{i}").read()) for i in range(2)]
+
+
+def assert_big_batch(weights):
+    for w, v in zip(weights, big_batch_weights(), strict=True):
+        np.testing.assert_allclose(np.array(w), v, rtol=RTOL, atol=ATOL)
+
+
+# Where training is stopped (all in the second of four epochs), and which
+# worker stops there; worker 1 is the one killed.
+KILL_POINTS = {
+    "mid_window": 1,  # after 6 micro-batches: a window half done
+    "window_boundary": 1,  # after 8: a window just applied
+    "before_backup": 1,  # in on_epoch_end, before its backup is written
+    "own_backup_write": 1,  # its backup file half written
+    "peer_backup": 0,  # worker 0 about to write its backup
+}
+
+
+@pytest.mark.multi_worker
+@pytest.mark.parametrize("point", KILL_POINTS)
+def test_worker_killed_then_both_restarted_end_as_uninterrupted(tmp_path, point):
+    signals = tmp_path / "signals"
+    signals.mkdir()
+    env = dict(
+        MODE="train",
+        BACKUP_ROOT=str(tmp_path / "backups"),
+        SIGNAL_DIR=str(signals),
+    )
+    with Cluster(
+        WORKER, logs=tmp_path / "first", OUT=str(tmp_path / "first"),
+        PAUSE_AT=point, PAUSE_TASK=str(KILL_POINTS[point]), **env,
+    ) as cluster:
+        reached = wait_for_file(signals / f"reached-{point}", REACH, cluster.processes)
+        assert reached, cluster.error(0)[-3000:] + cluster.error(1)[-3000:]
+        cluster.kill(1)
+        killed = time.monotonic()
+        (signals / "go").touch()
+        code = cluster.wait(0, SURVIVE)
+        seconds = time.monotonic() - killed
+        survivor_error = cluster.error(0)
+    # No hang: the survivor stops on its own, with an error, in bounded time.
+    assert code is not None, f"the survivor still ran {SURVIVE} s after its peer died"
+    assert code != 0, survivor_error[-3000:]
+    print(f"\n{point}: survivor exited {seconds:.1f} s after its peer was killed")
+
+    results = run_workers(
+        WORKER, timeout=RUN, logs=tmp_path / "second",
+        OUT=str(tmp_path / "second"), **env,
+    )
+    for result in results:
+        assert result.returncode == 0, result.stderr[-3000:]
+    runs = outputs(tmp_path / "second")
+    # Resumed from a backup (not from scratch), the same epoch on both.
+    assert runs[0]["epochs_run"] == runs[1]["epochs_run"] < EPOCHS
+    for run in runs:
+        assert_big_batch(run["weights"])
+
+
+@pytest.mark.multi_worker
+def test_misuse_across_workers_is_refused_before_training(tmp_path):
+    results = run_workers(
+        WORKER, timeout=RUN, logs=tmp_path / "logs", MODE="misuse",
+        BACKUP_ROOT=str(tmp_path), OUT=str(tmp_path / "out"),
+    )
+    for result in results:
+        assert result.returncode == 0, result.stderr[-3000:]
+    shared = str((tmp_path / "shared").resolve())
+    for run in outputs(tmp_path / "out"):
+        assert "must not share a backup directory" in run["shared"], run["shared"]
+        assert shared in run["shared"]
+        assert "double_checkpoint=True" in run["single_checkpoint"]
+        for case in ("shared", "single_checkpoint"):
+            assert run[f"{case}_iterations"] == 0
+            assert not run[f"{case}_written"]
+
+
+@pytest.mark.multi_worker
+def test_saving_and_loading_need_no_peer(tmp_path):
+    signals = tmp_path / "signals"
+    signals.mkdir()
+    with Cluster(
+        WORKER, logs=tmp_path / "logs", MODE="save_alone", BACKUP_ROOT=str(tmp_path),
+        OUT=str(tmp_path / "out"), SIGNAL_DIR=str(signals),
+        PAUSE_AT="save_alone", PAUSE_TASK="1",
+    ) as cluster:
+        reached = wait_for_file(signals / "reached-save_alone", REACH, cluster.processes)
+        assert reached, cluster.error(1)[-3000:]
+        cluster.kill(1)
+        (signals / "go").touch()
+        code = cluster.wait(0, SURVIVE)
+        assert code == 0, cluster.error(0)[-3000:]
+    run = json.loads(open(f"{tmp_path / 'out'}.0").read())
+    # Worker 0 saved a half-done window (save_weights and .keras) with its
+    # peer dead, loaded it back to the same local state, and rolled back
+    # locally after a failed load.
+    assert run["pending"] == 2
+    assert run["same_window"]
+    assert run["failed_load"]
+    assert run["pending_after_failed_load"] == 2
+
+
+# -- one process ---------------------------------------------------------------
+
+
+class Interrupt(keras.callbacks.Callback):
+    """Ctrl-C in the second epoch, after 6 micro-batches (a window half done)."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self._epoch == 1 and batch == 5:
+            raise KeyboardInterrupt
+
+
+def accum_fit(model, backup, callbacks=(), epochs=3):
+    # 92 samples at 8: windows of 8+8+8+8, 8+8+8+8, 8+8+8+4 samples.
+    x, y = make_data(92)
+    return model.fit(
+        x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0,
+        callbacks=[*callbacks, backup],
+    )
+
+
+def plain_big_batch(epochs=3):
+    model = functional()
+    model.compile(OPTIMIZERS["adam"](), loss())
+    model.fit(*make_data(92), batch_size=32, epochs=epochs, shuffle=False, verbose=0)
+    return model
+
+
+def accum_model():
+    model = functional(keras_accum.AccumModel, accum_steps=4)
+    model.compile(OPTIMIZERS["adam"](), loss())
+    return model
+
+
+@pytest.mark.parametrize("double_checkpoint", [False, True])
+def test_interrupted_mid_window_resumes_exactly(tmp_path, double_checkpoint):
+    backup = keras_accum.BackupAndRestore(tmp_path, double_checkpoint=double_checkpoint)
+    with pytest.raises(KeyboardInterrupt):
+        accum_fit(accum_model(), backup, [Interrupt()])
+    resumed = accum_model()
+    history = accum_fit(resumed, backup)
+    assert len(history.history["loss"]) == 2  # from the end of epoch 1
+    assert_weights_close(resumed, plain_big_batch())
+    assert not tmp_path.exists()  # delete_checkpoint=True, as Keras
+
+
+def test_backup_cut_short_leaves_the_previous_one(tmp_path):
+    model = accum_model()
+    save_weights = model.save_weights
+    saves = []
+
+    def crash_in_second_save(filepath, *args, **kwargs):
+        save_weights(filepath, *args, **kwargs)
+        saves.append(filepath)
+        if len(saves) == 2:
+            with open(filepath, "r+b") as f:
+                f.truncate(100)
+            raise KeyboardInterrupt  # the process died while writing
+
+    model.save_weights = crash_in_second_save
+    backup = keras_accum.BackupAndRestore(tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        accum_fit(model, backup)
+    resumed = accum_model()
+    history = accum_fit(resumed, backup)
+    assert len(history.history["loss"]) == 2
+    assert_weights_close(resumed, plain_big_batch())
+
+
+def test_batch_level_backups_are_refused():
+    with pytest.raises(ValueError, match=r"save_freq=5\b.*save_freq='epoch'"):
+        keras_accum.BackupAndRestore("/tmp/unused", save_freq=5)
+
+
+def test_mirrored_strategy_backup_and_mid_window_save_are_exact():
+    result = run_python(str(ROOT / "tests" / "mirrored_backup_checks.py"), timeout=RUN)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = json.loads(result.stdout.strip().splitlines()[-1])
+    assert run["epochs_resumed"] == 2
+    assert run["pending_loaded"] == 2
+    plain = plain_big_batch()
+    for key in ("interrupted", "saved_mid_window"):
+        for w, v in zip(run[key], plain.get_weights(), strict=True):
+            np.testing.assert_allclose(np.array(w), v, rtol=RTOL, atol=ATOL, err_msg=key)
