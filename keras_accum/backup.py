@@ -144,31 +144,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         for r in table:
             path = bytes(int(b) for b in r[:_PATH_BYTES] if b >= 0).decode()
             workers.append((path, sorted(int(e) for e in r[_PATH_BYTES:] if e >= 0)))
-        _check_directories(workers)
-        if not self.double_checkpoint:
-            raise ValueError(
-                "Across workers, keras_accum.BackupAndRestore needs "
-                "double_checkpoint=True: a worker that dies around an "
-                "epoch's end is one backup behind the others, and only with "
-                "the previous backup kept do all workers still share an "
-                "epoch to resume from. Received: double_checkpoint=False."
-            )
-        held = [set(epochs) for _, epochs in workers]
-        common = set.intersection(*held)
-        if common:
-            return max(common)
-        if not any(held):
-            return None
-        listing = "; ".join(
-            f"worker {i}: {path} has epochs {epochs or 'none'}"
-            for i, (path, epochs) in enumerate(workers)
-        )
-        raise ValueError(
-            "The workers' backups have no epoch in common, so training "
-            f"cannot resume consistently ({listing}). Restore the missing "
-            "backups, or delete every worker's backup directory to start "
-            "over."
-        )
+        return restore_point(workers, self.double_checkpoint)
 
     def _discard_newer_than(self, epoch):
         # Newer backups than the agreed one belong to a run that is being
@@ -224,6 +200,41 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         for path in (self._epoch_file(epoch), self._weights_file(epoch)):
             if os.path.exists(path):
                 os.remove(path)
+
+
+def restore_point(workers, double_checkpoint=True):
+    """The epoch all workers restore, from every worker's (directory, epochs).
+
+    The newest epoch every worker holds; None when no worker holds any
+    (a fresh start). Raises, naming every directory, when workers share a
+    directory, when `double_checkpoint` is off, or when the workers'
+    backups have no epoch in common.
+    """
+    _check_directories(workers)
+    if not double_checkpoint:
+        raise ValueError(
+            "Across workers, keras_accum.BackupAndRestore needs "
+            "double_checkpoint=True: a worker that dies around an "
+            "epoch's end is one backup behind the others, and only with "
+            "the previous backup kept do all workers still share an "
+            "epoch to resume from. Received: double_checkpoint=False."
+        )
+    held = [set(epochs) for _, epochs in workers]
+    common = set.intersection(*held)
+    if common:
+        return max(common)
+    if not any(held):
+        return None
+    listing = "; ".join(
+        f"worker {i}: {path} has epochs {sorted(epochs) or 'none'}"
+        for i, (path, epochs) in enumerate(workers)
+    )
+    raise ValueError(
+        "The workers' backups have no epoch in common, so training "
+        f"cannot resume consistently ({listing}). Restore the missing "
+        "backups, or delete every worker's backup directory to start "
+        "over."
+    )
 
 
 def _check_directories(workers):

@@ -56,7 +56,8 @@ def main():
     path = os.path.join(directory, "mid.weights.h5")
     model.save_weights(path)
     model = compiled()
-    model.optimizer.build(model.trainable_variables)
+    with strategy.scope():
+        model.optimizer.build(model.trainable_variables)
     model.load_weights(path)
     out["pending_loaded"] = model._accumulator.pending()
     fit(model, x[48:], y[48:], 1)  # the rest of the second epoch

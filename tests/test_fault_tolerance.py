@@ -92,6 +92,7 @@ def test_worker_killed_then_both_restarted_end_as_uninterrupted(tmp_path, point)
     assert code is not None, f"the survivor still ran {SURVIVE} s after its peer died"
     assert code != 0, survivor_error[-3000:]
     print(f"\n{point}: survivor exited {seconds:.1f} s after its peer was killed")
+    print("SURVIVOR-ERR", [l[:300] for l in survivor_error.splitlines() if "Error" in l][-3:])
 
     results = run_workers(
         WORKER, timeout=RUN, logs=tmp_path / "second",
@@ -147,6 +148,33 @@ def test_saving_and_loading_need_no_peer(tmp_path):
     assert run["same_window"]
     assert run["failed_load"]
     assert run["pending_after_failed_load"] == 2
+
+
+def test_restore_point_is_the_newest_epoch_every_worker_holds():
+    # Worker 1 died before its epoch-2 backup; worker 0 wrote it.
+    assert keras_accum.backup.restore_point([("/b/w0", [1, 2]), ("/b/w1", [0, 1])]) == 1
+    assert keras_accum.backup.restore_point([("/b/w0", [2, 3]), ("/b/w1", [2, 3])]) == 3
+    assert keras_accum.backup.restore_point([("/b/w0", []), ("/b/w1", [])]) is None
+
+
+@pytest.mark.parametrize(
+    "workers, expected",
+    [
+        # No epoch in common: named directories and epochs, never a guess.
+        ([("/b/w0", [3, 4]), ("/b/w1", [1, 2])], r"/b/w0 has epochs \[3, 4\].*/b/w1 has epochs \[1, 2\]"),
+        ([("/b/w0", [1, 2]), ("/b/w1", [])], r"no epoch in common.*/b/w1 has epochs none"),
+        ([("/b/w", [1, 2]), ("/b/w", [1, 2])], r"must not share a backup directory.*worker 0 uses /b/w"),
+        ([("/b", []), ("/b/w1", [])], r"must not share a backup directory.*/b/w1"),
+    ],
+)
+def test_restore_point_refuses_what_cannot_resume(workers, expected):
+    with pytest.raises(ValueError, match=expected):
+        keras_accum.backup.restore_point(workers)
+
+
+def test_restore_point_across_workers_needs_double_checkpoint():
+    with pytest.raises(ValueError, match="double_checkpoint=True.*Received: double_checkpoint=False"):
+        keras_accum.backup.restore_point([("/b/w0", []), ("/b/w1", [])], double_checkpoint=False)
 
 
 # -- one process ---------------------------------------------------------------
