@@ -91,8 +91,10 @@ def test_worker_killed_then_both_restarted_end_as_uninterrupted(tmp_path, point)
     # No hang: the survivor stops on its own, with an error, in bounded time.
     assert code is not None, f"the survivor still ran {SURVIVE} s after its peer died"
     assert code != 0, survivor_error[-3000:]
+    # TensorFlow's error for a collective whose peer is gone.
+    assert "UnavailableError" in survivor_error, survivor_error[-3000:]
+    # Measured for the README (no timing assertion: the bound is SURVIVE).
     print(f"\n{point}: survivor exited {seconds:.1f} s after its peer was killed")
-    print("SURVIVOR-ERR", [l[:300] for l in survivor_error.splitlines() if "Error" in l][-3:])
 
     results = run_workers(
         WORKER, timeout=RUN, logs=tmp_path / "second",
