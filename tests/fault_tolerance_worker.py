@@ -91,6 +91,8 @@ def train(out):
         os.path.join(os.environ["BACKUP_ROOT"], f"worker-{task_index()}"),
         double_checkpoint=True,
     )
+    # The committed backups this worker starts with.
+    out["held"] = sorted(backup._restore_points_on_disk())
     history = model.fit(
         dataset(), epochs=EPOCHS, verbose=0, callbacks=[Points(), backup]
     )

@@ -55,14 +55,20 @@ def assert_big_batch(weights):
         np.testing.assert_allclose(np.array(w), v, rtol=RTOL, atol=ATOL)
 
 
-# Where training is stopped (all in the second of four epochs), and which
-# worker stops there; worker 1 is the one killed.
+# Where training is stopped (all in the second of four epochs), the worker
+# that stops there (worker 1 is the one killed), and the epoch ends each
+# worker then holds backups of (0, 1), and so the epoch both restore.
 KILL_POINTS = {
-    "mid_window": 1,  # after 6 micro-batches: a window half done
-    "window_boundary": 1,  # after 8: a window just applied
-    "before_backup": 1,  # in on_epoch_end, before its backup is written
-    "own_backup_write": 1,  # its backup file half written
-    "peer_backup": 0,  # worker 0 about to write its backup
+    # after 6 micro-batches: a window half done
+    "mid_window": (1, [1], [1]),
+    # after 8: a window just applied
+    "window_boundary": (1, [1], [1]),
+    # in on_epoch_end, before its backup: worker 0 wrote its own
+    "before_backup": (1, [1, 2], [1]),
+    # its backup file half written, never committed
+    "own_backup_write": (1, [1, 2], [1]),
+    # worker 0 about to write its backup; worker 1 may have written its own
+    "peer_backup": (0, [1, 2], None),
 }
 
 
@@ -78,7 +84,7 @@ def test_worker_killed_then_both_restarted_end_as_uninterrupted(tmp_path, point)
     )
     with Cluster(
         WORKER, logs=tmp_path / "first", OUT=str(tmp_path / "first"),
-        PAUSE_AT=point, PAUSE_TASK=str(KILL_POINTS[point]), **env,
+        PAUSE_AT=point, PAUSE_TASK=str(KILL_POINTS[point][0]), **env,
     ) as cluster:
         reached = wait_for_file(signals / f"reached-{point}", REACH, cluster.processes)
         assert reached, cluster.error(0)[-3000:] + cluster.error(1)[-3000:]
@@ -103,8 +109,13 @@ def test_worker_killed_then_both_restarted_end_as_uninterrupted(tmp_path, point)
     for result in results:
         assert result.returncode == 0, result.stderr[-3000:]
     runs = outputs(tmp_path / "second")
-    # Resumed from a backup (not from scratch), the same epoch on both.
-    assert runs[0]["epochs_run"] == runs[1]["epochs_run"] < EPOCHS
+    _, held_0, held_1 = KILL_POINTS[point]
+    assert runs[0]["held"] == held_0
+    if held_1 is not None:
+        assert runs[1]["held"] == held_1
+    restored = max(set(runs[0]["held"]) & set(runs[1]["held"]))
+    # Both resumed from the newest epoch both held (not from scratch).
+    assert runs[0]["epochs_run"] == runs[1]["epochs_run"] == EPOCHS - restored
     for run in runs:
         assert_big_batch(run["weights"])
 
