@@ -106,11 +106,19 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             epoch = max(own, default=None)
         if epoch is None:
             return
+        if not self.model.built:
+            raise ValueError(
+                f"{self.backup_dir} holds a backup of epoch {epoch}, but the "
+                "model is not built, so its weights cannot be restored into "
+                "it. Build it before `fit`: call it on a batch, or "
+                "`model.build(input_shape)`."
+            )
         self._discard_newer_than(epoch)
         optimizer = self.model.optimizer
         if optimizer is not None and not optimizer.built:
             # As Keras: optimizer variables must exist before loading.
-            optimizer.build(self.model.trainable_variables)
+            with strategy.scope():
+                optimizer.build(self.model.trainable_variables)
         self.model.load_weights(self._weights_file(epoch))
         internals.set_initial_epoch(self.model, epoch)
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from reference import (
     ATOL,
+    AccumNet,
     OPTIMIZERS,
     ROOT,
     RTOL,
@@ -25,6 +26,7 @@ from reference import (
     loss,
     make_data,
     run_python,
+    subclassed,
 )
 from workers import Cluster, run_workers, wait_for_file
 
@@ -226,12 +228,27 @@ def accum_model():
     return model
 
 
-@pytest.mark.parametrize("double_checkpoint", [False, True])
-def test_interrupted_mid_window_resumes_exactly(tmp_path, double_checkpoint):
+MODELS = {
+    "functional": lambda: functional(keras_accum.AccumModel, accum_steps=4),
+    "subclassed": lambda: subclassed(keras_accum.AccumModel, accum_steps=4),
+    "wrap_functional": lambda: keras_accum.wrap(functional(), accum_steps=4),
+}
+
+
+@pytest.mark.parametrize(
+    "kind, double_checkpoint",
+    [("functional", False), ("functional", True), ("subclassed", True), ("wrap_functional", True)],
+)
+def test_interrupted_mid_window_resumes_exactly(tmp_path, kind, double_checkpoint):
+    def model():
+        made = MODELS[kind]()
+        made.compile(OPTIMIZERS["adam"](), loss())
+        return made
+
     backup = keras_accum.BackupAndRestore(tmp_path, double_checkpoint=double_checkpoint)
     with pytest.raises(KeyboardInterrupt):
-        accum_fit(accum_model(), backup, [Interrupt()])
-    resumed = accum_model()
+        accum_fit(model(), backup, [Interrupt()])
+    resumed = model()
     history = accum_fit(resumed, backup)
     assert len(history.history["loss"]) == 2  # from the end of epoch 1
     assert_weights_close(resumed, plain_big_batch())
@@ -259,6 +276,22 @@ def test_backup_cut_short_leaves_the_previous_one(tmp_path):
     history = accum_fit(resumed, backup)
     assert len(history.history["loss"]) == 2
     assert_weights_close(resumed, plain_big_batch())
+
+
+def test_a_backup_for_an_unbuilt_model_is_refused_clearly(tmp_path):
+    # Subclassed and never called: Keras builds it in the first step, after
+    # the point where a backup must be restored.
+    def unbuilt():
+        keras.utils.set_random_seed(0)
+        model = AccumNet(accum_steps=4)
+        model.compile(OPTIMIZERS["adam"](), loss())
+        return model
+
+    backup = keras_accum.BackupAndRestore(tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        accum_fit(unbuilt(), backup, [Interrupt()])  # a fresh start trains
+    with pytest.raises(ValueError, match=r"backup of epoch 1, but the model is not built"):
+        accum_fit(unbuilt(), backup)
 
 
 def test_batch_level_backups_are_refused():
