@@ -272,10 +272,33 @@ def test_backup_cut_short_leaves_the_previous_one(tmp_path):
     backup = keras_accum.BackupAndRestore(tmp_path)
     with pytest.raises(KeyboardInterrupt):
         accum_fit(model, backup)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "epoch-1.json", "epoch-1.weights.h5", "partial-2.weights.h5"
+    ]
     resumed = accum_model()
-    history = accum_fit(resumed, backup)
+    listing = Listing(tmp_path)
+    history = accum_fit(resumed, backup, [listing])
     assert len(history.history["loss"]) == 2
     assert_weights_close(resumed, plain_big_batch())
+    # What the cut-short save left behind is never read; the replayed save
+    # of the same epoch replaces it.
+    assert listing.listings == [
+        ["epoch-1.json", "epoch-1.weights.h5", "partial-2.weights.h5"],
+        ["epoch-2.json", "epoch-2.weights.h5"],
+    ]
+
+
+class Listing(keras.callbacks.Callback):
+    """Records the backup directory's files at each epoch's start."""
+
+    def __init__(self, directory):
+        super().__init__()
+        self.directory = directory
+        self.listings = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self.directory.exists():
+            self.listings.append(sorted(p.name for p in self.directory.iterdir()))
 
 
 def test_a_backup_for_an_unbuilt_model_is_refused_clearly(tmp_path):
