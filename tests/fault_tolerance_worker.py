@@ -109,13 +109,18 @@ def misuse(out):
             double_checkpoint=False,
         ),
     }
+    cases["keras_callback"] = dict(
+        backup_dir=os.path.join(root, f"keras-{task_index()}"), keras=True
+    )
     for name, kwargs in cases.items():
         model = compiled()
+        callback = (
+            keras.callbacks.BackupAndRestore
+            if kwargs.pop("keras", False)
+            else keras_accum.BackupAndRestore
+        )
         try:
-            model.fit(
-                dataset(), epochs=1, verbose=0,
-                callbacks=[keras_accum.BackupAndRestore(**kwargs)],
-            )
+            model.fit(dataset(), epochs=1, verbose=0, callbacks=[callback(**kwargs)])
             out[name] = "trained"
         except ValueError as error:
             out[name] = str(error)

@@ -135,7 +135,9 @@ def test_misuse_across_workers_is_refused_before_training(tmp_path):
         assert "must not share a backup directory" in run["shared"], run["shared"]
         assert shared in run["shared"]
         assert "double_checkpoint=True" in run["single_checkpoint"]
-        for case in ("shared", "single_checkpoint"):
+        assert "Use keras_accum.BackupAndRestore" in run["keras_callback"]
+        assert str(tmp_path / f"keras-{run['task']}") in run["keras_callback"]
+        for case in ("shared", "single_checkpoint", "keras_callback"):
             assert run[f"{case}_iterations"] == 0
             assert not run[f"{case}_written"]
 
