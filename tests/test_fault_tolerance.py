@@ -10,6 +10,7 @@ timeouts, not by a pytest plugin.
 
 import functools
 import json
+import os
 import time
 
 import keras
@@ -167,20 +168,25 @@ def test_saving_and_loading_need_no_peer(tmp_path):
     assert run["pending_after_failed_load"] == 2
 
 
-def test_restore_point_is_the_newest_epoch_every_worker_holds():
-    # Worker 1 died before its epoch-2 backup; worker 0 wrote it.
-    assert keras_accum.backup.restore_point([("/b/w0", [1, 2]), ("/b/w1", [0, 1])]) == 1
-    assert keras_accum.backup.restore_point([("/b/w0", [2, 3]), ("/b/w1", [2, 3])]) == 3
-    assert keras_accum.backup.restore_point([("/b/w0", []), ("/b/w1", [])]) is None
+def test_restore_point_is_the_newest_every_worker_holds():
+    restore_point = keras_accum.backup.restore_point
+    # Worker 1 died before its backup at the end of epoch 2; worker 0 wrote it.
+    assert restore_point([("/b/w0", [(1, 0), (2, 0)]), ("/b/w1", [(0, 5), (1, 0)])]) == (1, 0)
+    assert restore_point([("/b/w0", [(2, 0), (2, 5)]), ("/b/w1", [(2, 0), (2, 5)])]) == (2, 5)
+    assert restore_point([("/b/w0", []), ("/b/w1", [])]) is None
 
 
 @pytest.mark.parametrize(
     "workers, expected",
     [
-        # No epoch in common: named directories and epochs, never a guess.
-        ([("/b/w0", [3, 4]), ("/b/w1", [1, 2])], r"/b/w0 has epochs \[3, 4\].*/b/w1 has epochs \[1, 2\]"),
-        ([("/b/w0", [1, 2]), ("/b/w1", [])], r"no epoch in common.*/b/w1 has epochs none"),
-        ([("/b/w", [1, 2]), ("/b/w", [1, 2])], r"must not share a backup directory.*worker 0 uses /b/w"),
+        # Nothing in common: named directories and points, never a guess.
+        (
+            [("/b/w0", [(3, 0), (3, 5)]), ("/b/w1", [(1, 0), (2, 0)])],
+            r"/b/w0 has end of epoch 3, epoch 4, batch 5; "
+            r"worker 1: /b/w1 has end of epoch 1, end of epoch 2",
+        ),
+        ([("/b/w0", [(1, 0)]), ("/b/w1", [])], r"no point in common.*/b/w1 has no backup"),
+        ([("/b/w", []), ("/b/w", [])], r"must not share a backup directory.*worker 0 uses /b/w"),
         ([("/b", []), ("/b/w1", [])], r"must not share a backup directory.*/b/w1"),
     ],
 )
@@ -275,7 +281,7 @@ def test_backup_cut_short_leaves_the_previous_one(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         accum_fit(model, backup)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "epoch-1.json", "epoch-1.weights.h5", "partial-2.weights.h5"
+        "epoch-1.json", "epoch-1.weights.h5", "partial-epoch-2.weights.h5"
     ]
     resumed = accum_model()
     listing = Listing(tmp_path)
@@ -285,7 +291,7 @@ def test_backup_cut_short_leaves_the_previous_one(tmp_path):
     # What the cut-short save left behind is never read; the replayed save
     # of the same epoch replaces it.
     assert listing.listings == [
-        ["epoch-1.json", "epoch-1.weights.h5", "partial-2.weights.h5"],
+        ["epoch-1.json", "epoch-1.weights.h5", "partial-epoch-2.weights.h5"],
         ["epoch-2.json", "epoch-2.weights.h5"],
     ]
 
@@ -315,13 +321,31 @@ def test_a_backup_for_an_unbuilt_model_is_refused_clearly(tmp_path):
     backup = keras_accum.BackupAndRestore(tmp_path)
     with pytest.raises(KeyboardInterrupt):
         accum_fit(unbuilt(), backup, [Interrupt()])  # a fresh start trains
-    with pytest.raises(ValueError, match=r"backup of epoch 1, but the model is not built"):
+    with pytest.raises(ValueError, match=r"holds a backup \(end of epoch 1\), but the model is not built"):
         accum_fit(unbuilt(), backup)
 
 
-def test_batch_level_backups_are_refused():
-    with pytest.raises(ValueError, match=r"save_freq=5\b.*save_freq='epoch'"):
-        keras_accum.BackupAndRestore("/tmp/unused", save_freq=5)
+@pytest.mark.parametrize("save_freq", [0, "batch", 2.0, True])
+def test_save_freq_is_checked(save_freq):
+    with pytest.raises(ValueError, match=rf"Received: save_freq={save_freq!r}"):
+        keras_accum.BackupAndRestore("/tmp/unused", save_freq=save_freq)
+
+
+@pytest.mark.parametrize("save_freq, restored", [(5, "epoch-1-batch-3"), (6, "epoch-1-batch-6")])
+def test_batch_level_backup_resumes_exactly(tmp_path, save_freq, restored):
+    # 12 micro-batches an epoch; Ctrl-C after 6 of the second. With a backup
+    # every 5 batches the newest is 3 batches into it (a window 3/4 full),
+    # with every 6, 6 (a window half full): those batches are skipped.
+    backup = keras_accum.BackupAndRestore(tmp_path, save_freq=save_freq)
+    with pytest.raises(KeyboardInterrupt):
+        # The backup before the interruption: with every 6, the batch that is
+        # interrupted is backed up first.
+        accum_fit(accum_model(), Interrupt(), [backup])
+    assert sorted(os.listdir(tmp_path)) == [f"{restored}.json", f"{restored}.weights.h5"]
+    resumed = accum_model()
+    history = accum_fit(resumed, backup)
+    assert len(history.history["loss"]) == 2
+    assert_weights_close(resumed, plain_big_batch())
 
 
 def test_mirrored_strategy_backup_and_mid_window_save_are_exact():
