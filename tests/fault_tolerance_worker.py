@@ -89,10 +89,11 @@ def train(out):
     pausing_saves(model)
     backup = keras_accum.BackupAndRestore(
         os.path.join(os.environ["BACKUP_ROOT"], f"worker-{task_index()}"),
+        save_freq=int(os.environ["SAVE_FREQ"]) if "SAVE_FREQ" in os.environ else "epoch",
         double_checkpoint=True,
     )
     # The committed backups this worker starts with.
-    out["held"] = sorted(backup._restore_points_on_disk())
+    out["held"] = [list(p) for p in backup._restore_points_on_disk()]
     history = model.fit(
         dataset(), epochs=EPOCHS, verbose=0, callbacks=[Points(), backup]
     )

@@ -48,6 +48,16 @@ def main():
     out["epochs_resumed"] = len(fit(model, x, y, 3, [backup]).history["loss"])
     out["interrupted"] = [w.tolist() for w in model.get_weights()]
 
+    # A backup every 5 batches: 3 batches into the second epoch, skipped.
+    backup = keras_accum.BackupAndRestore(os.path.join(directory, "batches"), save_freq=5)
+    try:
+        fit(compiled(), x, y, 3, [Interrupt(), backup])
+    except KeyboardInterrupt:
+        pass
+    model = compiled()
+    out["epochs_resumed_batches"] = len(fit(model, x, y, 3, [backup]).history["loss"])
+    out["batch_level"] = [w.tolist() for w in model.get_weights()]
+
     model = compiled()
     try:
         fit(model, x, y, 3, [Interrupt()])

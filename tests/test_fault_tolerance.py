@@ -59,25 +59,28 @@ def assert_big_batch(weights):
 
 
 # Where training is stopped (all in the second of four epochs), the worker
-# that stops there (worker 1 is the one killed), and the epoch ends each
-# worker then holds backups of (0, 1), and so the epoch both restore.
+# that stops there (worker 1 is the one killed), and the backups each
+# worker then holds, as (epochs completed, batches into the next) points.
 KILL_POINTS = {
     # after 6 micro-batches: a window half done
-    "mid_window": (1, [1], [1]),
+    "mid_window": (1, [[1, 0]], [[1, 0]]),
     # after 8: a window just applied
-    "window_boundary": (1, [1], [1]),
+    "window_boundary": (1, [[1, 0]], [[1, 0]]),
     # in on_epoch_end, before its backup: worker 0 wrote its own
-    "before_backup": (1, [1, 2], [1]),
+    "before_backup": (1, [[1, 0], [2, 0]], [[1, 0]]),
     # its backup file half written, never committed
-    "own_backup_write": (1, [1, 2], [1]),
+    "own_backup_write": (1, [[1, 0], [2, 0]], [[1, 0]]),
     # worker 0 about to write its backup; worker 1 may have written its own
-    "peer_backup": (0, [1, 2], None),
+    "peer_backup": (0, [[1, 0], [2, 0]], None),
 }
+# With a backup every 5 batches (13 an epoch): the newest both hold is 2
+# batches into the second epoch, and those 2 are skipped on resuming.
+BATCH_BACKUP = {"mid_window_batch_backups": (1, [[0, 10], [1, 2]], [[0, 10], [1, 2]])}
 
 
 @pytest.mark.multi_worker
-@pytest.mark.parametrize("point", KILL_POINTS)
-def test_worker_killed_then_both_restarted_end_as_uninterrupted(tmp_path, point):
+@pytest.mark.parametrize("case", [*KILL_POINTS, *BATCH_BACKUP])
+def test_worker_killed_then_both_restarted_end_as_uninterrupted(tmp_path, case):
     signals = tmp_path / "signals"
     signals.mkdir()
     env = dict(
@@ -85,9 +88,14 @@ def test_worker_killed_then_both_restarted_end_as_uninterrupted(tmp_path, point)
         BACKUP_ROOT=str(tmp_path / "backups"),
         SIGNAL_DIR=str(signals),
     )
+    if case in BATCH_BACKUP:
+        point, (task, held_0, held_1) = "mid_window", BATCH_BACKUP[case]
+        env["SAVE_FREQ"] = "5"
+    else:
+        point, (task, held_0, held_1) = case, KILL_POINTS[case]
     with Cluster(
         WORKER, logs=tmp_path / "first", OUT=str(tmp_path / "first"),
-        PAUSE_AT=point, PAUSE_TASK=str(KILL_POINTS[point][0]), **env,
+        PAUSE_AT=point, PAUSE_TASK=str(task), **env,
     ) as cluster:
         reached = wait_for_file(signals / f"reached-{point}", REACH, cluster.processes)
         assert reached, cluster.error(0)[-3000:] + cluster.error(1)[-3000:]
@@ -103,7 +111,7 @@ def test_worker_killed_then_both_restarted_end_as_uninterrupted(tmp_path, point)
     # TensorFlow's error for a collective whose peer is gone.
     assert "UnavailableError" in survivor_error, survivor_error[-3000:]
     # Measured for the README (no timing assertion: the bound is SURVIVE).
-    print(f"\n{point}: survivor exited {seconds:.1f} s after its peer was killed")
+    print(f"\n{case}: survivor exited {seconds:.1f} s after its peer was killed")
 
     results = run_workers(
         WORKER, timeout=RUN, logs=tmp_path / "second",
@@ -112,13 +120,13 @@ def test_worker_killed_then_both_restarted_end_as_uninterrupted(tmp_path, point)
     for result in results:
         assert result.returncode == 0, result.stderr[-3000:]
     runs = outputs(tmp_path / "second")
-    _, held_0, held_1 = KILL_POINTS[point]
     assert runs[0]["held"] == held_0
     if held_1 is not None:
         assert runs[1]["held"] == held_1
-    restored = max(set(runs[0]["held"]) & set(runs[1]["held"]))
-    # Both resumed from the newest epoch both held (not from scratch).
-    assert runs[0]["epochs_run"] == runs[1]["epochs_run"] == EPOCHS - restored
+    held = [{tuple(p) for p in run["held"]} for run in runs]
+    epoch, _ = max(held[0] & held[1])
+    # Both resumed from the newest point both held (not from scratch).
+    assert runs[0]["epochs_run"] == runs[1]["epochs_run"] == EPOCHS - epoch
     for run in runs:
         assert_big_batch(run["weights"])
 
@@ -331,18 +339,27 @@ def test_save_freq_is_checked(save_freq):
         keras_accum.BackupAndRestore("/tmp/unused", save_freq=save_freq)
 
 
-@pytest.mark.parametrize("save_freq, restored", [(5, "epoch-1-batch-3"), (6, "epoch-1-batch-6")])
-def test_batch_level_backup_resumes_exactly(tmp_path, save_freq, restored):
+@pytest.mark.parametrize(
+    "save_freq, steps_per_execution, restored",
+    [(5, 1, "epoch-1-batch-3"), (6, 1, "epoch-1-batch-6"), (5, 2, "epoch-1-batch-6")],
+)
+def test_batch_level_backup_resumes_exactly(tmp_path, save_freq, steps_per_execution, restored):
     # 12 micro-batches an epoch; Ctrl-C after 6 of the second. With a backup
     # every 5 batches the newest is 3 batches into it (a window 3/4 full),
     # with every 6, 6 (a window half full): those batches are skipped.
+    # Two steps an execution: backups at even batches, skipped two at a time.
+    def model():
+        made = accum_model()
+        made.compile(OPTIMIZERS["adam"](), loss(), steps_per_execution=steps_per_execution)
+        return made
+
     backup = keras_accum.BackupAndRestore(tmp_path, save_freq=save_freq)
     with pytest.raises(KeyboardInterrupt):
         # The backup before the interruption: with every 6, the batch that is
         # interrupted is backed up first.
-        accum_fit(accum_model(), Interrupt(), [backup])
+        accum_fit(model(), Interrupt(), [backup])
     assert sorted(os.listdir(tmp_path)) == [f"{restored}.json", f"{restored}.weights.h5"]
-    resumed = accum_model()
+    resumed = model()
     history = accum_fit(resumed, backup)
     assert len(history.history["loss"]) == 2
     assert_weights_close(resumed, plain_big_batch())
@@ -352,10 +369,10 @@ def test_mirrored_strategy_backup_and_mid_window_save_are_exact():
     result = run_python(str(ROOT / "tests" / "mirrored_backup_checks.py"), timeout=RUN)
     assert result.returncode == 0, result.stderr[-3000:]
     run = json.loads(result.stdout.strip().splitlines()[-1])
-    assert run["epochs_resumed"] == 2
+    assert run["epochs_resumed"] == run["epochs_resumed_batches"] == 2
     assert run["pending_loaded"] == 2
     plain = plain_big_batch()
-    for key in ("interrupted", "saved_mid_window"):
+    for key in ("interrupted", "batch_level", "saved_mid_window"):
         for w, v in zip(run[key], plain.get_weights(), strict=True):
             np.testing.assert_allclose(np.array(w), v, rtol=RTOL, atol=ATOL, err_msg=key)
 
