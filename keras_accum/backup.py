@@ -114,6 +114,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self._batches_seen_since_last_saving = 0
         self._last_batch_seen = 0
         self._restored = None
+        _stop_skipping(self.model)  # left by a `fit` interrupted while skipping
         strategy = self.model.distribute_strategy
         own = self._restore_points()
         if internals.multi_worker(strategy):
@@ -273,7 +274,14 @@ def _skip_batches(model, batches):
             model.train_function = train_function
         return {}
 
+    skip.train_function = train_function
     model.train_function = skip
+
+
+def _stop_skipping(model):
+    original = getattr(model.train_function, "train_function", None)
+    if original is not None:
+        model.train_function = original
 
 
 def check_callbacks(callbacks, strategy):

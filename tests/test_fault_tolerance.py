@@ -365,6 +365,31 @@ def test_batch_level_backup_resumes_exactly(tmp_path, save_freq, steps_per_execu
     assert_weights_close(resumed, plain_big_batch())
 
 
+class InterruptAt(keras.callbacks.Callback):
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at = (epoch, batch)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self._epoch, batch) == self.at:
+            raise KeyboardInterrupt
+
+
+def test_interrupted_while_skipping_then_resumed_again(tmp_path):
+    backup = keras_accum.BackupAndRestore(tmp_path, save_freq=6)
+    model = accum_model()
+    with pytest.raises(KeyboardInterrupt):
+        accum_fit(model, Interrupt(), [backup])  # backed up 6 into epoch 2
+    with pytest.raises(KeyboardInterrupt):
+        accum_fit(model, InterruptAt(1, 2), [backup])  # while skipping those
+    history = accum_fit(model, backup)
+    assert len(history.history["loss"]) == 2
+    assert_weights_close(model, plain_big_batch())
+
+
 def test_mirrored_strategy_backup_and_mid_window_save_are_exact():
     result = run_python(str(ROOT / "tests" / "mirrored_backup_checks.py"), timeout=RUN)
     assert result.returncode == 0, result.stderr[-3000:]
