@@ -66,9 +66,7 @@ __all__ = [
     "functional_init_arguments",
     "make_replicated_function",
     "multi_worker",
-    "is_first_worker",
     "set_initial_epoch",
-    "worker_index",
     "reduce_outputs",
     "symbolic_build",
     "get_keras_mask",
@@ -155,17 +153,6 @@ def build_compiled_loss(model, data):
 def multi_worker(strategy):
     """Whether `strategy` runs across several worker processes."""
     return _collective_all_reduce_multi_worker(strategy)
-
-
-def worker_index(strategy):
-    """This process's index among the workers (0 when not multi-worker)."""
-    if strategy is None or not multi_worker(strategy):
-        return 0
-    return int(strategy.cluster_resolver.task_id)
-
-
-def is_first_worker(strategy):
-    return worker_index(strategy) == 0
 
 
 def set_initial_epoch(model, epoch):

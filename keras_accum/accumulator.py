@@ -314,6 +314,7 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
         store["window_weight"] = _local_sum(self._local(self.window_weight))
         store["accum_steps"] = self._local(self.accum_steps)[0].numpy()
         store["shares"] = np.int64(self._shares())
+        store["replicas"] = np.int64(self._replicas())
         for i, buf in enumerate(self.acc_grads):
             store[f"acc_grad_{i}"] = _local_sum(self._local(buf))
 
@@ -328,8 +329,7 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
         expected = {"micro_step", "window_weight", "accum_steps"} | {
             f"acc_grad_{i}" for i in range(n)
         }
-        # Files written before `shares` existed hold the whole window.
-        if keys - {"shares"} != expected:
+        if keys - {"shares", "replicas"} != expected:
             raise ValueError(
                 "The checkpoint's accumulation state is incomplete or not "
                 f"keras_accum's: expected entries {sorted(expected)}, found "
@@ -343,23 +343,23 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
                 f"this model's trainable variables have {self.shapes()}."
             )
         micro_step = int(store["micro_step"])
-        saved_shares = int(store["shares"]) if "shares" in keys else 1
-        weight = np.float32(store["window_weight"])
-        if micro_step and saved_shares != 1 and saved_shares != self._shares():
+        # Files written before these entries existed hold the whole window.
+        saved = (
+            int(store["shares"]) if "shares" in keys else 1,
+            int(store["replicas"]) if "replicas" in keys else self._replicas(),
+        )
+        here = (self._shares(), self._replicas())
+        if micro_step and saved != here:
+            # Buffers hold each process's share, summed over replicas whose
+            # losses Keras divided by their number: neither can be re-split.
             raise ValueError(
                 f"The checkpoint's pending window ({micro_step} micro-batches) "
-                f"was saved by {saved_shares} worker processes, each file "
-                "holding one worker's share, but this model runs in "
-                f"{self._shares()}. Restore it with {saved_shares} workers, or "
-                "load weights saved at a window boundary (e.g. at an epoch's "
-                "end)."
+                f"was saved by {saved[0]} process(es) with {saved[1]} "
+                f"replica(s) in all, but this model runs in {here[0]} with "
+                f"{here[1]}. Restore it in the same setup, or load weights "
+                "saved at a window boundary (e.g. an epoch-end backup)."
             )
-        if saved_shares == 1 and self._shares() > 1 and not internals.is_first_worker(
-            self._strategy
-        ):
-            # A whole window loaded by every worker: the first worker holds it.
-            values = [np.zeros_like(v) for v in values]
-            weight = np.float32(0.0)
+        weight = np.float32(store["window_weight"])
         if not self._built:
             self.build(values, accum_steps=int(store["accum_steps"]))
         for buf, value in zip(self.acc_grads, values):
@@ -390,10 +390,13 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
 
     def _shares(self):
         """How many processes hold a part of the window: 1 unless multi-worker."""
-        if self._strategy is None:
+        if self._replicas() == 1:
             return 1
-        local = len(self._strategy.experimental_local_results(self.micro_step))
+        local = len(self._strategy.extended.worker_devices)
         return self._strategy.num_replicas_in_sync // local
+
+    def _replicas(self):
+        return 1 if self._strategy is None else self._strategy.num_replicas_in_sync
 
     def _state(self):
         return [self.micro_step, self.window_weight, self.accum_steps, *self.acc_grads]

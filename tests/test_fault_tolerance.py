@@ -402,37 +402,44 @@ def test_mirrored_strategy_backup_and_mid_window_save_are_exact():
             np.testing.assert_allclose(np.array(w), v, rtol=RTOL, atol=ATOL, err_msg=key)
 
 
-def _as_worker_share(path, shares=2):
-    """Marks a weights file as one of `shares` workers' shares of its window."""
+def _saved_by(path, shares, replicas):
+    """Marks a weights file as saved by `shares` processes, `replicas` in all."""
     import h5py
 
     with h5py.File(path, "r+") as f:
         f["_accumulator/vars/shares"][()] = shares
+        f["_accumulator/vars/replicas"][()] = replicas
 
 
-def test_one_workers_share_of_a_window_is_refused_elsewhere(tmp_path):
-    # Across workers each file holds its worker's share of an open window:
-    # loaded by a different number of processes it would be wrong, so it is
-    # refused, and the model is left as it was.
+@pytest.mark.parametrize("shares, replicas", [(2, 2), (1, 2)])
+def test_an_open_window_from_another_setup_is_refused(tmp_path, shares, replicas):
+    # Each file holds its process's share of an open window, summed over
+    # replicas whose losses Keras divided by their number: loaded in another
+    # setup it would be wrong, so it is refused, and the model is left as
+    # it was.
     x, y = make_data(24)
     saved = accum_model()
     saved.train_on_batch(x[:8], y[:8])
     saved.train_on_batch(x[8:16], y[8:16])
     path = str(tmp_path / "share.weights.h5")
     saved.save_weights(path)
-    _as_worker_share(path)
+    _saved_by(path, shares, replicas)
     model = accum_model()
     model.train_on_batch(x[16:], y[16:])
     before = model.get_weights()
-    with pytest.raises(ValueError, match=r"window \(2 micro-batches\) was saved by 2 worker processes"):
+    with pytest.raises(
+        ValueError,
+        match=rf"window \(2 micro-batches\) was saved by {shares} process\(es\) "
+        rf"with {replicas} replica\(s\) in all, but this model runs in 1 with 1",
+    ):
         model.load_weights(path)
     assert model._accumulator.pending() == 1
     for w, v in zip(model.get_weights(), before, strict=True):
         np.testing.assert_array_equal(w, v)
-    # At a window boundary (an epoch-end backup) there is no share to split.
+    # At a window boundary (an epoch-end backup) there is nothing to split.
     saved.flush()
     saved.save_weights(path)
-    _as_worker_share(path)
+    _saved_by(path, shares, replicas)
     model.load_weights(path)
     assert model._accumulator.pending() == 0
     assert_weights_close(model, saved)
