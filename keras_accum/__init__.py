@@ -31,6 +31,7 @@ if keras.backend.backend() != "tensorflow":
         "before importing keras (or in ~/.keras/keras.json)."
     )
 
+from keras_accum.backup import BackupAndRestore  # noqa: E402
 from keras_accum.model import AccumModel  # noqa: E402
 from keras_accum.optimizer import AccumOptimizer  # noqa: E402
 from keras_accum.scheduler import AccumScheduler  # noqa: E402
@@ -38,4 +39,11 @@ from keras_accum.wrap import wrap  # noqa: E402
 
 __version__ = "0.1.0"
 
-__all__ = ["AccumModel", "AccumOptimizer", "AccumScheduler", "__version__", "wrap"]
+__all__ = [
+    "AccumModel",
+    "AccumOptimizer",
+    "AccumScheduler",
+    "BackupAndRestore",
+    "__version__",
+    "wrap",
+]

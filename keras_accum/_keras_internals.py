@@ -76,6 +76,7 @@ __all__ = [
     "functional_init_arguments",
     "make_replicated_function",
     "multi_worker",
+    "set_initial_epoch",
     "reduce_outputs",
     "symbolic_build",
     "get_keras_mask",
@@ -179,6 +180,11 @@ def unknown_variables(optimizer, variables):
 def multi_worker(strategy):
     """Whether `strategy` runs across several worker processes."""
     return _collective_all_reduce_multi_worker(strategy)
+
+
+def set_initial_epoch(model, epoch):
+    """Makes the coming `fit` start at `epoch`, as Keras's BackupAndRestore does."""
+    model._initial_epoch = epoch
 
 
 def symbolic_build(model, iterator=None, data_batch=None, without_strategy=False):

@@ -273,6 +273,7 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
         self.generation += 1
         local = {}
         strategy = strategy or self._strategy
+        self._strategy = strategy
         if strategy is not None and strategy.num_replicas_in_sync > 1:
             local = {"synchronization": tf.VariableSynchronization.ON_READ}
         total = dict(local, aggregation=tf.VariableAggregation.SUM) if local else {}
@@ -442,19 +443,27 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
         return self.window_variables
 
     # -- Keras saving (`model.save`, `save_weights`, `load_weights`) ----------
+    # Saving and loading touch only this process's replicas: across workers a
+    # cross-replica read of a per-replica buffer is a collective, which would
+    # make every save wait for (and fail with) a dead peer. Each process
+    # writes its share of the window (the sum over its own replicas) and
+    # `shares`, how many processes' files together hold the window.
 
     def save_own_variables(self, store):
         if not self._built:
             return
-        store["micro_step"] = self.micro_step.numpy()
-        store["window_weight"] = self.window_weight.numpy()
-        store["accum_steps"] = self.accum_steps.numpy()
-        store["normalise"] = np.int8(self.normalise.numpy())
+        first = self._local(self.micro_step)[0]
+        store["micro_step"] = first.numpy()
+        store["window_weight"] = _local_sum(self._local(self.window_weight))
+        store["accum_steps"] = self._local(self.accum_steps)[0].numpy()
+        store["normalise"] = np.int8(self._local(self.normalise)[0].numpy())
         store["has_gradient"] = np.array(
             [i not in self._absent for i in range(len(self.acc_grads))], "int8"
         )
+        store["shares"] = np.int64(self._shares())
+        store["replicas"] = np.int64(self._replicas())
         for i, buf in enumerate(self.acc_grads):
-            store[f"acc_grad_{i}"] = buf.numpy()
+            store[f"acc_grad_{i}"] = _local_sum(self._local(buf))
 
     def load_own_variables(self, store):
         keys = set(store.keys())
@@ -467,7 +476,7 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
         expected = {"micro_step", "window_weight", "accum_steps"} | {
             f"acc_grad_{i}" for i in range(n)
         }
-        optional = {"normalise", "has_gradient"}
+        optional = {"normalise", "has_gradient", "shares", "replicas"}
         if not expected <= keys or keys - expected - optional:
             raise ValueError(
                 "The checkpoint's accumulation state is incomplete or not "
@@ -481,34 +490,67 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
                 f"gradient buffers have shapes {[v.shape for v in values]}, "
                 f"this model's trainable variables have {self.shapes()}."
             )
+        micro_step = int(store["micro_step"])
+        # Files written before these entries existed hold the whole window.
+        saved = (
+            int(store["shares"]) if "shares" in keys else 1,
+            int(store["replicas"]) if "replicas" in keys else self._replicas(),
+        )
+        here = (self._shares(), self._replicas())
+        if micro_step and saved != here:
+            # Buffers hold each process's share, summed over replicas whose
+            # losses Keras divided by their number: neither can be re-split.
+            raise ValueError(
+                f"The checkpoint's pending window ({micro_step} micro-batches) "
+                f"was saved by {saved[0]} process(es) with {saved[1]} "
+                f"replica(s) in all, but this model runs in {here[0]} with "
+                f"{here[1]}. Restore it in the same setup, or load weights "
+                "saved at a window boundary (e.g. an epoch-end backup)."
+            )
+        weight = np.float32(store["window_weight"])
         if not self._built:
             self.build(values, accum_steps=int(store["accum_steps"]))
-        # Per-replica (sync-on-read SUM) variables read as the sum over
-        # replicas; assigning that sum back gives each replica its share.
         for buf, value in zip(self.acc_grads, values):
-            buf.assign(value)
-        self.micro_step.assign(int(store["micro_step"]))
-        self.window_weight.assign(float(store["window_weight"]))
-        self.accum_steps.assign(int(store["accum_steps"]))
+            _assign_share(self._local(buf), value)
+        _assign_share(self._local(self.window_weight), weight)
+        _assign_all(self._local(self.micro_step), micro_step)
+        _assign_all(self._local(self.accum_steps), int(store["accum_steps"]))
         if "normalise" in keys:
-            self.normalise.assign(bool(np.asarray(store["normalise"])))
+            _assign_all(self._local(self.normalise), bool(np.asarray(store["normalise"])))
         if "has_gradient" in keys:
             has = np.asarray(store["has_gradient"])
             self._absent = frozenset(int(i) for i in np.flatnonzero(has == 0))
 
     def snapshot(self):
-        """All state as numpy, for `restore` after a failed load."""
+        """This process's state as numpy, for `restore` after a failed load."""
         if not self._built:
             return None
-        return [v.numpy() for v in self._state()], self._absent
+        return [[c.numpy() for c in self._local(v)] for v in self._state()], self._absent
 
     def restore(self, snapshot):
         if snapshot is None:
             self._unbuild()
             return
         values, self._absent = snapshot
-        for v, value in zip(self._state(), values):
-            v.assign(value)
+        for v, local_values in zip(self._state(), values):
+            for component, value in zip(self._local(v), local_values):
+                component.assign(value)
+
+    def _local(self, variable):
+        """`variable`'s components on this process's replicas (no collective)."""
+        if self._strategy is None:
+            return (variable,)
+        return self._strategy.experimental_local_results(variable)
+
+    def _shares(self):
+        """How many processes hold a part of the window: 1 unless multi-worker."""
+        if self._replicas() == 1:
+            return 1
+        local = len(self._strategy.extended.worker_devices)
+        return self._strategy.num_replicas_in_sync // local
+
+    def _replicas(self):
+        return 1 if self._strategy is None else self._strategy.num_replicas_in_sync
 
     def _state(self):
         return [
@@ -546,6 +588,26 @@ def _names(variables):
     if variables is None:
         return "(not yet bound)"
     return [getattr(v, "path", None) or getattr(v, "name", "?") for v in variables]
+
+
+def _local_sum(components):
+    total = components[0].numpy()
+    for c in components[1:]:
+        total = total + c.numpy()
+    return total
+
+
+def _assign_share(components, value):
+    # The whole share on the first local replica, zeros on the others: sums
+    # over replicas then give back exactly the saved value.
+    components[0].assign(value)
+    for c in components[1:]:
+        c.assign(np.zeros_like(value))
+
+
+def _assign_all(components, value):
+    for c in components:
+        c.assign(value)
 
 
 def _scaled(grad, scale):

@@ -9,6 +9,7 @@ from keras_accum.accumulator import (
     check_accum_steps,
     loss_scale_of,
 )
+from keras_accum.backup import check_callbacks
 from keras_accum.batchnorm import BatchNormWindow, check_batchnorm
 from keras_accum.nonfinite import NonFiniteWindows
 from keras_accum.normaliser import loss_normaliser, micro_batch_weight
@@ -222,11 +223,14 @@ class AccumModel(keras.Model):
         A window left open when an epoch's data ends is applied before
         validation and before other callbacks' `on_epoch_end`.
         """
+        if isinstance(callbacks, keras.callbacks.Callback):
+            callbacks = [callbacks]  # Keras accepts one callback too
+        check_callbacks(
+            getattr(callbacks, "callbacks", callbacks) or [], self.distribute_strategy
+        )
         previous = self._accum_steps
         if accum_steps is not None:
             self.accum_steps = accum_steps
-        if isinstance(callbacks, keras.callbacks.Callback):
-            callbacks = [callbacks]  # Keras accepts one callback too
         flush = _WindowFlush(self)
         if isinstance(callbacks, keras.callbacks.CallbackList):
             callbacks.callbacks.insert(0, flush)

@@ -82,8 +82,8 @@ def main():
 
     # A checkpoint written after 6 micro-batches (a window half done) on every
     # worker; resumed by a fresh model, and flushed by another.
-    # Each worker writes its own file: all of them must take part in reading
-    # the sync-on-read state. Saved after micro-batches 6 and 12; 6 is used.
+    # Each worker writes its own file, holding its own share of the window.
+    # Saved after micro-batches 6 and 12; 6 is used.
     directory = tempfile.mkdtemp()
     pattern = os.path.join(directory, f"worker{out['task']}-{{batch}}.weights.h5")
     path = pattern.format(batch=6)

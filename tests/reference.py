@@ -4,19 +4,14 @@ Every exactness test trains a plain `keras.Model` on the big batch and an
 `AccumModel` on micro-batches from the same initial weights, then compares.
 """
 
-import json
-import os
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import keras
 import numpy as np
 
 import keras_accum
-
-ROOT = Path(__file__).resolve().parent.parent
+from workers import ROOT, environment, run_workers  # noqa: F401 (shared)
 
 RTOL, ATOL = 1e-5, 1e-6
 FEATURES, CLASSES = 6, 3
@@ -180,12 +175,6 @@ def assert_trained(model, initial):
     assert moved > 1e-3, f"weights barely moved ({moved}); the test is vacuous"
 
 
-def _environment(**env):
-    """This process's environment, with the repository importable, plus `env`."""
-    pythonpath = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    return {**os.environ, "PYTHONPATH": pythonpath, **env}
-
-
 def run_python(*args, timeout=600, **env):
     """Runs a fresh Python (`python *args`) from the repository root, with the
     repository importable; returns the CompletedProcess (text output)."""
@@ -195,49 +184,5 @@ def run_python(*args, timeout=600, **env):
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=_environment(**env),
+        env=environment(**env),
     )
-
-
-def run_workers(*args, workers=2, timeout=600):
-    """Runs `python *args` as each worker of a cluster on localhost.
-
-    Each process gets a TF_CONFIG naming every worker (on free ports) and
-    its own index, as MultiWorkerMirroredStrategy expects. Returns the
-    workers' CompletedProcess results, in index order.
-    """
-    ports = []
-    for _ in range(workers):
-        with socket.socket() as s:
-            s.bind(("localhost", 0))
-            ports.append(s.getsockname()[1])
-    cluster = {"worker": [f"localhost:{port}" for port in ports]}
-    processes = [
-        subprocess.Popen(
-            [sys.executable, *args],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=_environment(
-                TF_CONFIG=json.dumps(
-                    {"cluster": cluster, "task": {"type": "worker", "index": i}}
-                )
-            ),
-        )
-        for i in range(workers)
-    ]
-    results = []
-    try:
-        for process in processes:
-            stdout, stderr = process.communicate(timeout=timeout)
-            results.append(
-                subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-            )
-    finally:
-        # A worker whose peer died waits on its collectives forever.
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    return results

@@ -43,7 +43,12 @@ def reference_after(batches, make_optimizer=lambda: keras.optimizers.Adam(0.01))
 
 def test_public_surface():
     assert set(keras_accum.__all__) == {
-        "AccumModel", "AccumOptimizer", "AccumScheduler", "wrap", "__version__"
+        "AccumModel",
+        "AccumOptimizer",
+        "AccumScheduler",
+        "BackupAndRestore",
+        "wrap",
+        "__version__",
     }
     for name in keras_accum.__all__:
         assert hasattr(keras_accum, name)
