@@ -221,6 +221,14 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
         self.build(variables, accum_steps, strategy)
         return replaced
 
+    def fits(self, variables, accum_steps):
+        """Whether the open window may go on with `variables` and `accum_steps`."""
+        try:
+            self._check_open_window_fits(list(variables), accum_steps)
+        except ValueError:
+            return False
+        return True
+
     def _check_open_window_fits(self, variables, accum_steps):
         bound = self.window_variables
         if bound is None:

@@ -505,9 +505,15 @@ class AccumModel(keras.Model):
             self._accumulator.restore(window)
             self._batchnorm.restore(batchnorm)
             raise
-        if self._accumulator.pending():
-            # The next step checks the restored window against this model
-            # (its variables and length) before it continues it.
+        acc = self._accumulator
+        if (
+            self.train_function is not None
+            and acc.pending()
+            and not acc.fits(self.trainable_variables, self._accum_steps)
+        ):
+            # The traced step would continue the restored window with
+            # another length or other variables: the next one is made anew
+            # and refuses it, naming what differs.
             self.train_function = None
         return result
 

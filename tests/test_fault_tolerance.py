@@ -19,6 +19,7 @@ import pytest
 from reference import (
     ATOL,
     AccumNet,
+    PlainNet,
     OPTIMIZERS,
     ROOT,
     RTOL,
@@ -317,52 +318,29 @@ class Listing(keras.callbacks.Callback):
             self.listings.append(sorted(p.name for p in self.directory.iterdir()))
 
 
-def test_a_backup_for_an_unbuilt_model_is_refused_clearly(tmp_path):
-    # Subclassed and never called: Keras builds it in the first step, after
-    # the point where a backup must be restored.
+def test_a_model_fit_builds_resumes_from_its_backup(tmp_path):
+    # Subclassed and never called: fit builds it from the first batch's
+    # shapes before the backup is restored into it.
     def unbuilt():
         keras.utils.set_random_seed(0)
         model = AccumNet(accum_steps=4)
         model.compile(OPTIMIZERS["adam"](), loss())
         return model
 
+    def plain():
+        keras.utils.set_random_seed(0)
+        model = PlainNet()
+        model.compile(OPTIMIZERS["adam"](), loss())
+        model.fit(*make_data(92), batch_size=32, epochs=3, shuffle=False, verbose=0)
+        return model
+
     backup = keras_accum.BackupAndRestore(tmp_path)
     with pytest.raises(KeyboardInterrupt):
-        accum_fit(unbuilt(), backup, [Interrupt()])  # a fresh start trains
-    with pytest.raises(ValueError, match=r"holds a backup \(end of epoch 1\), but the model is not built"):
-        accum_fit(unbuilt(), backup)
-
-
-@pytest.mark.parametrize("save_freq", [0, "batch", 2.0, True])
-def test_save_freq_is_checked(save_freq):
-    with pytest.raises(ValueError, match=rf"Received: save_freq={save_freq!r}"):
-        keras_accum.BackupAndRestore("/tmp/unused", save_freq=save_freq)
-
-
-@pytest.mark.parametrize(
-    "save_freq, steps_per_execution, restored",
-    [(5, 1, "epoch-1-batch-3"), (6, 1, "epoch-1-batch-6"), (5, 2, "epoch-1-batch-6")],
-)
-def test_batch_level_backup_resumes_exactly(tmp_path, save_freq, steps_per_execution, restored):
-    # 12 micro-batches an epoch; Ctrl-C after 6 of the second. With a backup
-    # every 5 batches the newest is 3 batches into it (a window 3/4 full),
-    # with every 6, 6 (a window half full): those batches are skipped.
-    # Two steps an execution: backups at even batches, skipped two at a time.
-    def model():
-        made = accum_model()
-        made.compile(OPTIMIZERS["adam"](), loss(), steps_per_execution=steps_per_execution)
-        return made
-
-    backup = keras_accum.BackupAndRestore(tmp_path, save_freq=save_freq)
-    with pytest.raises(KeyboardInterrupt):
-        # The backup before the interruption: with every 6, the batch that is
-        # interrupted is backed up first.
-        accum_fit(model(), Interrupt(), [backup])
-    assert sorted(os.listdir(tmp_path)) == [f"{restored}.json", f"{restored}.weights.h5"]
-    resumed = model()
+        accum_fit(unbuilt(), backup, [Interrupt()])
+    resumed = unbuilt()
     history = accum_fit(resumed, backup)
-    assert len(history.history["loss"]) == 2
-    assert_weights_close(resumed, plain_big_batch())
+    assert len(history.history["loss"]) == 2  # from the end of epoch 1
+    assert_weights_close(resumed, plain())
 
 
 class InterruptAt(keras.callbacks.Callback):
