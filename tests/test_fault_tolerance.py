@@ -343,6 +343,38 @@ def test_a_model_fit_builds_resumes_from_its_backup(tmp_path):
     assert_weights_close(resumed, plain())
 
 
+@pytest.mark.parametrize("save_freq", [0, "batch", 2.0, True])
+def test_save_freq_is_checked(save_freq):
+    with pytest.raises(ValueError, match=rf"Received: save_freq={save_freq!r}"):
+        keras_accum.BackupAndRestore("/tmp/unused", save_freq=save_freq)
+
+
+@pytest.mark.parametrize(
+    "save_freq, steps_per_execution, restored",
+    [(5, 1, "epoch-1-batch-3"), (6, 1, "epoch-1-batch-6"), (5, 2, "epoch-1-batch-6")],
+)
+def test_batch_level_backup_resumes_exactly(tmp_path, save_freq, steps_per_execution, restored):
+    # 12 micro-batches an epoch; Ctrl-C after 6 of the second. With a backup
+    # every 5 batches the newest is 3 batches into it (a window 3/4 full),
+    # with every 6, 6 (a window half full): those batches are skipped.
+    # Two steps an execution: backups at even batches, skipped two at a time.
+    def model():
+        made = accum_model()
+        made.compile(OPTIMIZERS["adam"](), loss(), steps_per_execution=steps_per_execution)
+        return made
+
+    backup = keras_accum.BackupAndRestore(tmp_path, save_freq=save_freq)
+    with pytest.raises(KeyboardInterrupt):
+        # The backup before the interruption: with every 6, the batch that is
+        # interrupted is backed up first.
+        accum_fit(model(), Interrupt(), [backup])
+    assert sorted(os.listdir(tmp_path)) == [f"{restored}.json", f"{restored}.weights.h5"]
+    resumed = model()
+    history = accum_fit(resumed, backup)
+    assert len(history.history["loss"]) == 2
+    assert_weights_close(resumed, plain_big_batch())
+
+
 class InterruptAt(keras.callbacks.Callback):
     def __init__(self, epoch, batch):
         super().__init__()
