@@ -83,7 +83,7 @@ def loss_scale_of(optimizer):
     return scale
 
 
-class GradientAccumulator(tf.Module, internals.KerasSaveable):
+class GradientAccumulator(tf.Module, internals.SavedState):
     """Sums weighted micro-batch gradients until a window is applied.
 
     A window is the run of micro-batches that together make one optimizer
@@ -165,11 +165,6 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
         # Bumped whenever buffers are made: functions traced with the old
         # ones must be traced again.
         self.generation = getattr(self, "generation", 0) + 1
-
-    def _obj_type(self):
-        # Keras's saving accepts only its own kinds here; "Operation" makes
-        # it visit our state and walk no further into it.
-        return "Operation"
 
     @property
     def built(self):

@@ -20,7 +20,7 @@ def _loss_scaled(optimizer):
     return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
 
-class NonFiniteWindows(tf.Module, internals.KerasSaveable):
+class NonFiniteWindows(tf.Module, internals.SavedState):
     """Skips a window whose gradient holds a NaN or an Inf, and counts it.
 
     A skipped window makes no update: weights, optimizer state and
@@ -53,10 +53,6 @@ class NonFiniteWindows(tf.Module, internals.KerasSaveable):
                 name="skipped_windows",
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
             )
-
-    def _obj_type(self):
-        # As GradientAccumulator: Keras's saving visits our state, no further.
-        return "Operation"
 
     def apply(self, optimizer, grads, variables):
         """`optimizer.apply(grads, variables)` unless a gradient is not finite.
