@@ -50,6 +50,21 @@ def check_versions(keras_version, tensorflow_version):
 
 check_versions(keras.__version__, tf.__version__)
 
+
+def legacy_keras_hint(obj):
+    """A sentence for errors about `obj` if it is a tf_keras (Keras 2) object.
+
+    With TF_USE_LEGACY_KERAS=1 `tf.keras` is tf_keras while `import keras`
+    is still Keras 3: keras_accum works with the latter only.
+    """
+    if type(obj).__module__.split(".")[0] != "tf_keras":
+        return ""
+    return (
+        " This is a tf_keras (Keras 2) object, from `tf.keras` under "
+        "TF_USE_LEGACY_KERAS=1; keras_accum works with Keras 3 only: build "
+        "it with `import keras`, not `tf.keras`."
+    )
+
 from keras import tree  # noqa: E402
 from keras.src.backend.common.masking import get_keras_mask  # noqa: E402
 from keras.src.backend.tensorflow.trainer import (  # noqa: E402
@@ -176,6 +191,7 @@ __all__ = [
     "SUPPORTED",
     "SavedState",
     "check_versions",
+    "legacy_keras_hint",
     "batch_size",
     "build_compiled_loss",
     "call_for_training",

@@ -476,15 +476,17 @@ class GradientAccumulator(tf.Module, internals.SavedState):
                 f"gradient buffers have shapes {[v.shape for v in values]}, "
                 f"this model's trainable variables have {self.shapes()}."
             )
+        # np.asarray: older Keras (3.8) hands back h5py datasets, not arrays.
+        scalars = {k: np.asarray(store[k]) for k in ("micro_step", "window_weight", "accum_steps")}
         if not self._built:
-            self.build(values, accum_steps=int(store["accum_steps"]))
+            self.build(values, accum_steps=int(scalars["accum_steps"]))
         # Per-replica (sync-on-read SUM) variables read as the sum over
         # replicas; assigning that sum back gives each replica its share.
         for buf, value in zip(self.acc_grads, values):
             buf.assign(value)
-        self.micro_step.assign(int(store["micro_step"]))
-        self.window_weight.assign(float(store["window_weight"]))
-        self.accum_steps.assign(int(store["accum_steps"]))
+        self.micro_step.assign(int(scalars["micro_step"]))
+        self.window_weight.assign(float(scalars["window_weight"]))
+        self.accum_steps.assign(int(scalars["accum_steps"]))
         if "normalise" in keys:
             self.normalise.assign(bool(np.asarray(store["normalise"])))
         if "has_gradient" in keys:

@@ -1,6 +1,7 @@
 """Skipping windows whose gradient is not finite (`skip_nonfinite=True`)."""
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_accum import _keras_internals as internals
@@ -104,4 +105,4 @@ class NonFiniteWindows(tf.Module, internals.SavedState):
                 "The checkpoint's count of skipped windows is not keras_accum's: "
                 f"expected the entry ['skipped_windows'], found {sorted(keys)}."
             )
-        self.skipped.assign(int(store["skipped_windows"]))
+        self.skipped.assign(int(np.asarray(store["skipped_windows"])))

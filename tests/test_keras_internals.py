@@ -136,3 +136,20 @@ def test_keras_still_rebases_model_subclasses_called_functionally():
     inputs = keras.Input((2,))
     Probe(inputs, keras.layers.Dense(1)(inputs))
     assert Probe.__bases__ == (internals.Functional,)
+
+
+def test_tf_keras_objects_are_refused_saying_why():
+    # Under TF_USE_LEGACY_KERAS=1, `tf.keras` hands out tf_keras (Keras 2)
+    # objects while `import keras` stays Keras 3; stand-ins from a module of
+    # that name are enough to check the message.
+    import keras_accum
+
+    legacy = type("Sequential", (), {"__module__": "tf_keras.src.engine.sequential"})()
+    with pytest.raises(TypeError, match=r"`model` must be a keras\.Model.*tf_keras \(Keras 2\).*import keras"):
+        keras_accum.wrap(legacy)
+    legacy = type("SGD", (), {"__module__": "tf_keras.src.optimizers.sgd"})()
+    with pytest.raises(TypeError, match=r"`optimizer` must be.*tf_keras \(Keras 2\)"):
+        keras_accum.AccumOptimizer(legacy)
+    with pytest.raises(TypeError) as plain:
+        keras_accum.wrap(object())
+    assert "tf_keras" not in str(plain.value)
