@@ -31,5 +31,9 @@ def tests(session, pair):
     session.install(
         "-e", ".[test]", f"tensorflow=={tensorflow}", f"keras=={keras}", "pytest-xdist"
     )
-    session.run("python", "-c", "import keras, tensorflow; print('Keras', keras.__version__, 'TensorFlow', tensorflow.__version__)")
+    session.run(
+        "python", "-c",
+        "import keras, tensorflow; print('Keras', keras.__version__, 'TensorFlow', tensorflow.__version__)",
+        env={"TF_CPP_MIN_LOG_LEVEL": "3"},
+    )
     session.run("python", "-m", "pytest", *session.posargs)

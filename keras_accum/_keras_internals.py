@@ -175,9 +175,11 @@ class SavedState(KerasSaveable):
 
     def _obj_type(self):
         # Saving walks an object's attributes except those a fresh object of
-        # the kind named here has, and refuses kinds it does not know. Every
-        # supported Keras knows "Loss" ("Operation" only from 3.13), and a
-        # Loss has none of the attribute names of our state objects.
+        # the kind named here has (`get_attr_skipset`), and refuses kinds it
+        # does not know. Every supported Keras knows "Loss" (3.8 and 3.10 do
+        # not know "Operation"), and a Loss has none of the attribute names
+        # of our state objects, so all of them are visited; the same kind on
+        # every version keeps files loadable across versions.
         return "Loss"
 
 
