@@ -301,6 +301,10 @@ def copy_build_shapes(source, target):
 
 def unknown_variables(optimizer, variables):
     """Those of `variables` a built `optimizer` was not built for."""
+    # A wrapper (LossScaleOptimizer) builds its inner optimizer for the same
+    # variables; before Keras 3.13 it records none of them itself.
+    while hasattr(optimizer, "inner_optimizer"):
+        optimizer = optimizer.inner_optimizer
     known = optimizer._trainable_variables_indices
     return [v for v in variables if optimizer._var_key(v) not in known]
 
