@@ -9,6 +9,7 @@ keras_accum mirrors (`MIRRORED_SOURCES`).
 """
 
 import contextlib
+import inspect
 import re
 
 import keras
@@ -204,6 +205,7 @@ __all__ = [
     "recording_moments",
     "functional_init_arguments",
     "make_replicated_function",
+    "metrics_summed_over_replicas",
     "multi_worker",
     "reduce_outputs",
     "symbolic_build",
@@ -307,6 +309,16 @@ def unknown_variables(optimizer, variables):
         optimizer = optimizer.inner_optimizer
     known = optimizer._trainable_variables_indices
     return [v for v in variables if optimizer._var_key(v) not in known]
+
+
+def metrics_summed_over_replicas():
+    """Whether Keras's metric variables are read as their sum over replicas.
+
+    Keras 3.8 makes them without `synchronization="on_read"`, so under a
+    multi-replica strategy the loss and metrics Keras logs (plain models
+    too) are not the one-device values; later releases sum them on read.
+    """
+    return "synchronization" in inspect.signature(keras.Variable).parameters
 
 
 def multi_worker(strategy):
