@@ -17,7 +17,7 @@ try:
     import tensorflow  # noqa: F401
 except ImportError as error:
     raise ImportError(
-        "keras_accum needs TensorFlow >= 2.16, which is not installed. "
+        "keras_accum needs TensorFlow >= 2.18, which is not installed. "
         "Install it with `pip install 'keras_accum[tensorflow]'` (or your "
         "platform's TensorFlow build, e.g. tensorflow-cpu)."
     ) from error

@@ -1,43 +1,100 @@
 """Every place keras_accum reaches into Keras internals, and nowhere else.
 
-Written against Keras 3.15.1 on the TensorFlow backend. Keras 3.x releases
-move these names; `tests/test_keras_internals.py` fails loudly, naming this
-module, when one of them moves or when the TF trainer's `train_step` (which
-`AccumModel.train_step` mirrors) changes.
+Supports Keras 3.8 to 3.x on the TensorFlow backend (TensorFlow >= 2.18);
+read against the Keras sources listed in `REVIEWED_KERAS`. Keras releases
+move these names; where a supported version differs, the code here detects
+the feature, not the version. `tests/test_keras_internals.py` fails loudly,
+naming the function, when a Keras release changes a function that
+keras_accum mirrors (`MIRRORED_SOURCES`).
 """
 
 import contextlib
+import inspect
+import re
 
+import keras
 import tensorflow as tf
-from keras import tree
-from keras.src.backend.common.masking import get_keras_mask
-from keras.src.backend.tensorflow.trainer import (
+
+# The supported range, checked before anything below reaches into Keras:
+# older releases lack names used here (and fail with confusing errors).
+MIN_KERAS = (3, 8)
+MIN_TENSORFLOW = (2, 18)
+SUPPORTED = "Keras >= 3.8, < 4 with TensorFlow >= 2.18"
+
+
+def _release(version):
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+
+
+def check_versions(keras_version, tensorflow_version):
+    """Raises ImportError naming the supported range if these are outside it."""
+    found = f"Keras {keras_version} with TensorFlow {tensorflow_version}"
+    if keras_version.startswith("2."):
+        raise ImportError(
+            f"keras_accum needs Keras 3, but found {found}: `tf_keras` (Keras "
+            "2, TF_USE_LEGACY_KERAS=1) is not supported. keras_accum supports "
+            f"{SUPPORTED}: `pip install 'keras>=3.8,<4'` and leave "
+            "TF_USE_LEGACY_KERAS unset."
+        )
+    keras_release = _release(keras_version)
+    if keras_release < MIN_KERAS or keras_release[0] != 3:
+        raise ImportError(
+            f"keras_accum supports {SUPPORTED}; found {found}. Install a "
+            "supported Keras: `pip install 'keras>=3.8,<4'`."
+        )
+    if _release(tensorflow_version) < MIN_TENSORFLOW:
+        raise ImportError(
+            f"keras_accum supports {SUPPORTED}; found {found}. Install a "
+            "supported TensorFlow: `pip install 'tensorflow>=2.18'`."
+        )
+
+
+check_versions(keras.__version__, tf.__version__)
+
+
+def legacy_keras_hint(obj):
+    """A sentence for errors about `obj` if it is a tf_keras (Keras 2) object.
+
+    With TF_USE_LEGACY_KERAS=1 `tf.keras` is tf_keras while `import keras`
+    is still Keras 3: keras_accum works with the latter only.
+    """
+    if type(obj).__module__.split(".")[0] != "tf_keras":
+        return ""
+    return (
+        " This is a tf_keras (Keras 2) object, from `tf.keras` under "
+        "TF_USE_LEGACY_KERAS=1; keras_accum works with Keras 3 only: build "
+        "it with `import keras`, not `tf.keras`."
+    )
+
+from keras import tree  # noqa: E402
+from keras.src.backend.common.masking import get_keras_mask  # noqa: E402
+from keras.src.backend.tensorflow.trainer import (  # noqa: E402
     TensorFlowTrainer,
     _collective_all_reduce_multi_worker,
     reduce_per_replica,
 )
-from keras.src.layers.normalization.batch_normalization import BatchNormalization
-from keras.src.losses.loss import (
+from keras.src.layers.normalization.batch_normalization import (  # noqa: E402
+    BatchNormalization,
+)
+from keras.src.losses.loss import (  # noqa: E402
     apply_mask,
     squeeze_or_expand_to_same_rank,
     unscale_loss_for_distribution,
 )
-from keras.src.models.functional import Functional
-from keras.src.models.model import functional_init_arguments
-from keras.src.saving.keras_saveable import KerasSaveable
-from keras.src.utils.tracking import no_automatic_dependency_tracking
+from keras.src.models.functional import Functional  # noqa: E402
+from keras.src.models.model import functional_init_arguments  # noqa: E402
+from keras.src.saving.keras_saveable import KerasSaveable  # noqa: E402
+from keras.src.utils.tracking import no_automatic_dependency_tracking  # noqa: E402
 
-WRITTEN_AGAINST = "3.15.1"
-
-# A `KerasSaveable` attribute of a model is visited by Keras's saving
-# (`save`, `save_weights`, `load_weights`) under its own path, which is how
-# the pending window travels in `.keras` and `.weights.h5` files without a
-# plain model that loads the same file ever seeing it.
+# Keras versions whose sources this module was read against; each one's
+# fingerprints are in MIRRORED_SOURCES.
+REVIEWED_KERAS = ("3.8.0", "3.10.0", "3.13.2", "3.15.1")
 
 # Keras code that keras_accum mirrors rather than calls, by the SHA-256 of
-# its source: `AccumModel._accumulate` mirrors the TF trainer's train_step,
-# `make_replicated_function` its `_make_function`, and
-# `keras_accum.normaliser` the divisor Keras's `Loss.__call__`,
+# its source, with the Keras versions that have that source: every one
+# listed was read and is handled here. `AccumModel._accumulate` mirrors the
+# TF trainer's train_step, `make_replicated_function` its `_make_function`,
+# and `keras_accum.normaliser` the divisor Keras's `Loss.__call__`,
 # `reduce_values` and `apply_mask` compute, reached through
 # `CompileLoss.call`'s terms; `symbolic_build` and `reduce_outputs` replace
 # `_maybe_symbolic_build` and the multi-worker branch of `reduce_per_replica`
@@ -45,18 +102,87 @@ WRITTEN_AGAINST = "3.15.1"
 # `BatchNormalization.call` updating the moving statistics as
 # `moving * momentum + batch * (1 - momentum)` from what `_moments` returns.
 # tests/test_keras_internals.py compares these.
+#
+# What differs between the supported versions, and how it is handled:
+# - train_step: Keras < 3.13 counts the logged loss's batch size from the
+#   first input, later ones from the first input that is not None;
+#   `batch_size` does the latter, the same wherever the former works.
+# - _make_function: Keras >= 3.13 turns `tf.experimental.Optional` inputs
+#   into None and loops over `steps_per_execution` in a while loop;
+#   `make_replicated_function` keeps its own loop (see there).
+# - apply_mask: how the mask's weights are computed (epsilon, divide_no_nan,
+#   where); `keras_accum.normaliser` calls Keras's own, so it always agrees.
+# - CompileLoss.call: the single-loss path reads `_flat_losses` by position
+#   (< 3.13) or resolves paths; both call each term's loss function, which
+#   is what `recording_loss_calls` wraps.
+# - _maybe_symbolic_build: epoch iterators yield `(step, iterator)` before
+#   3.13 and `(begin, end, iterator)` since; `symbolic_build` takes the last.
+# - BatchNormalization.call: renormalisation (`renorm`) is new after 3.13,
+#   and the statistics update moved after normalising; the update formula
+#   is the same. _moments: masking arithmetic only.
 MIRRORED_SOURCES = {
-    "TensorFlowTrainer.train_step": "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c",
-    "TensorFlowTrainer._make_function": "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0",
-    "Loss.__call__": "f42c42282ee8902b2fb95310f8b9347c728040cf1fbcfdd3b94538c07d2e9fa8",
-    "reduce_values": "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9",
-    "apply_mask": "61d8938cd8663dee3c27b678b4af5f17408c2b03ff039b7b2e9125cd07610d00",
-    "CompileLoss.call": "402aaf05f91c73c4a4bcaa65be5a447566fbbbb05f5079b29a35312bcbfd509f",
-    "TensorFlowTrainer._maybe_symbolic_build": "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2",
-    "reduce_per_replica": "2e7d54b1e6edc29a8c6a7e6b66cd4c8be3ba7842412c93753ac3afe169fa7fb8",
-    "BatchNormalization.call": "31502bd832c5eb64f0bb108a4db21f204b906fff8bebd34ffa3a4f68eab00eb5",
-    "BatchNormalization._moments": "2ba739b46f4fadea719cd8e41e56d591ef86adae38d58c11930efba046093378",
+    "TensorFlowTrainer.train_step": {
+        "38eff65a3e8e64475bc46a4e655af968166c2909f8127cbf5d9466bdca1a0950": "3.8.0 3.10.0",
+        "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c": "3.13.2 3.15.1",
+    },
+    "TensorFlowTrainer._make_function": {
+        "55eb952812cac1fbb9934e24de911532f45314c57ed6e6a53c9ebe88f392d2ff": "3.8.0 3.10.0",
+        "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0": "3.13.2 3.15.1",
+    },
+    "Loss.__call__": {
+        "f42c42282ee8902b2fb95310f8b9347c728040cf1fbcfdd3b94538c07d2e9fa8": "3.8.0 3.10.0 3.13.2 3.15.1",
+    },
+    "reduce_values": {
+        "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9": "3.8.0 3.10.0 3.13.2 3.15.1",
+    },
+    "apply_mask": {
+        "c08def1fbac14b549d9b8faea29bb814bb2281d7a91bb3bf3ca2db082a71a3c8": "3.8.0 3.10.0",
+        "13f8242de3cd4a06973e4cb15e4252ddbbb20c30d19480825673a3a6a1ffbffb": "3.13.2",
+        "61d8938cd8663dee3c27b678b4af5f17408c2b03ff039b7b2e9125cd07610d00": "3.15.1",
+    },
+    "CompileLoss.call": {
+        "def46c01e48ca7207205b4fa60dcdcbef39815790dab91591d7b1d0b91e8f1f2": "3.8.0 3.10.0",
+        "41012fc179db545db2f77a0ace0af06c00cebbbe67c0a3f34a53b3d20e639745": "3.13.2",
+        "402aaf05f91c73c4a4bcaa65be5a447566fbbbb05f5079b29a35312bcbfd509f": "3.15.1",
+    },
+    "TensorFlowTrainer._maybe_symbolic_build": {
+        "181752273e37d689f7dd4915f31a454130a3761290dc4b6d351465b85d4c6b81": "3.8.0 3.10.0",
+        "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2": "3.13.2 3.15.1",
+    },
+    "reduce_per_replica": {
+        "2e7d54b1e6edc29a8c6a7e6b66cd4c8be3ba7842412c93753ac3afe169fa7fb8": "3.8.0 3.10.0 3.13.2 3.15.1",
+    },
+    "BatchNormalization.call": {
+        "9b6a3cfad619b3f6730adc4e1c8241fed02133c60d203305d668f902185c55bb": "3.8.0 3.10.0 3.13.2",
+        "31502bd832c5eb64f0bb108a4db21f204b906fff8bebd34ffa3a4f68eab00eb5": "3.15.1",
+    },
+    "BatchNormalization._moments": {
+        "08ec7edbbc47aaea1afdd90c12915925c685e4466fc22ab369a6ffcf79496e83": "3.8.0",
+        "e168ab1449ab50aef696bf76ef7d0474b104f6e7eea3fdc4a3e3b5b6b98a416d": "3.10.0 3.13.2",
+        "2ba739b46f4fadea719cd8e41e56d591ef86adae38d58c11930efba046093378": "3.15.1",
+    },
 }
+
+
+class SavedState(KerasSaveable):
+    """Base of keras_accum's training state held by a model (the pending
+    window, BatchNorm windows, the count of skipped windows).
+
+    Keras's saving (`save`, `save_weights`, `load_weights`) visits every
+    `KerasSaveable` attribute of a model under its own path and calls its
+    `save_own_variables` / `load_own_variables`; a plain model loading the
+    same file never looks there. Subclasses define those two methods.
+    """
+
+    def _obj_type(self):
+        # Saving walks an object's attributes except those a fresh object of
+        # the kind named here has (`get_attr_skipset`), and refuses kinds it
+        # does not know. Every supported Keras knows "Loss" (3.8 and 3.10 do
+        # not know "Operation"), and a Loss has none of the attribute names
+        # of our state objects, so all of them are visited; the same kind on
+        # every version keeps files loadable across versions.
+        return "Loss"
+
 
 __all__ = [
     "BatchNormalization",
@@ -64,7 +190,11 @@ __all__ = [
     "KerasSaveable",
     "TensorFlowTrainer",
     "MIRRORED_SOURCES",
-    "WRITTEN_AGAINST",
+    "REVIEWED_KERAS",
+    "SUPPORTED",
+    "SavedState",
+    "check_versions",
+    "legacy_keras_hint",
     "batch_size",
     "build_compiled_loss",
     "call_for_training",
@@ -75,6 +205,7 @@ __all__ = [
     "recording_moments",
     "functional_init_arguments",
     "make_replicated_function",
+    "metrics_summed_over_replicas",
     "multi_worker",
     "set_initial_epoch",
     "reduce_outputs",
@@ -173,8 +304,22 @@ def copy_build_shapes(source, target):
 
 def unknown_variables(optimizer, variables):
     """Those of `variables` a built `optimizer` was not built for."""
+    # A wrapper (LossScaleOptimizer) builds its inner optimizer for the same
+    # variables; before Keras 3.13 it records none of them itself.
+    while hasattr(optimizer, "inner_optimizer"):
+        optimizer = optimizer.inner_optimizer
     known = optimizer._trainable_variables_indices
     return [v for v in variables if optimizer._var_key(v) not in known]
+
+
+def metrics_summed_over_replicas():
+    """Whether Keras's metric variables are read as their sum over replicas.
+
+    Keras 3.8 makes them without `synchronization="on_read"`, so under a
+    multi-replica strategy the loss and metrics Keras logs (plain models
+    too) are not the one-device values; later releases sum them on read.
+    """
+    return "synchronization" in inspect.signature(keras.Variable).parameters
 
 
 def multi_worker(strategy):
@@ -211,7 +356,9 @@ def symbolic_build(model, iterator=None, data_batch=None, without_strategy=False
         return value
 
     if iterator is not None:
-        for _, _, it in iterator:
+        # Epoch iterators yield (step, it) before Keras 3.13, then
+        # (begin_step, end_step, it).
+        for *_, it in iterator:
             try:
                 data_batch = tree.map_structure(local, next(it))
             except StopIteration:
@@ -305,7 +452,7 @@ def batch_normalization_layers(model):
             plain = (
                 cls.call is BatchNormalization.call
                 and cls._moments is BatchNormalization._moments
-                and not layer.renorm
+                and not getattr(layer, "renorm", False)  # not in Keras <= 3.13
             )
             yield layer, plain
 

@@ -83,7 +83,7 @@ def loss_scale_of(optimizer):
     return scale
 
 
-class GradientAccumulator(tf.Module, internals.KerasSaveable):
+class GradientAccumulator(tf.Module, internals.SavedState):
     """Sums weighted micro-batch gradients until a window is applied.
 
     A window is the run of micro-batches that together make one optimizer
@@ -165,11 +165,6 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
         # Bumped whenever buffers are made: functions traced with the old
         # ones must be traced again.
         self.generation = getattr(self, "generation", 0) + 1
-
-    def _obj_type(self):
-        # Keras's saving accepts only its own kinds here; "Operation" makes
-        # it visit our state and walk no further into it.
-        return "Operation"
 
     @property
     def built(self):
@@ -498,11 +493,13 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
                 f"gradient buffers have shapes {[v.shape for v in values]}, "
                 f"this model's trainable variables have {self.shapes()}."
             )
-        micro_step = int(store["micro_step"])
+        # np.asarray: older Keras (3.8) hands back h5py datasets, not arrays.
+        entry = lambda key: np.asarray(store[key])  # noqa: E731
+        micro_step = int(entry("micro_step"))
         # Files written before these entries existed hold the whole window.
         saved = (
-            int(store["shares"]) if "shares" in keys else 1,
-            int(store["replicas"]) if "replicas" in keys else self._replicas(),
+            int(entry("shares")) if "shares" in keys else 1,
+            int(entry("replicas")) if "replicas" in keys else self._replicas(),
         )
         here = (self._shares(), self._replicas())
         if micro_step and saved != here:
@@ -515,18 +512,18 @@ class GradientAccumulator(tf.Module, internals.KerasSaveable):
                 f"{here[1]}. Restore it in the same setup, or load weights "
                 "saved at a window boundary (e.g. an epoch-end backup)."
             )
-        weight = np.float32(store["window_weight"])
+        weight = np.float32(entry("window_weight"))
         if not self._built:
-            self.build(values, accum_steps=int(store["accum_steps"]))
+            self.build(values, accum_steps=int(entry("accum_steps")))
         for buf, value in zip(self.acc_grads, values):
             _assign_share(self._local(buf), value)
         _assign_share(self._local(self.window_weight), weight)
         _assign_all(self._local(self.micro_step), micro_step)
-        _assign_all(self._local(self.accum_steps), int(store["accum_steps"]))
+        _assign_all(self._local(self.accum_steps), int(entry("accum_steps")))
         if "normalise" in keys:
-            _assign_all(self._local(self.normalise), bool(np.asarray(store["normalise"])))
+            _assign_all(self._local(self.normalise), bool(entry("normalise")))
         if "has_gradient" in keys:
-            has = np.asarray(store["has_gradient"])
+            has = entry("has_gradient")
             self._absent = frozenset(int(i) for i in np.flatnonzero(has == 0))
 
     def snapshot(self):

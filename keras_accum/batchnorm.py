@@ -86,7 +86,7 @@ class _LayerWindow(tf.Module):
             v.assign(tf.zeros_like(v))
 
 
-class BatchNormWindow(tf.Module, internals.KerasSaveable):
+class BatchNormWindow(tf.Module, internals.SavedState):
     """Pools each BatchNormalization's micro-batch moments over a window.
 
     `AccumModel` runs every micro-batch's forward pass inside `micro_batch()`
@@ -143,10 +143,6 @@ class BatchNormWindow(tf.Module, internals.KerasSaveable):
         # Per thread (replica): the moving statistics as they were before this
         # micro-batch, put back after it (see micro_batch).
         self._before = threading.local()
-
-    def _obj_type(self):
-        # As GradientAccumulator: Keras saving visits our state, no further.
-        return "Operation"
 
     def _layers(self):
         model = self._model()

@@ -1,6 +1,7 @@
 """Skipping windows whose gradient is not finite (`skip_nonfinite=True`)."""
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from keras_accum import _keras_internals as internals
@@ -20,7 +21,7 @@ def _loss_scaled(optimizer):
     return isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
 
-class NonFiniteWindows(tf.Module, internals.KerasSaveable):
+class NonFiniteWindows(tf.Module, internals.SavedState):
     """Skips a window whose gradient holds a NaN or an Inf, and counts it.
 
     A skipped window makes no update: weights, optimizer state and
@@ -53,10 +54,6 @@ class NonFiniteWindows(tf.Module, internals.KerasSaveable):
                 name="skipped_windows",
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
             )
-
-    def _obj_type(self):
-        # As GradientAccumulator: Keras's saving visits our state, no further.
-        return "Operation"
 
     def apply(self, optimizer, grads, variables):
         """`optimizer.apply(grads, variables)` unless a gradient is not finite.
@@ -108,4 +105,4 @@ class NonFiniteWindows(tf.Module, internals.KerasSaveable):
                 "The checkpoint's count of skipped windows is not keras_accum's: "
                 f"expected the entry ['skipped_windows'], found {sorted(keys)}."
             )
-        self.skipped.assign(int(store["skipped_windows"]))
+        self.skipped.assign(int(np.asarray(store["skipped_windows"])))

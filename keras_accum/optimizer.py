@@ -85,6 +85,7 @@ class AccumOptimizer(keras.optimizers.Optimizer):
                 "`optimizer` must be a keras.optimizers.Optimizer. "
                 f"Received: optimizer={optimizer!r} "
                 f"(of type {type(optimizer).__name__})."
+                + internals.legacy_keras_hint(optimizer)
             )
         check_not_accumulating(optimizer, accum_steps)
         if not isinstance(skip_nonfinite, bool):

@@ -88,6 +88,7 @@ def wrap(model, accum_steps=1, skip_nonfinite=False, batchnorm="window"):
         raise TypeError(
             "`model` must be a keras.Model. "
             f"Received: model={model!r} (of type {type(model).__name__})."
+            + internals.legacy_keras_hint(model)
         )
     if isinstance(model, AccumModel):
         raise ValueError(

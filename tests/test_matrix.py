@@ -1,0 +1,58 @@
+"""The supported TensorFlow/Keras range is stated once per place, and agrees:
+setup.cfg, the import check, noxfile.py's tested pairs, README's table and
+what CI runs."""
+
+import ast
+import configparser
+import re
+
+from reference import ROOT, run_python
+
+from keras_accum import _keras_internals as internals
+
+
+def nox_pairs():
+    tree = ast.parse((ROOT / "noxfile.py").read_text())
+    node = next(
+        n for n in tree.body
+        if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "PAIRS"
+    )
+    return ast.literal_eval(node.value)
+
+
+def test_readme_install_table_lists_the_tested_pairs():
+    install = (ROOT / "README.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| (\d+\.\d+\.\d+) \| (\d+\.\d+\.\d+) \|", install, flags=re.M)
+    assert sorted(rows) == sorted(nox_pairs().values())
+
+
+def test_setup_cfg_admits_every_tested_pair_and_nothing_older():
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    requires = config["options"]["install_requires"]
+    assert "keras>=3.8,<4" in requires
+    assert internals.MIN_KERAS == (3, 8) and internals.MIN_TENSORFLOW == (2, 18)
+    for extra in ("tensorflow", "examples", "test"):
+        assert "tensorflow>=2.18" in config["options.extras_require"][extra]
+    for tensorflow, keras in nox_pairs().values():
+        internals.check_versions(keras, tensorflow)  # raises if refused
+
+
+def test_ci_runs_the_whole_suite_on_the_floor_and_colab_pairs():
+    run = (ROOT / ".ci" / "run").read_text()
+    pairs = nox_pairs()
+    assert pairs["floor"] == ("2.18.1", "3.8.0") and pairs["colab"] == ("2.20.0", "3.13.2")
+    nox_line = next(line for line in run.splitlines() if "-m nox" in line)
+    # No test files named: pytest collects every one (testpaths).
+    assert nox_line.endswith('-s "tests(floor)" "tests(colab)" -- -n 2'), nox_line
+
+
+def test_import_on_an_older_keras_names_the_supported_range():
+    result = run_python(
+        "-c", "import keras; keras.__version__ = '3.4.1'; import keras_accum"
+    )
+    assert result.returncode != 0
+    assert (
+        "ImportError: keras_accum supports Keras >= 3.8, < 4 with TensorFlow >= 2.18; "
+        "found Keras 3.4.1" in result.stderr
+    ), result.stderr[-2000:]
