@@ -9,6 +9,7 @@ timeouts, not by a pytest plugin.
 """
 
 import functools
+import inspect
 import json
 import os
 import time
@@ -354,6 +355,12 @@ def test_save_freq_is_checked(save_freq):
     [(5, 1, "epoch-1-batch-3"), (6, 1, "epoch-1-batch-6"), (5, 2, "epoch-1-batch-6")],
 )
 def test_batch_level_backup_resumes_exactly(tmp_path, save_freq, steps_per_execution, restored):
+    if steps_per_execution > 1 and not _batch_end_is_the_executions_last():
+        pytest.skip(
+            "this Keras tells callbacks an execution's first batch, not its "
+            "last: batch-level backups with steps_per_execution > 1 are "
+            "untested here"
+        )
     # 12 micro-batches an epoch; Ctrl-C after 6 of the second. With a backup
     # every 5 batches the newest is 3 batches into it (a window 3/4 full),
     # with every 6, 6 (a window half full): those batches are skipped.
@@ -373,6 +380,14 @@ def test_batch_level_backup_resumes_exactly(tmp_path, save_freq, steps_per_execu
     history = accum_fit(resumed, backup)
     assert len(history.history["loss"]) == 2
     assert_weights_close(resumed, plain_big_batch())
+
+
+def _batch_end_is_the_executions_last():
+    # Keras 3.13+ passes `end_step` to on_train_batch_end; earlier releases
+    # pass the step an execution began with.
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    return "end_step" in inspect.getsource(TensorFlowTrainer.fit)
 
 
 class InterruptAt(keras.callbacks.Callback):
