@@ -95,8 +95,9 @@ def _sequential_without_input():
 
 # Every way into keras_accum, as users take it: (accumulating model, plain
 # twin), both made from the same seed and neither built nor called, except
-# where the way in starts from a built model. Each value is a function of
-# `accum_steps` returning the pair's two makers.
+# where the way in starts from a built model. `WAYS_IN[name](**kwargs)`
+# returns the pair's two makers; `kwargs` (accum_steps=..., ...) go to the
+# accumulating one.
 def _seeded(make):
     def seeded():
         keras.utils.set_random_seed(0)
@@ -106,31 +107,39 @@ def _seeded(make):
 
 
 WAYS_IN = {
-    "functional": lambda n: (
-        lambda: functional(keras_accum.AccumModel, accum_steps=n),
+    "functional": lambda **kw: (
+        lambda: functional(keras_accum.AccumModel, **kw),
         functional,
     ),
-    "subclass": lambda n: (
-        _seeded(lambda: AccumNet(accum_steps=n)),
+    "subclass": lambda **kw: (
+        _seeded(lambda: AccumNet(**kw)),
         _seeded(PlainNet),
     ),
-    "wrap_functional": lambda n: (
-        lambda: keras_accum.wrap(functional(), accum_steps=n),
+    "wrap_functional": lambda **kw: (
+        lambda: keras_accum.wrap(functional(), **kw),
         functional,
     ),
-    "wrap_subclassed": lambda n: (
-        _seeded(lambda: keras_accum.wrap(PlainNet(), accum_steps=n)),
+    "wrap_subclassed": lambda **kw: (
+        _seeded(lambda: keras_accum.wrap(PlainNet(), **kw)),
         _seeded(PlainNet),
     ),
-    "wrap_built_subclassed": lambda n: (
-        lambda: keras_accum.wrap(subclassed(), accum_steps=n),
+    "wrap_built_subclassed": lambda **kw: (
+        lambda: keras_accum.wrap(subclassed(), **kw),
         subclassed,
     ),
-    "wrap_sequential_without_input": lambda n: (
-        _seeded(lambda: keras_accum.wrap(_sequential_without_input(), accum_steps=n)),
+    "wrap_sequential_without_input": lambda **kw: (
+        _seeded(lambda: keras_accum.wrap(_sequential_without_input(), **kw)),
         _seeded(_sequential_without_input),
     ),
 }
+
+
+def initial_weights(make, x):
+    """The initial weights `make()` gives, for `assert_trained` (built here on
+    purpose: a throwaway copy, never the model under test)."""
+    model = make()
+    model(x[:1])
+    return model.get_weights()
 
 
 def subclassed(cls=keras.Model, seed=0, **kwargs):

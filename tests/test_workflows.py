@@ -20,6 +20,7 @@ from reference import (
     assert_unchanged,
     assert_weights_close,
     functional,
+    initial_weights,
     loss,
     make_data,
     run_python,
@@ -33,21 +34,13 @@ BIG = MICRO * N
 
 
 def _pair(way, accum_steps=N):
-    make_accum, make_plain = WAYS_IN[way](accum_steps)
+    make_accum, make_plain = WAYS_IN[way](accum_steps=accum_steps)
     return make_accum, make_plain
 
 
 def _compile(model, make_optimizer=lambda: keras.optimizers.Adam(0.01), **kwargs):
     model.compile(make_optimizer(), loss(), metrics=["accuracy"], **kwargs)
     return model
-
-
-def _initial(make_plain, x):
-    """The initial weights a maker gives, for assert_trained (built here on
-    purpose: a throwaway copy, never the model under test)."""
-    model = make_plain()
-    model(x[:1])
-    return model.get_weights()
 
 
 # 76 samples at micro-batch 8 and N=4: windows of 4, 4 and 2 micro-batches,
@@ -64,7 +57,7 @@ def test_models_built_by_fit_train_like_the_big_batch(way):
     assert int(model.optimizer.iterations.numpy()) == 6
     assert_weights_close(plain, model)
     assert_history_close(expected, history)
-    assert_trained(model, _initial(make_plain, x))
+    assert_trained(model, initial_weights(make_plain, x))
 
 
 @pytest.mark.parametrize("way", ["subclass", "wrap_subclassed", "wrap_sequential_without_input"])
@@ -347,7 +340,7 @@ def test_export_of_wrapped_subclassed_models_serves_without_keras_accum(tmp_path
     x, y = make_data(40)
     names = []
     for way in ("wrap_subclassed", "wrap_built_subclassed"):
-        model = _compile(WAYS_IN[way](N)[0]())
+        model = _compile(WAYS_IN[way](accum_steps=N)[0]())
         model.fit(x, y, batch_size=MICRO, verbose=0)
         model.export(str(tmp_path / f"{way}_export"), verbose=False)
         tf.saved_model.save(model, str(tmp_path / f"{way}_saved"))
