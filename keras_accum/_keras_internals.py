@@ -494,3 +494,14 @@ def in_xla_context():
     return control_flow_util.GraphOrParentsInXlaContext(
         tf.compat.v1.get_default_graph()
     )
+
+
+def replica_component(variable):
+    """The current replica's own component of a per-replica variable.
+
+    Sync-on-read variables refuse scatter updates (TensorFlow leaves them
+    unimplemented, even in a replica context); a window kept as slices
+    appends with scatter updates, on the replica's own component.
+    """
+    component = getattr(variable, "_get_on_device_or_primary", None)
+    return variable if component is None else component()

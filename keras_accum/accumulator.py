@@ -388,9 +388,7 @@ class GradientAccumulator(tf.Module, internals.SavedState):
                 continue
             if i in self._sparse:
                 values = _scaled(tf.cast(g.values, buf.dtype), grad_scale)
-                sparse.append(
-                    buf, self.slice_indices[i], self.slice_counts[i], g, values
-                )
+                sparse.append(*self._slice_window(i), g, values)
             else:
                 buf.assign_add(_scaled(tf.cast(g, buf.dtype), grad_scale))
         self.window_weight.assign_add(tf.cast(weight, tf.float32))
@@ -423,10 +421,7 @@ class GradientAccumulator(tf.Module, internals.SavedState):
                 # One IndexedSlices of the window's occurrences: the big
                 # batch's gradient, for Keras's own sparse update.
                 window = sparse.window_slices(
-                    buf,
-                    self.slice_indices[i],
-                    self.slice_counts[i],
-                    padded=internals.in_xla_context(),
+                    *self._slice_window(i), padded=internals.in_xla_context()
                 )
                 grads.append(
                     tf.IndexedSlices(
@@ -436,8 +431,31 @@ class GradientAccumulator(tf.Module, internals.SavedState):
                     )
                 )
             else:
-                grads.append(tf.cast(buf * tf.cast(inv, buf.dtype), v.dtype))
+                grads.append(
+                    tf.cast(self._dense_sum(i) * tf.cast(inv, buf.dtype), v.dtype)
+                )
         return grads
+
+    def _slice_window(self, i):
+        # This replica's own buffers: each replica keeps its own slices.
+        return [
+            internals.replica_component(v)
+            for v in (self.acc_grads[i], self.slice_indices[i], self.slice_counts[i])
+        ]
+
+    def _dense_sum(self, i):
+        buf = self.acc_grads[i]
+        if not len(buf.shape):
+            return buf
+        # Slices whose variable is not known to be sparse: a window restored
+        # by `tf.train.Checkpoint` (which does not save `_sparse`) and applied
+        # before a step is traced. Summed, as their dense gradient.
+        storage, indices, count = self._slice_window(i)
+        return tf.cond(
+            count > 0,
+            lambda: sparse.dense_sum(storage, indices, count),
+            storage.read_value,
+        )
 
     def apply(self, optimizer, total_weight=None, check_finite=True):
         """Applies the window's gradient to its variables through `optimizer`;

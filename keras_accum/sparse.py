@@ -58,7 +58,7 @@ def append(storage, indices, count, slices, values):
         def densify():
             # Rows past `count` are stale: the sum is built from the live
             # slices only.
-            storage.assign(_dense(storage, indices, count))
+            storage.assign(dense_sum(storage, indices, count))
 
         tf.cond(count >= 0, densify, lambda: None)
         storage.scatter_add(tf.IndexedSlices(values, idx))
@@ -82,7 +82,8 @@ def _live(storage, indices, count):
     return values, tf.where(live, indices, tf.zeros_like(indices))
 
 
-def _dense(storage, indices, count):
+def dense_sum(storage, indices, count):
+    """The sum of the window's slices as a dense gradient."""
     values, idx = _live(storage, indices, count)
     return tf.math.unsorted_segment_sum(values, idx, storage.shape[0])
 
