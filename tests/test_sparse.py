@@ -204,7 +204,9 @@ def test_mask_zero_with_a_masked_per_token_loss():
 
 
 def test_jit_compile():
-    x, y = token_data()
+    # 60 samples: windows of 8+8+8+8 and 8+8+8+4, both applied in the
+    # compiled step; the second leaves stale slices past its own.
+    x, y = token_data(60)
     plain, accum = fit_pair(
         *WAYS_IN["functional"], x, y, OPTIMIZERS["adam"], jit_compile=True
     )
@@ -217,6 +219,9 @@ def test_under_xla_the_window_is_padded_to_static_shapes():
     weights = tf.Variable(tf.zeros((20, 3)))
     acc.build([weights], accum_steps=2)
 
+    # A longer window first: its slices stay in the buffer, stale.
+    acc.add([tf.IndexedSlices(tf.ones((9, 3)), tf.range(9))], weight=1.0)
+    acc.reset()
     acc.add([tf.IndexedSlices(tf.ones((4, 3)), tf.constant([3, 3, 5, 0]))], weight=1.0)
     window = acc.window_gradients
     compiled = tf.function(lambda: window()[0], jit_compile=True)()
