@@ -118,7 +118,15 @@ class GradientAccumulator(tf.Module, internals.SavedState):
             finished with the arithmetic it was started with.
         acc_grads: one buffer per variable of the window holding the sum of
             weighted gradients: float32 (float64 for float64 variables) unless
-            `dtype` asks otherwise.
+            `dtype` asks otherwise. For a variable whose gradient is
+            `tf.IndexedSlices` (an `Embedding`'s), the buffer holds the
+            window's slices instead, one per row, while they fit
+            (sparse.py): the window is then handed to the optimizer as one
+            `IndexedSlices` of all its occurrences, as the big batch's
+            gradient is, for Keras's occurrence-wise sparse updates.
+        slice_indices: per buffer, the row index of each slice it holds.
+        slice_counts: per buffer, how many slices it holds; -1 when it
+            holds the dense sum instead.
         window_variables: the variables the buffers belong to, one each, by
             identity; None for a window restored from a file until it is
             bound to a model's variables (by position, as Keras pairs
@@ -350,7 +358,8 @@ class GradientAccumulator(tf.Module, internals.SavedState):
 
         Args:
             grads: the micro-batch's gradients, one per buffer. `tf.IndexedSlices`
-                are scatter-added, never densified.
+                are appended to the window's slices (or scatter-added into
+                its dense sum once they no longer fit), never densified.
             weight: scalar; what this micro-batch's loss was normalised by.
                 The buffers must end up holding `weight * gradient`: either
                 the caller folded `weight` into the loss before
