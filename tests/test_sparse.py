@@ -21,7 +21,7 @@ from reference import (
 )
 
 import keras_accum
-from keras_accum import AccumModel, AccumOptimizer
+from keras_accum import AccumModel, AccumOptimizer, sparse
 from keras_accum.accumulator import GradientAccumulator
 from keras_accum.nonfinite import NonFiniteWindows
 
@@ -339,6 +339,77 @@ def test_flush_of_a_window_restored_from_a_keras_file(tmp_path):
     plain.compile(OPTIMIZERS["adam"](), loss())
     plain.train_on_batch(x[: 3 * MICRO], y[: 3 * MICRO])
     assert_weights_close(plain, loaded)
+
+
+def test_resume_mid_window_from_a_tf_train_checkpoint(tmp_path):
+    x, y = token_data(64)
+    batches = [(x[i : i + MICRO], y[i : i + MICRO]) for i in range(0, 64, MICRO)]
+
+    def model():
+        m = net(AccumModel, accum_steps=N)
+        m.compile(OPTIMIZERS["adam"](), loss())
+        m.optimizer.build(m.trainable_variables)
+        return m
+
+    uninterrupted, first = model(), model()
+    for batch in batches:
+        uninterrupted.train_on_batch(*batch)
+    for batch in batches[:6]:
+        first.train_on_batch(*batch)
+    path = tf.train.Checkpoint(model=first, optimizer=first.optimizer).save(
+        str(tmp_path / "ckpt")
+    )
+    resumed = model()
+    resumed.train_on_batch(*batches[0])  # builds the window; then overwritten
+    tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).restore(path)
+    assert resumed._accumulator.pending() == 2
+    for batch in batches[6:]:
+        resumed.train_on_batch(*batch)
+    assert_weights_close(uninterrupted, resumed, rtol=0, atol=0)
+
+
+def test_a_window_saved_before_slices_is_applied_as_its_dense_sum():
+    # Files written before slices existed hold every window as a dense sum
+    # (and no entry saying which variables are sparse).
+    x, y = token_data(32)
+    source = net(AccumModel, accum_steps=N)
+    source.compile(OPTIMIZERS["adam"](), loss())
+    for part in (slice(0, 8), slice(8, 16)):
+        source.train_on_batch(x[part], y[part])
+    store = {}
+    source._accumulator.save_own_variables(store)
+    acc = source._accumulator
+    table_sum = sparse.dense_sum(acc.acc_grads[0], acc.slice_indices[0], acc.slice_counts[0])
+    old = {k: v for k, v in store.items() if not k.startswith(("slice_", "sparse"))}
+    old["acc_grad_0"] = table_sum.numpy()
+    loaded = net(AccumModel, accum_steps=N)
+    loaded.compile(OPTIMIZERS["adam"](), loss())
+    loaded.optimizer.build(loaded.trainable_variables)
+    loaded._accumulator.load_own_variables(old)
+    for part in (slice(16, 24), slice(24, 32)):  # the window goes on, densely
+        loaded.train_on_batch(x[part], y[part])
+    assert int(loaded.optimizer.iterations) == 1
+    dense = net(DenseGradientModel)
+    dense.compile(OPTIMIZERS["adam"](), loss())
+    dense.train_on_batch(x, y)
+    assert_weights_close(dense, loaded)
+
+
+def test_snapshot_and_restore_bring_back_the_slices():
+    # What all-or-nothing `load_weights` restores after a failed load.
+    acc = GradientAccumulator()
+    weights = tf.Variable(tf.ones((10, 2)))
+    acc.build([weights], accum_steps=4)
+    acc.add([tf.IndexedSlices(tf.ones((3, 2)), tf.constant([1, 1, 4]))], weight=1.0)
+    snapshot = acc.snapshot()
+    before = acc.window_gradients()[0]
+    acc.reset()
+    acc.add([tf.IndexedSlices(2 * tf.ones((5, 2)), tf.constant([0, 9, 9, 8, 7]))], weight=2.0)
+    acc.restore(snapshot)
+    after = acc.window_gradients()[0]
+    assert acc._sparse == {0}
+    np.testing.assert_array_equal(after.indices.numpy(), before.indices.numpy())
+    np.testing.assert_array_equal(after.values.numpy(), before.values.numpy())
 
 
 # -- the representation rule: slices while they fit, else the dense sum ---------
