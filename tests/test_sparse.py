@@ -8,12 +8,14 @@ own sparse update; tokens come from a small range so they repeat within
 every batch, which is where a summed window would differ.
 """
 
+import json
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 from reference import (
-    RTOL,
+    ATOL,
     assert_trained,
     assert_weights_close,
     loss,
@@ -482,11 +484,17 @@ def test_nonfinite_slices_skip_the_window():
 def test_mirrored_strategy_matches_the_big_batch():
     result = run_python("tests/mirrored_sparse_checks.py", timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
-    import json
 
     out = json.loads(result.stdout.strip().splitlines()[-1])
+    # Largest absolute weight differences (weights are O(0.1)): float
+    # rounding only; the summed window is ~1e-2 away (above).
+    assert sorted(out) == [
+        f"{name}_vs_{what}_big_batch"
+        for name in ("adam", "rmsprop")
+        for what in ("mirrored", "one_device")
+    ]
     for name, diff in out.items():
-        assert diff <= RTOL * 10, (name, diff)
+        assert diff <= ATOL, (name, diff)
 
 
 def test_keras_builtin_accumulation_sums_embedding_gradients():
