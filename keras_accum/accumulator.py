@@ -121,10 +121,10 @@ class GradientAccumulator(tf.Module, internals.SavedState):
             `dtype` asks otherwise. For a variable whose gradient is
             `tf.IndexedSlices` (an `Embedding`'s), the buffer holds the
             window's slices instead, one per row, while they fit
-            (sparse.py): the window is then handed to the optimizer as one
+            (sparse.py; their row indices too, so no more memory than the
+            dense sum): the window is then handed to the optimizer as one
             `IndexedSlices` of all its occurrences, as the big batch's
             gradient is, for Keras's occurrence-wise sparse updates.
-        slice_indices: per buffer, the row index of each slice it holds.
         slice_counts: per buffer, how many slices it holds; -1 when it
             holds the dense sum instead.
         window_variables: the variables the buffers belong to, one each, by
@@ -163,10 +163,8 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         self.accum_steps = None
         self.normalise = None
         self.acc_grads = []
-        # Per buffer of rank >= 1: where its window's sparse gradient is kept
-        # as slices (sparse.py): the row indices and how many slices (-1: the
-        # buffer holds a dense sum).
-        self.slice_indices = []
+        # Per buffer: how many slices of its window's sparse gradient it
+        # holds (sparse.py); -1 when it holds a dense sum.
         self.slice_counts = []
         self._binding = _Binding(None)
         # Indices of variables whose gradient is None in the traced step: the
@@ -323,7 +321,6 @@ class GradientAccumulator(tf.Module, internals.SavedState):
             # build fills each buffer as it is created.
             if self.acc_grads:
                 self.acc_grads = []
-                self.slice_indices = []
                 self.slice_counts = []
             for i, v in enumerate(variables):
                 self.acc_grads.append(
@@ -334,18 +331,9 @@ class GradientAccumulator(tf.Module, internals.SavedState):
                         **total,
                     )
                 )
-                # Scalars cannot have sparse gradients: no slices for them.
-                rows = v.shape[0] if len(v.shape) else 0
-                dtype = sparse.index_dtype(rows)
-                self.slice_indices.append(
-                    tf.Variable(
-                        tf.zeros([rows], dtype), trainable=False,
-                        name=f"slice_indices_{i}", **first,
-                    )
-                )
                 self.slice_counts.append(
                     tf.Variable(
-                        tf.zeros([], dtype), trainable=False,
+                        tf.zeros([], tf.int64), trainable=False,
                         name=f"slice_count_{i}", **first,
                     )
                 )
@@ -449,7 +437,7 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         # This replica's own buffers: each replica keeps its own slices.
         return [
             internals.replica_component(v)
-            for v in (self.acc_grads[i], self.slice_indices[i], self.slice_counts[i])
+            for v in (self.acc_grads[i], self.slice_counts[i])
         ]
 
     def _dense_sum(self, i):
@@ -459,10 +447,10 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         # Slices whose variable is not known to be sparse: a window restored
         # by `tf.train.Checkpoint` (which does not save `_sparse`) and applied
         # before a step is traced. Summed, as their dense gradient.
-        storage, indices, count = self._slice_window(i)
+        storage, count = self._slice_window(i)
         return tf.cond(
             count > 0,
-            lambda: sparse.dense_sum(storage, indices, count),
+            lambda: sparse.dense_sum(storage, count),
             storage.read_value,
         )
 
@@ -560,8 +548,8 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         # the replicas that spilled into a dense sum give `acc_grad_i`.
         storages = self._local(self.acc_grads[i])
         counts = [int(c.numpy()) for c in self._local(self.slice_counts[i])]
-        live = [(s, ix, n) for s, ix, n in zip(
-            storages, self._local(self.slice_indices[i]), counts) if n > 0]
+        live = [(s, sparse.live_indices(s, n).numpy(), n)
+                for s, n in zip(storages, counts) if n > 0]
         dense = [s.numpy() for s, n in zip(storages, counts) if n < 0]
         shape = tuple(self.acc_grads[i].shape)
         store[f"acc_grad_{i}"] = (
@@ -570,8 +558,7 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         )
         store[f"slice_counts_{i}"] = np.array(counts, "int64")
         store[f"slice_indices_{i}"] = np.concatenate(
-            [ix.numpy()[:n] for _, ix, n in live]
-            or [np.zeros([0], self.slice_indices[i].dtype.as_numpy_dtype)]
+            [ix for _, ix, _ in live] or [np.zeros([0], "int64")]
         ).astype("int64")
         store[f"slice_values_{i}"] = np.concatenate(
             [s.numpy()[:n] for s, _, n in live]
@@ -651,11 +638,9 @@ class GradientAccumulator(tf.Module, internals.SavedState):
 
     def _load_slices(self, store, i):
         counts = [int(c) for c in np.asarray(store[f"slice_counts_{i}"])]
-        components = list(zip(
-            self._local(self.acc_grads[i]),
-            self._local(self.slice_indices[i]),
-            self._local(self.slice_counts[i]),
-        ))
+        components = list(
+            zip(self._local(self.acc_grads[i]), self._local(self.slice_counts[i]))
+        )
         if len(counts) != len(components):
             # Only a window saved with no micro-batch gets here (the
             # replica check above refuses others): nothing to restore.
@@ -664,7 +649,7 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         values = np.asarray(store[f"slice_values_{i}"])
         dense = np.asarray(store[f"acc_grad_{i}"])
         start, dense_given = 0, False
-        for (storage, index, count), n in zip(components, counts):
+        for (storage, count), n in zip(components, counts):
             count.assign(n)
             if n < 0:
                 # The dense share on the first replica that spilled, zeros on
@@ -673,15 +658,7 @@ class GradientAccumulator(tf.Module, internals.SavedState):
                 dense_given = True
             elif n > 0:
                 rows = slice(start, start + n)
-                storage.scatter_update(
-                    tf.IndexedSlices(values[rows], tf.range(n, dtype=index.dtype))
-                )
-                index.scatter_update(
-                    tf.IndexedSlices(
-                        indices[rows].astype(index.dtype.as_numpy_dtype),
-                        tf.range(n, dtype=index.dtype),
-                    )
-                )
+                sparse.write_slices(storage, count, values[rows], indices[rows])
                 start += n
 
     def snapshot(self):
@@ -723,7 +700,6 @@ class GradientAccumulator(tf.Module, internals.SavedState):
             self.accum_steps,
             self.normalise,
             *self.acc_grads,
-            *self.slice_indices,
             *self.slice_counts,
         ]
 
