@@ -11,7 +11,9 @@ accum_steps=8 micro-batches of 32 sequences of 32 tokens (8,192 slices):
 - `window`: `GradientAccumulator.apply` of that window kept as slices
   (scale the slices, hand them to Adam, start a new window by its count);
 - `dense window`: the same window as a dense sum, as before slices (scale
-  the 51.2 MB buffer, hand it to Adam, zero it).
+  the 51.2 MB buffer, hand it to Adam, zero it);
+- `window gradient only`: what `window` adds to `bare`, alone: reading
+  the window's slices and indices and scaling them.
 
 Each round times each once, in an order rotated per round, so background
 load on a shared machine hits them alike; paired ratios are per round.
@@ -80,6 +82,11 @@ def main(argv=None):
         acc.micro_step.assign(N)
         acc.apply(ours_adam)
 
+    @tf.function
+    def window_gradient():
+        # The part of `window` that is ours: reading and scaling the slices.
+        return acc.window_gradients()[0].values
+
     dense_table, dense_adam = table(), keras.optimizers.Adam(1e-3)
     dense_adam.build([dense_table])
     buffer = tf.Variable(tf.zeros((ROWS, WIDTH)))
@@ -99,7 +106,12 @@ def main(argv=None):
         dense_adam.apply([buffer * (1.0 / weight)], [dense_table])
         buffer.assign(tf.zeros_like(buffer))
 
-    runs = {"bare": bare, "window": window, "dense window": dense_apply}
+    runs = {
+        "bare": bare,
+        "window": window,
+        "dense window": dense_apply,
+        "window gradient only": window_gradient,
+    }
     times = {name: [] for name in runs}
     for name, run in runs.items():  # trace and warm up
         dense_window()
@@ -107,7 +119,7 @@ def main(argv=None):
     names = list(runs)
     load_before = os.getloadavg()
     for r in range(args.rounds):
-        order = names[r % 3 :] + names[: r % 3]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             if name == "dense window":
                 dense_window()
