@@ -426,6 +426,14 @@ def test_window_bigger_than_the_table_is_the_dense_sum(name):
     accum.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)
     dense = dense_reference(x, y, OPTIMIZERS[name], vocab=40)
     assert_weights_close(dense, accum)
+    accum.train_on_batch(x[:MICRO], y[:MICRO])  # 48 tokens: already dense
+    assert int(accum._accumulator.slice_counts[0].numpy()) == -1
+    if name == "sgd_momentum":  # SGD sums occurrences: the big batch either way
+        plain = net(vocab=40)
+        plain.compile(OPTIMIZERS[name](), loss())
+        plain.fit(x, y, batch_size=MICRO * N, epochs=2, shuffle=False, verbose=0)
+        accum.reset_window()
+        assert_weights_close(plain, accum)
 
 
 def test_a_micro_batch_that_overflows_spills_the_window_losing_nothing():
