@@ -7,9 +7,9 @@ Keras's Adam (and RMSprop, Adagrad) applies an `Embedding`'s sparse
 gradient occurrence by occurrence: a token seen k times in a batch adds the
 square of each occurrence's gradient to the second moment. AccumModel keeps
 a window's sparse gradient as slices and hands the optimizer all of the
-window's occurrences, the big batch's gradient, while the window's tokens
-fit in the table's rows; a window with more tokens than the table has rows
-is summed into a dense buffer instead, and Adam then sees one occurrence
+window's occurrences, the big batch's gradient, while the slices (values
+and indices) fit in the table-sized buffer, `tokens x (width + 1) <= rows x
+width`; a bigger window is summed into the dense buffer instead, and Adam then sees one occurrence
 per row. This measures both on small text models, as a share of how far
 the big batch moved the weights: a 5,000-row table (2,560 window tokens:
 slices) and a 1,000-row one (dense).
@@ -28,11 +28,11 @@ import numpy as np  # noqa: E402
 import keras_accum  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-VOCABS, LENGTH, SAMPLES, MICRO, N, EPOCHS = (5000, 1000), 20, 512, 16, 8, 3
+VOCABS, WIDTH, LENGTH, SAMPLES, MICRO, N, EPOCHS = (5000, 1000), 32, 20, 512, 16, 8, 3
 
 
 def _body(kind, inputs, vocab):
-    h = keras.layers.Embedding(vocab, 32, name="embedding")(inputs)
+    h = keras.layers.Embedding(vocab, WIDTH, name="embedding")(inputs)
     if kind == "gru":
         h = keras.layers.GRU(32)(h)
     elif kind == "lstm":
@@ -82,11 +82,12 @@ def main(argv=None):
     args = parser.parse_args(argv)
     rows = []
     for vocab in VOCABS:
-        kept = "slices" if MICRO * N * LENGTH <= vocab else "dense sum"
+        fits = MICRO * N * LENGTH * (WIDTH + 1) <= vocab * WIDTH
+        kept = "slices" if fits else "dense sum"
         for kind in ("gru", "lstm", "attention"):
             gap, moved, share = measure(kind, vocab)
             rows.append(
-                f"| Embedding({vocab}, 32) + {kind} | {kept} | {gap:.2g} | "
+                f"| Embedding({vocab}, {WIDTH}) + {kind} | {kept} | {gap:.2g} | "
                 f"{moved:.3f} | {share:.2g} |"
             )
             print(rows[-1], flush=True)
@@ -98,8 +99,9 @@ def main(argv=None):
             f"tokens, {SAMPLES} samples, micro-batch {MICRO} x accum_steps {N} "
             f"({MICRO * N * LENGTH} tokens per window) against a plain "
             f"keras.Model with batch {MICRO * N}, Adam(0.01), {EPOCHS} epochs. "
-            "A window is kept as slices while its tokens fit in the table's "
-            "rows, else as a dense sum. Produced by "
+            "A window is kept as slices while they fit in the table-sized "
+            "buffer (tokens x (width + 1) <= rows x width), else as a dense "
+            "sum. Produced by "
             "`python -m benchmarks.sparse_adam_gap`.",
             "",
             "| model | window kept as | largest embedding difference | largest change the big batch made | difference / change (norms) |",

@@ -631,8 +631,8 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         self._sparse = frozenset(
             () if legacy else (int(i) for i in np.flatnonzero(entry("sparse")))
         )
-        for i, count in enumerate(self.slice_counts):
-            _assign_all(self._local(count), -1 if legacy else 0)
+        for count in self.slice_counts:
+            _assign_all(self._local(count), -1 if legacy and micro_step else 0)
         for i in self._sparse:
             self._load_slices(store, i)
 

@@ -519,3 +519,22 @@ def test_keras_builtin_accumulation_sums_embedding_gradients():
     moved = np.abs(table(plain) - table(net())).max()
     assert np.abs(table(plain) - table(builtin)).max() > 0.01 * moved
     assert_weights_close(plain, ours)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_row_indices_survive_in_any_buffer_dtype(dtype):
+    # Indices are kept bit-cast in the buffer's own floats; some of these
+    # are NaN or Inf bit patterns in 16-bit floats, and must come back intact.
+    acc = GradientAccumulator(dtype=dtype)
+    weights = tf.Variable(tf.zeros((70000, 2)))
+    acc.build([weights], accum_steps=2)
+    ids = [31744, 31745, 65535, 69999, 0, 32767, 32768]
+    acc.add([tf.IndexedSlices(tf.ones((7, 2)), tf.constant(ids))], weight=1.0)
+    live = sparse.live_indices(acc.acc_grads[0], acc.slice_counts[0])
+    assert live.numpy().tolist() == ids
+    eager = tf.convert_to_tensor(acc.window_gradients()[0])
+    compiled = tf.function(lambda: acc.window_gradients()[0], jit_compile=True)()
+    expected = np.zeros((70000, 2), "float32")
+    expected[ids] = 1.0
+    np.testing.assert_array_equal(eager.numpy(), expected)
+    np.testing.assert_array_equal(tf.convert_to_tensor(compiled).numpy(), expected)
