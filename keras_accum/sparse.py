@@ -23,13 +23,20 @@ elements, and a `count`:
 
 The representation rule: slices while the window's occurrences fit in the
 buffer, values and indices together: `tokens x (width + 1) <= rows x
-width` (`capacity` tokens; 196,923 for a 200,000 x 64 float32 table). A
+width` (`width + 2` for 16-bit buffers, whose floats hold half an int32;
+`capacity` tokens: 196,923 for a 200,000 x 64 float32 table). A
 micro-batch that would overflow it spills the window into the dense sum (a
 scatter-add, as before slices existed) and the window is applied as that
 sum, one occurrence per row: the one case where Keras's occurrence-wise
 update is not reproduced. Nothing is dropped: the decision is made per
 micro-batch at run time, so a micro-batch bigger than any seen before is
 caught too.
+
+Why a table-sized buffer and not one sized to the window: the tokens per
+micro-batch are usually unknown when the buffers are made (Keras traces
+the step with a `None` batch dimension, and the last batch is shorter or
+a later one bigger), and a window that outgrows its slices must still be
+summed somewhere without dropping anything: in place, here.
 """
 
 import math
