@@ -529,7 +529,8 @@ def test_row_indices_survive_in_any_buffer_dtype(dtype):
     weights = tf.Variable(tf.zeros((70000, 2)))
     acc.build([weights], accum_steps=2)
     ids = [31744, 31745, 65535, 69999, 0, 32767, 32768]
-    acc.add([tf.IndexedSlices(tf.ones((7, 2)), tf.constant(ids))], weight=1.0)
+    acc.add([tf.IndexedSlices(tf.ones((3, 2)), tf.constant(ids[:3]))], weight=0.5)
+    acc.add([tf.IndexedSlices(tf.ones((4, 2)), tf.constant(ids[3:]))], weight=0.5)
     live = sparse.live_indices(acc.acc_grads[0], acc.slice_counts[0])
     assert live.numpy().tolist() == ids
     eager = tf.convert_to_tensor(acc.window_gradients()[0])
@@ -538,3 +539,32 @@ def test_row_indices_survive_in_any_buffer_dtype(dtype):
     expected[ids] = 1.0
     np.testing.assert_array_equal(eager.numpy(), expected)
     np.testing.assert_array_equal(tf.convert_to_tensor(compiled).numpy(), expected)
+
+
+def test_slices_fill_the_buffer_to_capacity_then_spill():
+    # 10 rows x 2: room for 6 slices with their indices (6 x 3 <= 20).
+    acc = GradientAccumulator()
+    weights = tf.Variable(tf.zeros((10, 2)))
+    acc.build([weights], accum_steps=4)
+    rng = np.random.default_rng(0)
+    expected = np.zeros((10, 2), "float32")
+
+    def add(ids):
+        values = rng.normal(size=(len(ids), 2)).astype("float32")
+        np.add.at(expected, ids, values)
+        acc.add([tf.IndexedSlices(tf.constant(values), tf.constant(ids))], weight=1.0)
+
+    add([9, 9, 0, 4])
+    add([8, 9])
+    assert int(acc.slice_counts[0].numpy()) == 6  # full, still slices
+    window = acc.window_gradients()[0]
+    assert window.values.shape == (6, 2)
+    # The window's gradient: the sum over its weight (two micro-batches of 1).
+    np.testing.assert_allclose(
+        tf.convert_to_tensor(window).numpy(), expected / 2, rtol=1e-6
+    )
+    add([1])
+    assert int(acc.slice_counts[0].numpy()) == -1  # one more: the dense sum
+    np.testing.assert_allclose(
+        tf.convert_to_tensor(acc.window_gradients()[0]).numpy(), expected / 3, rtol=1e-6
+    )
