@@ -478,3 +478,30 @@ def recording_moments(layer, record):
         yield
     finally:
         del layer._moments
+
+
+def in_xla_context():
+    """Whether the code being traced is compiled by XLA (`jit_compile=True`).
+
+    XLA needs static shapes: a window of sparse slices is then handed to the
+    optimizer padded to its buffer (sparse.py). TensorFlow exposes no public
+    test for this.
+    """
+    from tensorflow.python.ops import control_flow_util
+
+    if tf.executing_eagerly():
+        return False
+    return control_flow_util.GraphOrParentsInXlaContext(
+        tf.compat.v1.get_default_graph()
+    )
+
+
+def replica_component(variable):
+    """The current replica's own component of a per-replica variable.
+
+    Sync-on-read variables refuse scatter updates (TensorFlow leaves them
+    unimplemented, even in a replica context); a window kept as slices
+    appends with scatter updates, on the replica's own component.
+    """
+    component = getattr(variable, "_get_on_device_or_primary", None)
+    return variable if component is None else component()

@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_accum import _keras_internals as internals
+from keras_accum import sparse
 
 
 MAX_ACCUM_STEPS = 2**63 - 1
@@ -117,7 +118,15 @@ class GradientAccumulator(tf.Module, internals.SavedState):
             finished with the arithmetic it was started with.
         acc_grads: one buffer per variable of the window holding the sum of
             weighted gradients: float32 (float64 for float64 variables) unless
-            `dtype` asks otherwise.
+            `dtype` asks otherwise. For a variable whose gradient is
+            `tf.IndexedSlices` (an `Embedding`'s), the buffer holds the
+            window's slices instead, one per row, while they fit
+            (sparse.py; their row indices too, so no more memory than the
+            dense sum): the window is then handed to the optimizer as one
+            `IndexedSlices` of all its occurrences, as the big batch's
+            gradient is, for Keras's occurrence-wise sparse updates.
+        slice_counts: per buffer, how many slices it holds; -1 when it
+            holds the dense sum instead.
         window_variables: the variables the buffers belong to, one each, by
             identity; None for a window restored from a file until it is
             bound to a model's variables (by position, as Keras pairs
@@ -154,6 +163,9 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         self.accum_steps = None
         self.normalise = None
         self.acc_grads = []
+        # Per buffer: how many slices of its window's sparse gradient it
+        # holds (sparse.py); -1 when it holds a dense sum.
+        self.slice_counts = []
         self._binding = _Binding(None)
         # Indices of variables whose gradient is None in the traced step: the
         # optimizer must see None for them, as it does for a big batch, not a
@@ -161,6 +173,10 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         # the step's graph, hence Python; saved with the window, so a window
         # restored from a file is applied with it before any step is traced.
         self._absent = frozenset()
+        # Indices of variables whose gradient is `tf.IndexedSlices` in the
+        # traced step: their window is kept as slices. Known when traced,
+        # saved with the window like `_absent`.
+        self._sparse = frozenset()
         self._built = False
         # Bumped whenever buffers are made: functions traced with the old
         # ones must be traced again.
@@ -272,6 +288,7 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         """
         variables = list(variables)
         self._absent = frozenset()
+        self._sparse = frozenset()
         self._binding.variables = None
         self.generation += 1
         local = {}
@@ -304,6 +321,7 @@ class GradientAccumulator(tf.Module, internals.SavedState):
             # build fills each buffer as it is created.
             if self.acc_grads:
                 self.acc_grads = []
+                self.slice_counts = []
             for i, v in enumerate(variables):
                 self.acc_grads.append(
                     tf.Variable(
@@ -311,6 +329,12 @@ class GradientAccumulator(tf.Module, internals.SavedState):
                         trainable=False,
                         name=f"acc_grad_{i}",
                         **total,
+                    )
+                )
+                self.slice_counts.append(
+                    tf.Variable(
+                        tf.zeros([], tf.int64), trainable=False,
+                        name=f"slice_count_{i}", **first,
                     )
                 )
         if variables and all(isinstance(v, _VARIABLE_TYPES) for v in variables):
@@ -322,7 +346,8 @@ class GradientAccumulator(tf.Module, internals.SavedState):
 
         Args:
             grads: the micro-batch's gradients, one per buffer. `tf.IndexedSlices`
-                are scatter-added, never densified.
+                are appended to the window's slices (or scatter-added into
+                its dense sum once they no longer fit), never densified.
             weight: scalar; what this micro-batch's loss was normalised by.
                 The buffers must end up holding `weight * gradient`: either
                 the caller folded `weight` into the loss before
@@ -352,12 +377,15 @@ class GradientAccumulator(tf.Module, internals.SavedState):
                 f"{_names(self.window_variables)}."
             )
         self._absent = frozenset(i for i, g in enumerate(grads) if g is None)
-        for buf, g in zip(self.acc_grads, grads):
+        self._sparse = frozenset(
+            i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)
+        )
+        for i, (buf, g) in enumerate(zip(self.acc_grads, grads)):
             if g is None:
                 continue
-            if isinstance(g, tf.IndexedSlices):
+            if i in self._sparse:
                 values = _scaled(tf.cast(g.values, buf.dtype), grad_scale)
-                buf.scatter_add(tf.IndexedSlices(values, g.indices, g.dense_shape))
+                sparse.append(*self._slice_window(i), g, values)
             else:
                 buf.assign_add(_scaled(tf.cast(g, buf.dtype), grad_scale))
         self.window_weight.assign_add(tf.cast(weight, tf.float32))
@@ -382,12 +410,49 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         )
         if loss_scale is not None:
             inv = inv * tf.cast(loss_scale, tf.float32)
+        grads = []
+        for i, (buf, v) in enumerate(zip(self.acc_grads, self._bound())):
+            if i in self._absent:
+                grads.append(None)
+            elif i in self._sparse:
+                # One IndexedSlices of the window's occurrences: the big
+                # batch's gradient, for Keras's own sparse update.
+                window = sparse.window_slices(
+                    *self._slice_window(i), padded=internals.in_xla_context()
+                )
+                grads.append(
+                    tf.IndexedSlices(
+                        tf.cast(window.values * tf.cast(inv, buf.dtype), v.dtype),
+                        window.indices,
+                        window.dense_shape,
+                    )
+                )
+            else:
+                grads.append(
+                    tf.cast(self._dense_sum(i) * tf.cast(inv, buf.dtype), v.dtype)
+                )
+        return grads
+
+    def _slice_window(self, i):
+        # This replica's own buffers: each replica keeps its own slices.
         return [
-            None
-            if i in self._absent
-            else tf.cast(buf * tf.cast(inv, buf.dtype), v.dtype)
-            for i, (buf, v) in enumerate(zip(self.acc_grads, self._bound()))
+            internals.replica_component(v)
+            for v in (self.acc_grads[i], self.slice_counts[i])
         ]
+
+    def _dense_sum(self, i):
+        buf = self.acc_grads[i]
+        if not len(buf.shape):
+            return buf
+        # Slices whose variable is not known to be sparse: a window restored
+        # by `tf.train.Checkpoint` (which does not save `_sparse`) and applied
+        # before a step is traced. Summed, as their dense gradient.
+        storage, count = self._slice_window(i)
+        return tf.cond(
+            count > 0,
+            lambda: sparse.dense_sum(storage, count),
+            storage.read_value,
+        )
 
     def apply(self, optimizer, total_weight=None, check_finite=True):
         """Applies the window's gradient to its variables through `optimizer`;
@@ -430,10 +495,13 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         """Zeroes the buffers and counters: a new window starts.
 
         Also how an open window is discarded: its gradients are dropped and
-        no update is made.
+        no update is made. A window kept as slices is emptied by its count
+        alone: no pass over the table.
         """
-        for buf in self.acc_grads:
-            buf.assign(tf.zeros_like(buf))
+        for i, (buf, count) in enumerate(zip(self.acc_grads, self.slice_counts)):
+            if i not in self._sparse:
+                buf.assign(tf.zeros_like(buf))
+            count.assign(tf.zeros_like(count))
         self.window_weight.assign(0.0)
         self.micro_step.assign(0)
 
@@ -465,8 +533,37 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         )
         store["shares"] = np.int64(self._shares())
         store["replicas"] = np.int64(self._replicas())
+        store["sparse"] = np.array(
+            [i in self._sparse for i in range(len(self.acc_grads))], "int8"
+        )
         for i, buf in enumerate(self.acc_grads):
-            store[f"acc_grad_{i}"] = _local_sum(self._local(buf))
+            if i in self._sparse:
+                self._save_slices(store, i)
+            else:
+                store[f"acc_grad_{i}"] = _local_sum(self._local(buf))
+
+    def _save_slices(self, store, i):
+        # Each of this process's replicas keeps its own slices (they cannot
+        # be summed): saved one after the other with each replica's count;
+        # the replicas that spilled into a dense sum give `acc_grad_i`.
+        storages = self._local(self.acc_grads[i])
+        counts = [int(c.numpy()) for c in self._local(self.slice_counts[i])]
+        live = [(s, sparse.live_indices(s, n).numpy(), n)
+                for s, n in zip(storages, counts) if n > 0]
+        dense = [s.numpy() for s, n in zip(storages, counts) if n < 0]
+        shape = tuple(self.acc_grads[i].shape)
+        store[f"acc_grad_{i}"] = (
+            sum(dense[1:], dense[0]) if dense
+            else np.zeros(shape, self.acc_grads[i].dtype.as_numpy_dtype)
+        )
+        store[f"slice_counts_{i}"] = np.array(counts, "int64")
+        store[f"slice_indices_{i}"] = np.concatenate(
+            [ix for _, ix, _ in live] or [np.zeros([0], "int64")]
+        ).astype("int64")
+        store[f"slice_values_{i}"] = np.concatenate(
+            [s.numpy()[:n] for s, _, n in live]
+            or [np.zeros((0,) + shape[1:], self.acc_grads[i].dtype.as_numpy_dtype)]
+        )
 
     def load_own_variables(self, store):
         keys = set(store.keys())
@@ -479,7 +576,10 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         expected = {"micro_step", "window_weight", "accum_steps"} | {
             f"acc_grad_{i}" for i in range(n)
         }
-        optional = {"normalise", "has_gradient", "shares", "replicas"}
+        optional = {"normalise", "has_gradient", "shares", "replicas", "sparse"}
+        optional |= {
+            f"slice_{what}_{i}" for i in range(n) for what in ("counts", "indices", "values")
+        }
         if not expected <= keys or keys - expected - optional:
             raise ValueError(
                 "The checkpoint's accumulation state is incomplete or not "
@@ -525,18 +625,54 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         if "has_gradient" in keys:
             has = entry("has_gradient")
             self._absent = frozenset(int(i) for i in np.flatnonzero(has == 0))
+        # Files written before slices existed hold every window as a dense
+        # sum: count -1 says so, and such a window is applied as that sum.
+        legacy = "sparse" not in keys
+        self._sparse = frozenset(
+            () if legacy else (int(i) for i in np.flatnonzero(entry("sparse")))
+        )
+        for count in self.slice_counts:
+            _assign_all(self._local(count), -1 if legacy and micro_step else 0)
+        for i in self._sparse:
+            self._load_slices(store, i)
+
+    def _load_slices(self, store, i):
+        counts = [int(c) for c in np.asarray(store[f"slice_counts_{i}"])]
+        components = list(
+            zip(self._local(self.acc_grads[i]), self._local(self.slice_counts[i]))
+        )
+        if len(counts) != len(components):
+            # Only a window saved with no micro-batch gets here (the
+            # replica check above refuses others): nothing to restore.
+            return
+        indices = np.asarray(store[f"slice_indices_{i}"])
+        values = np.asarray(store[f"slice_values_{i}"])
+        dense = np.asarray(store[f"acc_grad_{i}"])
+        start, dense_given = 0, False
+        for (storage, count), n in zip(components, counts):
+            count.assign(n)
+            if n < 0:
+                # The dense share on the first replica that spilled, zeros on
+                # the others: summed over replicas, the saved sum.
+                storage.assign(np.zeros_like(dense) if dense_given else dense)
+                dense_given = True
+            elif n > 0:
+                rows = slice(start, start + n)
+                sparse.write_slices(storage, count, values[rows], indices[rows])
+                start += n
 
     def snapshot(self):
         """This process's state as numpy, for `restore` after a failed load."""
         if not self._built:
             return None
-        return [[c.numpy() for c in self._local(v)] for v in self._state()], self._absent
+        values = [[c.numpy() for c in self._local(v)] for v in self._state()]
+        return values, self._absent, self._sparse
 
     def restore(self, snapshot):
         if snapshot is None:
             self._unbuild()
             return
-        values, self._absent = snapshot
+        values, self._absent, self._sparse = snapshot
         for v, local_values in zip(self._state(), values):
             for component, value in zip(self._local(v), local_values):
                 component.assign(value)
@@ -564,6 +700,7 @@ class GradientAccumulator(tf.Module, internals.SavedState):
             self.accum_steps,
             self.normalise,
             *self.acc_grads,
+            *self.slice_counts,
         ]
 
 

@@ -5,11 +5,20 @@ import numpy as np
 import tensorflow as tf
 
 from keras_accum import _keras_internals as internals
+from keras_accum import sparse
 
 
 def all_finite(tensors):
-    """A boolean scalar: every element of every tensor (None skipped) is finite."""
-    checks = [tf.reduce_all(tf.math.is_finite(t)) for t in tensors if t is not None]
+    """A boolean scalar: every element of every tensor (None skipped) is finite.
+
+    For a `tf.IndexedSlices`, its values: a window kept as slices (sparse.py)
+    holds nothing else.
+    """
+    checks = [
+        tf.reduce_all(tf.math.is_finite(sparse.values_of(t)))
+        for t in tensors
+        if t is not None
+    ]
     if not checks:
         return tf.constant(True)
     return tf.reduce_all(tf.stack(checks))

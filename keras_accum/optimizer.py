@@ -40,7 +40,10 @@ class AccumOptimizer(keras.optimizers.Optimizer):
     so learning-rate schedules) counts updates. Pass `weight=` (the
     micro-batch's number of samples, say) to weight micro-batches, which makes
     an uneven window exactly the big batch's mean; without it, micro-batches
-    count equally. `flush()` applies a partial window; `reset_window()`
+    count equally. Sparse gradients (an `Embedding`'s `tf.IndexedSlices`)
+    are kept as slices and reach `optimizer` as the window's occurrences,
+    so its occurrence-wise sparse update is the big batch's (see
+    keras_accum/sparse.py for when a window is summed densely instead). `flush()` applies a partial window; `reset_window()`
     discards it.
 
     For `model.fit`, prefer `AccumModel`: it weights by samples on its own and

@@ -40,7 +40,7 @@ def tagger(cls=keras.Model, **kwargs):
 
 def sgd():
     # Not Adam: the embeddings' sparse gradients meet Keras's per-occurrence
-    # sparse Adam (see test_precision_and_sparse.py), a separate matter.
+    # sparse Adam (see test_sparse.py), a separate matter.
     return keras.optimizers.SGD(0.5, momentum=0.9)
 
 

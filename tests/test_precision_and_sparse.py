@@ -1,4 +1,4 @@
-"""Mixed precision, XLA and sparse (embedding) gradients at big-batch parity."""
+"""Mixed precision and XLA at big-batch parity (sparse gradients: test_sparse.py)."""
 
 import keras
 import numpy as np
@@ -7,7 +7,6 @@ import tensorflow as tf
 from reference import FEATURES, assert_trained, assert_weights_close, loss, make_data
 
 from keras_accum import AccumModel, AccumOptimizer
-from keras_accum.accumulator import GradientAccumulator
 
 # mixed_float16 computes every layer in float16, whose 11-bit mantissa
 # rounds at ~5e-4: the big batch and the micro-batches round differently
@@ -140,95 +139,3 @@ def test_bad_accum_dtype(value):
         AccumModel(accum_dtype=value)
     with pytest.raises(ValueError, match=r"`accum_dtype`"):
         AccumOptimizer(keras.optimizers.SGD(), accum_steps=2, accum_dtype=value)
-
-
-# -- sparse gradients ----------------------------------------------------------
-
-VOCAB, LENGTH = 500, 6
-
-
-def embedding_model(cls=keras.Model, **kwargs):
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((LENGTH,), dtype="int32")
-    h = keras.layers.Embedding(VOCAB, 8, name="embedding")(inputs)
-    h = keras.layers.GlobalAveragePooling1D()(h)
-    outputs = keras.layers.Dense(3)(h)
-    return cls(inputs, outputs, **kwargs)
-
-
-def token_data(n=100):
-    rng = np.random.default_rng(7)
-    # Few distinct tokens, so batches repeat tokens (duplicate indices).
-    tokens = rng.integers(0, 40, size=(n, LENGTH)).astype("int32")
-    labels = (tokens.sum(axis=1) % 3).astype("int64")
-    return tokens, labels
-
-
-def test_embedding_gradients_are_scatter_added_not_densified():
-    acc = GradientAccumulator()
-    table = tf.Variable(tf.zeros((VOCAB, 8)))
-    acc.build([table], accum_steps=4)
-
-    @tf.function
-    def add(ids):
-        with tf.GradientTape() as tape:
-            value = tf.reduce_sum(tf.gather(table, ids))
-        grads = tape.gradient(value, [table])
-        assert isinstance(grads[0], tf.IndexedSlices)
-        acc.add(grads, weight=1.0)
-
-    graph = add.get_concrete_function(tf.TensorSpec((None,), tf.int32)).graph
-    ops = {op.type for op in graph.get_operations()}
-    assert "ResourceScatterAdd" in ops
-    assert not ops & {"UnsortedSegmentSum", "ScatterNd", "TensorScatterAdd"}
-    add(tf.constant([3, 3, 7]))
-    expected = np.zeros((VOCAB, 8), "float32")
-    expected[3], expected[7] = 2.0, 1.0
-    np.testing.assert_array_equal(acc.acc_grads[0].numpy(), expected)
-
-
-def test_embedding_with_sgd_momentum_matches_the_big_batch():
-    x, y = token_data()
-    plain = embedding_model()
-    plain.compile(keras.optimizers.SGD(0.5, momentum=0.9), loss())
-    plain.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-    acc = embedding_model(AccumModel, accum_steps=4)
-    acc.compile(keras.optimizers.SGD(0.5, momentum=0.9), loss())
-    acc.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    assert_weights_close(plain, acc)
-
-
-class DenseGradientModel(keras.Model):
-    """A plain model whose optimizer sees dense embedding gradients."""
-
-    def train_step(self, data):
-        x, y = data
-        with tf.GradientTape() as tape:
-            loss_value = self.compute_loss(x, y, self(x, training=True))
-        grads = tape.gradient(loss_value, self.trainable_variables)
-        grads = [tf.convert_to_tensor(g) for g in grads]
-        self.optimizer.apply(grads, self.trainable_variables)
-        return {"loss": loss_value}
-
-
-def test_embedding_with_adam_is_adam_on_the_dense_big_batch_gradient():
-    # Keras's Adam squares an IndexedSlices gradient per occurrence, so for a
-    # token seen k times in a batch its second moment gets sum(g_i**2), not
-    # (sum g_i)**2. A summed buffer cannot split a window's gradient back into
-    # occurrences: AccumModel gives Adam on the dense window gradient, which
-    # is what this reference computes for the big batch. The rows of tokens
-    # repeated within a batch then differ from Keras's sparse big-batch run.
-    x, y = token_data()
-    runs = []
-    for model, batch in (
-        (embedding_model(DenseGradientModel), 32),
-        (embedding_model(keras.Model), 32),
-        (embedding_model(AccumModel, accum_steps=4), 8),
-    ):
-        model.compile(keras.optimizers.Adam(0.01), loss())
-        model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
-        runs.append(model)
-    dense, sparse, ours = runs
-    assert_weights_close(dense, ours)
-    table = lambda m: m.get_layer("embedding").get_weights()[0]  # noqa: E731
-    assert np.abs(table(sparse) - table(ours)).max() > 1e-3

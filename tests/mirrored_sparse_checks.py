@@ -1,0 +1,55 @@
+"""Run by test_sparse.py in a fresh process (two logical CPU devices must be
+configured before TensorFlow initialises): embeddings under MirroredStrategy.
+
+Prints one JSON object of largest weight differences; the test asserts.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import tensorflow as tf  # noqa: E402
+
+cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from reference import loss  # noqa: E402
+from test_sparse import MICRO, N, OPTIMIZERS, net, token_data  # noqa: E402
+
+from keras_accum import AccumModel  # noqa: E402
+
+
+def max_diff(a, b):
+    return float(max(np.abs(u - v).max() for u, v in zip(a.get_weights(), b.get_weights())))
+
+
+def main():
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    # Global micro-batch 8 (4 per replica), N=4: windows of 4, 4 and 2
+    # micro-batches, the last of 8 and 4 samples.
+    x, y = token_data(76)
+    fit = dict(epochs=2, shuffle=False, verbose=0)
+    out = {}
+    for name in ("adam", "rmsprop"):
+        one_device = net()
+        one_device.compile(OPTIMIZERS[name](), loss())
+        one_device.fit(x, y, batch_size=MICRO * N, **fit)
+        with strategy.scope():
+            plain = net()
+            plain.compile(OPTIMIZERS[name](), loss())
+            accum = net(AccumModel, accum_steps=N)
+            accum.compile(OPTIMIZERS[name](), loss())
+        plain.fit(x, y, batch_size=MICRO * N, **fit)
+        accum.fit(x, y, batch_size=MICRO, **fit)
+        out[f"{name}_vs_mirrored_big_batch"] = max_diff(plain, accum)
+        out[f"{name}_vs_one_device_big_batch"] = max_diff(one_device, accum)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

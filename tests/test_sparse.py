@@ -1,0 +1,570 @@
+"""Embeddings (sparse `tf.IndexedSlices` gradients) at big-batch parity.
+
+Keras's optimizers apply an `IndexedSlices` gradient occurrence by
+occurrence (Adam, RMSprop and Adagrad square each occurrence), so a window
+must reach the optimizer as the big batch's occurrences, not as their sum.
+Every reference here is a plain `keras.Model` on the big batch with Keras's
+own sparse update; tokens come from a small range so they repeat within
+every batch, which is where a summed window would differ.
+"""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from reference import (
+    ATOL,
+    assert_trained,
+    assert_weights_close,
+    loss,
+    run_python,
+)
+
+import keras_accum
+from keras_accum import AccumModel, AccumOptimizer, sparse
+from keras_accum.accumulator import GradientAccumulator
+from keras_accum.nonfinite import NonFiniteWindows
+
+# Window tokens (32 samples x 6) stay under the table's rows: slices.
+VOCAB, LENGTH, TOKENS = 500, 6, 30
+MICRO, N = 8, 4
+
+OPTIMIZERS = {
+    "adam": lambda: keras.optimizers.Adam(0.01),
+    "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.01, momentum=0.5),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.1),
+    "sgd_momentum": lambda: keras.optimizers.SGD(0.5, momentum=0.9),
+}
+# Those whose sparse update differs from the update on the summed gradient.
+OCCURRENCE_WISE = ("adam", "adamw", "rmsprop", "adagrad")
+
+
+def token_data(n=76, seed=7, low=0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(low, TOKENS, size=(n, LENGTH)).astype("int32")
+    return tokens, (tokens.sum(axis=1) % 3).astype("int64")
+
+
+def _body(inputs, vocab=VOCAB, mask_zero=False, tied=False):
+    embedding = keras.layers.Embedding(vocab, 8, mask_zero=mask_zero, name="embedding")
+    h = keras.layers.GlobalAveragePooling1D()(embedding(inputs))
+    if tied:
+        # The same table read twice: its gradient is both reads' slices.
+        reversed_ = keras.layers.Lambda(lambda t: keras.ops.flip(t, axis=1))(inputs)
+        other = keras.layers.GlobalAveragePooling1D()(embedding(reversed_))
+        h = keras.layers.Concatenate()([h, keras.layers.Dense(8)(other)])
+    # float32 outputs, as Keras's mixed-precision guide recommends.
+    logits = keras.layers.Dense(3)(h)
+    return keras.layers.Activation("linear", dtype="float32")(logits)
+
+
+def net(cls=keras.Model, vocab=VOCAB, mask_zero=False, tied=False, **kwargs):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((LENGTH,), dtype="int32")
+    return cls(inputs, _body(inputs, vocab, mask_zero, tied), **kwargs)
+
+
+class _Net:
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.embedding = keras.layers.Embedding(VOCAB, 8, name="embedding")
+        self.pool = keras.layers.GlobalAveragePooling1D()
+        self.logits = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.logits(self.pool(self.embedding(x)))
+
+
+@keras.saving.register_keras_serializable(package="keras_accum_sparse_tests")
+class PlainTextNet(_Net, keras.Model):
+    pass
+
+
+@keras.saving.register_keras_serializable(package="keras_accum_sparse_tests")
+class AccumTextNet(_Net, AccumModel):
+    pass
+
+
+def _seeded(make):
+    keras.utils.set_random_seed(0)
+    return make()
+
+
+# The ways in of reference.WAYS_IN, for a text model: (accumulating, plain).
+WAYS_IN = {
+    "functional": (lambda: net(AccumModel, accum_steps=N), net),
+    "subclass": (
+        lambda: _seeded(lambda: AccumTextNet(accum_steps=N)),
+        lambda: _seeded(PlainTextNet),
+    ),
+    "wrap_functional": (lambda: keras_accum.wrap(net(), accum_steps=N), net),
+    "wrap_subclassed": (
+        lambda: _seeded(lambda: keras_accum.wrap(PlainTextNet(), accum_steps=N)),
+        lambda: _seeded(PlainTextNet),
+    ),
+}
+
+
+class DenseGradientModel(keras.Model):
+    """A plain model whose optimizer sees the summed (dense) embedding gradient:
+    what the window was applied as before slices, and in the dense fallback."""
+
+    def train_step(self, data):
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            value = self.compute_loss(x, y, self(x, training=True))
+        grads = tape.gradient(value, self.trainable_variables)
+        self.optimizer.apply(
+            [tf.convert_to_tensor(g) for g in grads], self.trainable_variables
+        )
+        return {"loss": value}
+
+
+def table(model):
+    return model.get_layer("embedding").get_weights()[0]
+
+
+def fit_pair(make_accum, make_plain, x, y, optimizer, epochs=2, **compile_kwargs):
+    fit = dict(epochs=epochs, shuffle=False, verbose=0)
+    plain = make_plain()
+    plain.compile(optimizer(), loss(), **compile_kwargs)
+    plain.fit(x, y, batch_size=MICRO * N, **fit)
+    accum = make_accum()
+    accum.compile(optimizer(), loss(), **compile_kwargs)
+    accum.fit(x, y, batch_size=MICRO, **fit)
+    return plain, accum
+
+
+def dense_reference(x, y, optimizer, vocab=VOCAB, epochs=2):
+    model = net(DenseGradientModel, vocab=vocab)
+    model.compile(optimizer(), loss())
+    model.fit(x, y, batch_size=MICRO * N, epochs=epochs, shuffle=False, verbose=0)
+    return model
+
+
+# -- the big batch's update, occurrence by occurrence --------------------------
+
+
+@pytest.mark.parametrize("samples", [64, 76], ids=["even", "uneven"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_embedding_matches_keras_sparse_big_batch(name, samples):
+    x, y = token_data(samples)
+    initial = table(net())
+    plain, accum = fit_pair(*WAYS_IN["functional"], x, y, OPTIMIZERS[name])
+    assert_trained(plain, net().get_weights())
+    assert accum._accumulator._sparse == {0}  # the table's gradient is slices
+    assert_weights_close(plain, accum)
+    if name in OCCURRENCE_WISE and samples == 76:
+        # The test can tell: the summed window is measurably elsewhere.
+        dense = dense_reference(x, y, OPTIMIZERS[name])
+        moved = np.abs(table(plain) - initial).max()
+        assert np.abs(table(plain) - table(dense)).max() > 0.01 * moved
+
+
+@pytest.mark.parametrize("way", sorted(WAYS_IN))
+def test_every_way_in(way):
+    x, y = token_data()
+    plain, accum = fit_pair(*WAYS_IN[way], x, y, OPTIMIZERS["adam"])
+    assert_weights_close(plain, accum)
+
+
+@pytest.mark.parametrize("name", ["adam", "rmsprop"])
+def test_tied_embedding_read_twice(name):
+    x, y = token_data()
+    plain, accum = fit_pair(
+        lambda: net(AccumModel, tied=True, accum_steps=N),
+        lambda: net(tied=True),
+        x, y, OPTIMIZERS[name],
+    )
+    assert accum._accumulator._sparse == {0}
+    assert_weights_close(plain, accum)
+
+
+def test_mask_zero_with_a_masked_per_token_loss():
+    # Padded sequences of unequal lengths; per-token tags, mask from the
+    # embedding: each micro-batch's loss is a mean over its unmasked tokens.
+    rng = np.random.default_rng(1)
+    lengths = rng.integers(1, LENGTH + 1, size=76)
+    x = np.zeros((76, LENGTH), "int32")
+    for i, n in enumerate(lengths):
+        x[i, :n] = rng.integers(1, TOKENS, size=n)
+    y = (x % 3).astype("int64")
+
+    def tagger(cls=keras.Model, **kwargs):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((LENGTH,), dtype="int32")
+        h = keras.layers.Embedding(VOCAB, 8, mask_zero=True, name="embedding")(inputs)
+        return cls(inputs, keras.layers.Dense(3)(h), **kwargs)
+
+    plain, accum = fit_pair(
+        lambda: tagger(AccumModel, accum_steps=N), tagger, x, y, OPTIMIZERS["adam"]
+    )
+    assert_weights_close(plain, accum)
+
+
+def test_jit_compile():
+    # 60 samples: windows of 8+8+8+8 and 8+8+8+4, both applied in the
+    # compiled step; the second leaves stale slices past its own.
+    x, y = token_data(60)
+    plain, accum = fit_pair(
+        *WAYS_IN["functional"], x, y, OPTIMIZERS["adam"], jit_compile=True
+    )
+    assert accum.jit_compile
+    assert_weights_close(plain, accum)
+
+
+def test_under_xla_the_window_is_padded_to_static_shapes():
+    acc = GradientAccumulator()
+    weights = tf.Variable(tf.zeros((20, 3)))
+    acc.build([weights], accum_steps=2)
+
+    # A longer window first: its slices stay in the buffer, stale.
+    acc.add([tf.IndexedSlices(tf.ones((9, 3)), tf.range(9))], weight=1.0)
+    acc.reset()
+    acc.add([tf.IndexedSlices(tf.ones((4, 3)), tf.constant([3, 3, 5, 0]))], weight=1.0)
+    window = acc.window_gradients
+    compiled = tf.function(lambda: window()[0], jit_compile=True)()
+    assert compiled.values.shape == (20, 3)  # padded: static shapes
+    eager = window()[0]
+    assert eager.values.shape == (4, 3)  # only the window's slices
+    np.testing.assert_array_equal(
+        tf.convert_to_tensor(compiled).numpy(), tf.convert_to_tensor(eager).numpy()
+    )
+
+
+@pytest.fixture
+def mixed_float16():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def test_mixed_float16_within_the_float16_envelope(mixed_float16):
+    x, y = token_data()
+    plain, accum = fit_pair(*WAYS_IN["functional"], x, y, OPTIMIZERS["adam"])
+    assert isinstance(accum.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert float(accum.optimizer.dynamic_scale) == float(plain.optimizer.dynamic_scale)
+    gap = np.abs(table(plain) - table(accum)).max()
+    # float16 rounds at ~5e-4 relative; the big batch and the micro-batches
+    # round differently. The envelope is how far float16 itself moves the
+    # big batch: the same big batch trained in float32.
+    keras.mixed_precision.set_global_policy("float32")
+    exact, _ = fit_pair(*WAYS_IN["functional"], x, y, OPTIMIZERS["adam"])
+    envelope = np.abs(table(plain) - table(exact)).max()
+    assert 0 < gap <= envelope
+    # Not the summed window: that is an order of magnitude further.
+    dense = dense_reference(x, y, OPTIMIZERS["adam"])
+    assert np.abs(table(plain) - table(dense)).max() > 10 * envelope
+
+
+# -- custom loops -------------------------------------------------------------
+
+
+def test_accum_optimizer_custom_loop():
+    x, y = token_data(44)  # 32 + 12: the second window is short (8 + 4)
+    sizes = [8, 8, 8, 8, 8, 4]
+
+    def grads(model, xb, yb):
+        with tf.GradientTape() as tape:
+            value = loss()(yb, model(xb, training=True))
+        return tape.gradient(value, model.trainable_variables)
+
+    plain = net()
+    adam = keras.optimizers.Adam(0.01)
+    for window in (slice(0, 32), slice(32, 44)):
+        adam.apply(grads(plain, x[window], y[window]), plain.trainable_variables)
+    model = net()
+    opt = AccumOptimizer(keras.optimizers.Adam(0.01), accum_steps=4)
+
+    @tf.function
+    def step(xb, yb):
+        opt.apply(grads(model, xb, yb), model.trainable_variables, weight=len(xb))
+
+    start = 0
+    for size in sizes:
+        step(x[start : start + size], y[start : start + size])
+        start += size
+    opt.flush()
+    assert int(opt.iterations) == 2
+    assert_weights_close(plain, model)
+
+
+# -- saving and resuming mid-window ----------------------------------------------
+
+
+def test_resume_mid_window_from_a_weights_file(tmp_path):
+    x, y = token_data(64)
+    batches = [(x[i : i + MICRO], y[i : i + MICRO]) for i in range(0, 64, MICRO)]
+
+    def model():
+        m = net(AccumModel, accum_steps=N)
+        m.compile(OPTIMIZERS["adam"](), loss())
+        return m
+
+    uninterrupted = model()
+    for batch in batches:
+        uninterrupted.train_on_batch(*batch)
+    first = model()
+    for batch in batches[:6]:  # one window applied, two micro-batches pending
+        first.train_on_batch(*batch)
+    assert first._accumulator.pending() == 2
+    assert int(first._accumulator.slice_counts[0].numpy()) == 2 * MICRO * LENGTH
+    first.save_weights(tmp_path / "w.weights.h5")
+    resumed = model()
+    resumed.optimizer.build(resumed.trainable_variables)  # as fit() would
+    resumed.load_weights(tmp_path / "w.weights.h5")
+    assert resumed._accumulator.pending() == 2
+    for batch in batches[6:]:
+        resumed.train_on_batch(*batch)
+    assert_weights_close(uninterrupted, resumed, rtol=0, atol=0)
+    plain = net()
+    plain.compile(OPTIMIZERS["adam"](), loss())
+    plain.fit(x, y, batch_size=MICRO * N, shuffle=False, verbose=0)
+    assert_weights_close(plain, uninterrupted)
+
+
+def test_flush_of_a_window_restored_from_a_keras_file(tmp_path):
+    x, y = token_data(64)
+    model = net(AccumModel, accum_steps=N)
+    model.compile(OPTIMIZERS["adam"](), loss())
+    for i in range(0, 3 * MICRO, MICRO):
+        model.train_on_batch(x[i : i + MICRO], y[i : i + MICRO])
+    model.save(tmp_path / "m.keras")
+    loaded = keras.models.load_model(tmp_path / "m.keras")
+    for m in (model, loaded):
+        m.flush()  # the restored slices are applied as slices
+    assert_weights_close(model, loaded, rtol=0, atol=0)
+    plain = net()
+    plain.compile(OPTIMIZERS["adam"](), loss())
+    plain.train_on_batch(x[: 3 * MICRO], y[: 3 * MICRO])
+    assert_weights_close(plain, loaded)
+
+
+def test_resume_mid_window_from_a_tf_train_checkpoint(tmp_path):
+    x, y = token_data(64)
+    batches = [(x[i : i + MICRO], y[i : i + MICRO]) for i in range(0, 64, MICRO)]
+
+    def model():
+        m = net(AccumModel, accum_steps=N)
+        m.compile(OPTIMIZERS["adam"](), loss())
+        m.optimizer.build(m.trainable_variables)
+        return m
+
+    uninterrupted, first = model(), model()
+    for batch in batches:
+        uninterrupted.train_on_batch(*batch)
+    for batch in batches[:6]:
+        first.train_on_batch(*batch)
+    path = tf.train.Checkpoint(model=first, optimizer=first.optimizer).save(
+        str(tmp_path / "ckpt")
+    )
+    resumed = model()
+    resumed.train_on_batch(*batches[0])  # builds the window; then overwritten
+    tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).restore(path)
+    assert resumed._accumulator.pending() == 2
+    for batch in batches[6:]:
+        resumed.train_on_batch(*batch)
+    assert_weights_close(uninterrupted, resumed, rtol=0, atol=0)
+
+
+def test_a_window_saved_before_slices_is_applied_as_its_dense_sum():
+    # Files written before slices existed hold every window as a dense sum
+    # (and no entry saying which variables are sparse).
+    x, y = token_data(32)
+    source = net(AccumModel, accum_steps=N)
+    source.compile(OPTIMIZERS["adam"](), loss())
+    for part in (slice(0, 8), slice(8, 16)):
+        source.train_on_batch(x[part], y[part])
+    store = {}
+    source._accumulator.save_own_variables(store)
+    acc = source._accumulator
+    table_sum = sparse.dense_sum(acc.acc_grads[0], acc.slice_counts[0])
+    old = {k: v for k, v in store.items() if not k.startswith(("slice_", "sparse"))}
+    old["acc_grad_0"] = table_sum.numpy()
+    loaded = net(AccumModel, accum_steps=N)
+    loaded.compile(OPTIMIZERS["adam"](), loss())
+    loaded.optimizer.build(loaded.trainable_variables)
+    loaded._accumulator.load_own_variables(old)
+    for part in (slice(16, 24), slice(24, 32)):  # the window goes on, densely
+        loaded.train_on_batch(x[part], y[part])
+    assert int(loaded.optimizer.iterations) == 1
+    dense = net(DenseGradientModel)
+    dense.compile(OPTIMIZERS["adam"](), loss())
+    dense.train_on_batch(x, y)
+    assert_weights_close(dense, loaded)
+
+
+def test_snapshot_and_restore_bring_back_the_slices():
+    # What all-or-nothing `load_weights` restores after a failed load.
+    acc = GradientAccumulator()
+    weights = tf.Variable(tf.ones((10, 2)))
+    acc.build([weights], accum_steps=4)
+    acc.add([tf.IndexedSlices(tf.ones((3, 2)), tf.constant([1, 1, 4]))], weight=1.0)
+    snapshot = acc.snapshot()
+    before = acc.window_gradients()[0]
+    acc.reset()
+    acc.add([tf.IndexedSlices(2 * tf.ones((5, 2)), tf.constant([0, 9, 9, 8, 7]))], weight=2.0)
+    acc.restore(snapshot)
+    after = acc.window_gradients()[0]
+    assert acc._sparse == {0}
+    np.testing.assert_array_equal(after.indices.numpy(), before.indices.numpy())
+    np.testing.assert_array_equal(after.values.numpy(), before.values.numpy())
+
+
+# -- the representation rule: slices while they fit, else the dense sum ---------
+
+
+@pytest.mark.parametrize("name", ["adam", "sgd_momentum"])
+def test_window_bigger_than_the_table_is_the_dense_sum(name):
+    # 32 samples x 6 tokens per window over a 40-row table: dense.
+    x, y = token_data()
+    accum = net(AccumModel, vocab=40, accum_steps=N)
+    accum.compile(OPTIMIZERS[name](), loss())
+    accum.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)
+    dense = dense_reference(x, y, OPTIMIZERS[name], vocab=40)
+    assert_weights_close(dense, accum)
+    accum.train_on_batch(x[:MICRO], y[:MICRO])  # 48 tokens: already dense
+    assert int(accum._accumulator.slice_counts[0].numpy()) == -1
+    if name == "sgd_momentum":  # SGD sums occurrences: the big batch either way
+        plain = net(vocab=40)
+        plain.compile(OPTIMIZERS[name](), loss())
+        plain.fit(x, y, batch_size=MICRO * N, epochs=2, shuffle=False, verbose=0)
+        accum.reset_window()
+        assert_weights_close(plain, accum)
+
+
+def test_a_micro_batch_that_overflows_spills_the_window_losing_nothing():
+    # 8 + 8 samples (96 tokens) fit a 110-row table (width 8: room for 97
+    # slices with their indices); a third micro-batch of 16 samples does not:
+    # the window becomes the dense sum, all of it.
+    x, y = token_data(32)
+    accum = net(AccumModel, vocab=110, accum_steps=3)
+    accum.compile(OPTIMIZERS["sgd_momentum"](), loss())
+    for part in (slice(0, 8), slice(8, 16)):
+        accum.train_on_batch(x[part], y[part])
+    assert int(accum._accumulator.slice_counts[0].numpy()) == 96
+    accum.train_on_batch(x[16:], y[16:])
+    dense = net(DenseGradientModel, vocab=110)
+    dense.compile(OPTIMIZERS["sgd_momentum"](), loss())
+    dense.train_on_batch(x, y)
+    assert_weights_close(dense, accum)
+
+
+def test_slices_are_appended_and_a_new_window_starts_by_count():
+    acc = GradientAccumulator()
+    weights = tf.Variable(tf.ones((10, 2)))
+    acc.build([weights], accum_steps=2)
+    first = tf.IndexedSlices(tf.constant([[1.0, 2.0], [3.0, 4.0]]), tf.constant([7, 7]))
+    second = tf.IndexedSlices(tf.constant([[5.0, 6.0]]), tf.constant([2]))
+    acc.add([first], weight=2.0, grad_scale=2.0)
+    acc.add([second], weight=2.0, grad_scale=2.0)
+    assert int(acc.slice_counts[0].numpy()) == 3
+    indices = sparse.live_indices(acc.acc_grads[0], acc.slice_counts[0])
+    np.testing.assert_array_equal(indices.numpy(), [7, 7, 2])
+    window = acc.window_gradients()[0]  # divided by the window's weight, 4
+    assert isinstance(window, tf.IndexedSlices)
+    np.testing.assert_array_equal(window.indices.numpy(), [7, 7, 2])
+    np.testing.assert_allclose(window.values.numpy(), [[0.5, 1], [1.5, 2], [2.5, 3]])
+    stored = acc.acc_grads[0].numpy()
+    acc.apply(keras.optimizers.SGD(1.0))
+    np.testing.assert_allclose(weights.numpy()[7], [-1, -2])
+    assert int(acc.slice_counts[0].numpy()) == 0
+    # No pass over the buffer: the stale rows stay, unread.
+    np.testing.assert_array_equal(acc.acc_grads[0].numpy(), stored)
+
+
+def test_nonfinite_slices_skip_the_window():
+    acc = GradientAccumulator()
+    acc.nonfinite = NonFiniteWindows()
+    weights = tf.Variable(tf.ones((10, 2)))
+    acc.build([weights], accum_steps=1)
+    bad = tf.IndexedSlices(tf.constant([[np.nan, 1.0]]), tf.constant([4]))
+    acc.add([bad], weight=1.0)
+    acc.apply(keras.optimizers.SGD(1.0))
+    assert int(acc.nonfinite.skipped.numpy()) == 1
+    np.testing.assert_array_equal(weights.numpy(), np.ones((10, 2)))
+
+
+# -- across replicas ------------------------------------------------------------
+
+
+def test_mirrored_strategy_matches_the_big_batch():
+    result = run_python("tests/mirrored_sparse_checks.py", timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    # Largest absolute weight differences (weights are O(0.1)): float
+    # rounding only; the summed window is ~1e-2 away (above).
+    assert sorted(out) == [
+        f"{name}_vs_{what}_big_batch"
+        for name in ("adam", "rmsprop")
+        for what in ("mirrored", "one_device")
+    ]
+    for name, diff in out.items():
+        assert diff <= ATOL, (name, diff)
+
+
+def test_keras_builtin_accumulation_sums_embedding_gradients():
+    # The README's comparison row: Keras's gradient_accumulation_steps adds
+    # each micro-batch's slices into a dense buffer, so Adam sees one
+    # occurrence per row; even windows, so nothing else differs.
+    x, y = token_data(64)
+    plain, ours = fit_pair(*WAYS_IN["functional"], x, y, OPTIMIZERS["adam"])
+    builtin = net()
+    builtin.compile(keras.optimizers.Adam(0.01, gradient_accumulation_steps=N), loss())
+    builtin.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)
+    moved = np.abs(table(plain) - table(net())).max()
+    assert np.abs(table(plain) - table(builtin)).max() > 0.01 * moved
+    assert_weights_close(plain, ours)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_row_indices_survive_in_any_buffer_dtype(dtype):
+    # Indices are kept bit-cast in the buffer's own floats; some of these
+    # are NaN or Inf bit patterns in 16-bit floats, and must come back intact.
+    acc = GradientAccumulator(dtype=dtype)
+    weights = tf.Variable(tf.zeros((70000, 2)))
+    acc.build([weights], accum_steps=2)
+    ids = [31744, 31745, 65535, 69999, 0, 32767, 32768]
+    acc.add([tf.IndexedSlices(tf.ones((3, 2)), tf.constant(ids[:3]))], weight=0.5)
+    acc.add([tf.IndexedSlices(tf.ones((4, 2)), tf.constant(ids[3:]))], weight=0.5)
+    live = sparse.live_indices(acc.acc_grads[0], acc.slice_counts[0])
+    assert live.numpy().tolist() == ids
+    eager = tf.convert_to_tensor(acc.window_gradients()[0])
+    compiled = tf.function(lambda: acc.window_gradients()[0], jit_compile=True)()
+    expected = np.zeros((70000, 2), "float32")
+    expected[ids] = 1.0
+    np.testing.assert_array_equal(eager.numpy(), expected)
+    np.testing.assert_array_equal(tf.convert_to_tensor(compiled).numpy(), expected)
+
+
+def test_slices_fill_the_buffer_to_capacity_then_spill():
+    # 10 rows x 2: room for 6 slices with their indices (6 x 3 <= 20).
+    acc = GradientAccumulator()
+    weights = tf.Variable(tf.zeros((10, 2)))
+    acc.build([weights], accum_steps=4)
+    rng = np.random.default_rng(0)
+    expected = np.zeros((10, 2), "float32")
+
+    def add(ids):
+        values = rng.normal(size=(len(ids), 2)).astype("float32")
+        np.add.at(expected, ids, values)
+        acc.add([tf.IndexedSlices(tf.constant(values), tf.constant(ids))], weight=1.0)
+
+    add([9, 9, 0, 4])
+    add([8, 9])
+    assert int(acc.slice_counts[0].numpy()) == 6  # full, still slices
+    window = acc.window_gradients()[0]
+    assert window.values.shape == (6, 2)
+    # The window's gradient: the sum over its weight (two micro-batches of 1).
+    np.testing.assert_allclose(
+        tf.convert_to_tensor(window).numpy(), expected / 2, rtol=1e-6
+    )
+    add([1])
+    assert int(acc.slice_counts[0].numpy()) == -1  # one more: the dense sum
+    np.testing.assert_allclose(
+        tf.convert_to_tensor(acc.window_gradients()[0]).numpy(), expected / 3, rtol=1e-6
+    )
