@@ -344,6 +344,9 @@ def symbolic_build(model, iterator=None, data_batch=None, without_strategy=False
 
     Without a strategy Keras waits for the first traced step instead; with
     `without_strategy=True` the build happens here all the same.
+
+    Returns:
+        The batch built from (one replica's share of it), or None.
     """
     if model._distribute_strategy is None and not without_strategy:
         # As Keras: without a strategy, building waits for the first trace.
@@ -362,10 +365,11 @@ def symbolic_build(model, iterator=None, data_batch=None, without_strategy=False
             try:
                 data_batch = tree.map_structure(local, next(it))
             except StopIteration:
-                return  # no data: nothing will train
+                return None  # no data: nothing will train
             break
     with strategy.scope():
         model._symbolic_build(data_batch=data_batch)
+    return data_batch
 
 
 def reduce_outputs(outputs, strategy):

@@ -11,6 +11,7 @@ from keras_accum.accumulator import (
 )
 from keras_accum.backup import check_callbacks
 from keras_accum.batchnorm import BatchNormWindow, check_batchnorm
+from keras_accum.microbatch import check_micro_batch_size, static_batch_size
 from keras_accum.nonfinite import NonFiniteWindows
 from keras_accum.normaliser import loss_normaliser, micro_batch_weight
 from keras_accum.optimizer import check_not_accumulating
@@ -134,10 +135,12 @@ class AccumModel(keras.Model):
         accum_dtype=None,
         skip_nonfinite=False,
         batchnorm="window",
+        micro_batch_size=None,
         **kwargs,
     ):
         accum_steps = check_accum_steps(accum_steps)
         batchnorm = check_batchnorm(batchnorm)
+        micro_batch_size = check_micro_batch_size(micro_batch_size)
         accumulator = GradientAccumulator(dtype=accum_dtype)
         if internals.functional_init_arguments(args, kwargs):
             # Calling Functional.__init__ ourselves, on a class that already
@@ -148,6 +151,10 @@ class AccumModel(keras.Model):
         else:
             super().__init__(*args, **kwargs)
         self._accum_steps = accum_steps
+        self._micro_batch_size = micro_batch_size
+        # The batch size the step splits into micro-batches, learnt from the
+        # first batch (see _maybe_symbolic_build).
+        self._batch_size_seen = None
         self._accumulator = accumulator
         self._flush_function = None
         self._flush_key = None
@@ -190,6 +197,37 @@ class AccumModel(keras.Model):
         self._accum_steps = value
         self._retrace()
 
+    @property
+    def micro_batch_size(self):
+        """Samples per micro-batch inside each step, "auto", or None (whole batches).
+
+        Setting it makes the next train step split batches with the new size
+        (a train function per size is traced once and kept).
+        """
+        return self._micro_batch_size
+
+    @micro_batch_size.setter
+    def micro_batch_size(self, value):
+        value = check_micro_batch_size(value)
+        if value == self._micro_batch_size:
+            return
+        self._micro_batch_size = value
+        self._retrace()
+
+    def _step_micro_batch_size(self):
+        """The micro-batch size the step being traced splits batches into: a
+        Python int, or None for whole batches ("auto" starts from the whole
+        batch)."""
+        size = self._micro_batch_size
+        return size if isinstance(size, int) else None
+
+    def _step_settings(self):
+        # What the traced step reads as Python constants: a train function
+        # is kept per value (train_functions.py).
+        if self._micro_batch_size is None:
+            return self._accum_steps
+        return (self._accum_steps, self._micro_batch_size, self._batch_size_seen)
+
     def _retrace(self):
         # The window length is a Python constant in the traced step (cheaper
         # than a variable read every micro-batch), so a new one needs its own
@@ -211,14 +249,22 @@ class AccumModel(keras.Model):
         callbacks=None,
         *,
         accum_steps=None,
+        micro_batch_size=None,
         **kwargs,
     ):
-        """`keras.Model.fit`, plus `accum_steps` for this call only.
+        """`keras.Model.fit`, plus `accum_steps` and `micro_batch_size` for this
+        call only.
 
         Args:
             accum_steps: if given, overrides `self.accum_steps` for this call;
                 validated before any training happens.
-            (others): as `keras.Model.fit`. `batch_size` is the micro-batch.
+            micro_batch_size: if given, overrides `self.micro_batch_size`
+                for this call: each batch of `batch_size` is split into
+                micro-batches of this many samples inside the step (one
+                update per batch when `accum_steps=1`). Validated before any
+                training happens.
+            (others): as `keras.Model.fit`. `batch_size` is the batch each
+                step trains on (the micro-batch of an `accum_steps` window).
 
         A window left open when an epoch's data ends is applied before
         validation and before other callbacks' `on_epoch_end`.
@@ -228,9 +274,14 @@ class AccumModel(keras.Model):
         check_callbacks(
             getattr(callbacks, "callbacks", callbacks) or [], self.distribute_strategy
         )
+        if micro_batch_size is not None:
+            micro_batch_size = check_micro_batch_size(micro_batch_size)
         previous = self._accum_steps
+        previous_micro = self._micro_batch_size
         if accum_steps is not None:
             self.accum_steps = accum_steps
+        if micro_batch_size is not None:
+            self.micro_batch_size = micro_batch_size
         flush = _WindowFlush(self)
         if isinstance(callbacks, keras.callbacks.CallbackList):
             callbacks.callbacks.insert(0, flush)
@@ -255,6 +306,9 @@ class AccumModel(keras.Model):
                 # window stays open (to be resumed), it is not applied early.
                 # The next fit or train_on_batch traces a new step.
                 self._accum_steps = previous
+                self.train_function = None
+            if self._micro_batch_size != previous_micro:
+                self._micro_batch_size = previous_micro
                 self.train_function = None
 
     def make_train_function(self, force=False):
@@ -306,9 +360,21 @@ class AccumModel(keras.Model):
         # from the first batch's shapes, as Keras does under a strategy.
         # Keras's own version also fails across workers
         # (tensorflow/tensorflow#72388).
-        internals.symbolic_build(
+        data_batch = internals.symbolic_build(
             self, iterator=iterator, data_batch=data_batch, without_strategy=True
         )
+        self._see_batch(data_batch)
+
+    def _see_batch(self, data_batch):
+        # The step splits a batch whose size the trace may not know (fit's
+        # batch dimension is None): it is taken from the first batch, here,
+        # in Python, and a new size gets its own train function.
+        size = None if data_batch is None else static_batch_size(data_batch)
+        if size is None or size == self._batch_size_seen:
+            return
+        self._batch_size_seen = size
+        if self._micro_batch_size is not None:
+            self.train_function = None
 
     def _bind_window(self):
         """Makes the window the trainable variables' and builds the optimizer.
@@ -527,6 +593,8 @@ class AccumModel(keras.Model):
         if self._nonfinite is not None:
             config["skip_nonfinite"] = True
         config["batchnorm"] = self._batchnorm.mode
+        if self._micro_batch_size is not None:
+            config["micro_batch_size"] = self._micro_batch_size
         return config
 
     @classmethod
@@ -536,9 +604,11 @@ class AccumModel(keras.Model):
         accum_dtype = config.pop("accum_dtype", None)
         skip_nonfinite = config.pop("skip_nonfinite", False)
         batchnorm = config.pop("batchnorm", "window")
+        micro_batch_size = check_micro_batch_size(config.pop("micro_batch_size", None))
         model = super().from_config(config, custom_objects=custom_objects)
         model._batchnorm = BatchNormWindow(model, batchnorm)
         model.accum_steps = accum_steps
+        model.micro_batch_size = micro_batch_size
         if accum_dtype is not None:
             model._accumulator = GradientAccumulator(dtype=accum_dtype)
         model._set_skip_nonfinite(skip_nonfinite)
