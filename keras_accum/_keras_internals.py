@@ -205,6 +205,8 @@ __all__ = [
     "recording_moments",
     "functional_init_arguments",
     "make_replicated_function",
+    "make_step_on_data",
+    "optionals_to_none",
     "metrics_summed_over_replicas",
     "multi_worker",
     "set_initial_epoch",
@@ -387,6 +389,45 @@ def reduce_outputs(outputs, strategy):
     return reduce_per_replica(outputs, strategy, reduction="auto")
 
 
+def make_step_on_data(model, replica_step, after_step=None, reduce_retracing=True):
+    """One training step on a batch in hand, as Keras's `one_step_on_data`.
+
+    `strategy.run(replica_step)` on the batch, then `after_step()` (if given)
+    in cross-replica context, outputs reduced by `reduce_outputs`; traced
+    (with the model's `jit_compile`) unless the model runs eagerly; with
+    `reduce_retracing=False`, once per batch shape.
+    """
+    strategy = model.distribute_strategy
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_data(data):
+        outputs = strategy.run(replica_step, args=(data,))
+        if after_step is not None:
+            after_step()
+        return reduce_outputs(outputs, strategy)
+
+    if model.run_eagerly:
+        return one_step_on_data
+    return tf.function(
+        one_step_on_data,
+        reduce_retracing=reduce_retracing,
+        jit_compile=model.jit_compile,
+    )
+
+
+def optionals_to_none(data):
+    """A batch with `tf.experimental.Optional` leaves made None.
+
+    Keras >= 3.13 delivers a dataset's None entries (e.g. no sample weights)
+    as empty Optionals and turns them back into None before its step
+    (`_autoconvert_optionals`); a batch taken from the iterator outside
+    Keras's train function needs the same.
+    """
+    return tree.map_structure(
+        lambda t: None if isinstance(t, tf.experimental.Optional) else t, data
+    )
+
+
 def make_replicated_function(model, replica_step, after_step=None):
     """A train or test function for a model under a multi-replica strategy.
 
@@ -400,13 +441,7 @@ def make_replicated_function(model, replica_step, after_step=None):
     reduced by `reduce_outputs`, which also works across workers.
     """
     strategy = model.distribute_strategy
-
-    @tf.autograph.experimental.do_not_convert
-    def one_step_on_data(data):
-        outputs = strategy.run(replica_step, args=(data,))
-        if after_step is not None:
-            after_step()
-        return reduce_outputs(outputs, strategy)
+    one_step_on_data = make_step_on_data(model, replica_step, after_step)
 
     def one_step_on_iterator(iterator):
         # The next batch is taken inside the traced step, as Keras does: an
@@ -416,9 +451,6 @@ def make_replicated_function(model, replica_step, after_step=None):
         return one_step_on_data(iterator.get_next())
 
     if not model.run_eagerly:
-        one_step_on_data = tf.function(
-            one_step_on_data, reduce_retracing=True, jit_compile=model.jit_compile
-        )
         one_step_on_iterator = tf.function(one_step_on_iterator, reduce_retracing=True)
 
     def steps(iterator):

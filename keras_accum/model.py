@@ -4,6 +4,7 @@ import keras
 import tensorflow as tf
 
 from keras_accum import _keras_internals as internals
+from keras_accum.auto_micro_batch import AutoMicroBatch, StepState
 from keras_accum.accumulator import (
     GradientAccumulator,
     check_accum_steps,
@@ -155,6 +156,7 @@ class AccumModel(keras.Model):
         # The batch size the step splits into micro-batches, learnt from the
         # first batch (see _maybe_symbolic_build).
         self._batch_size_seen = None
+        self._auto_micro_batch = AutoMicroBatch()
         self._accumulator = accumulator
         self._flush_function = None
         self._flush_key = None
@@ -219,7 +221,19 @@ class AccumModel(keras.Model):
         Python int, or None for whole batches ("auto" starts from the whole
         batch)."""
         size = self._micro_batch_size
-        return size if isinstance(size, int) else None
+        if size == "auto":
+            return self._auto_micro_batch.size
+        return size
+
+    @property
+    def chosen_micro_batch_size(self):
+        """The micro-batch size `micro_batch_size="auto"` trains with.
+
+        None (whole batches) until a step runs out of memory; then the
+        halved size that fitted, kept for the rest of training (and later
+        `fit` calls of this model).
+        """
+        return self._auto_micro_batch.size
 
     def _step_settings(self):
         # What the traced step reads as Python constants: a train function
@@ -326,6 +340,11 @@ class AccumModel(keras.Model):
 
     def _new_train_function(self):
         strategy = self.distribute_strategy
+        if self._micro_batch_size == "auto":
+            self.train_function = self._auto_micro_batch.train_function(
+                self, self._make_step, StepState(self._forward_state)
+            )
+            return self.train_function
         if self._windowed():
             if strategy.num_replicas_in_sync > 1:
                 self.train_function = internals.make_replicated_function(
@@ -341,6 +360,29 @@ class AccumModel(keras.Model):
             return self.train_function
         super().make_train_function(force=True)
         return self.train_function
+
+    def _make_step(self):
+        # One step on a batch in hand, composed as the train functions above.
+        if self._windowed() and self.distribute_strategy.num_replicas_in_sync > 1:
+            return internals.make_step_on_data(
+                self, self._accumulate, self._apply_if_full_across_replicas,
+                reduce_retracing=False,
+            )
+        return internals.make_step_on_data(
+            self, self.train_step, reduce_retracing=False
+        )
+
+    def _forward_state(self):
+        # Variables a step may write before its gradients exist (see
+        # auto_micro_batch.StepState).
+        acc = self._accumulator
+        scalars = [acc.micro_step, acc.window_weight] if acc.built else []
+        return [
+            *self.non_trainable_variables,
+            *self.metrics_variables,
+            *self._batchnorm.variables,
+            *scalars,
+        ]
 
     def make_test_function(self, force=False):
         if self.test_function is not None and not force:

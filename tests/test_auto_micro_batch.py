@@ -1,0 +1,258 @@
+"""`micro_batch_size="auto"`: a real out-of-memory error is survived by
+retrying the same batch on smaller micro-batches, and the training is that
+of the big batch.
+
+The out-of-memory errors are real: `Limit` and `LimitedLoss` ask TensorFlow
+for an impossible tensor (2**40 floats per sample) whenever they see more
+than `k` samples at once, so the allocator raises a genuine
+`ResourceExhaustedError` on any machine, without allocating anything. Each
+costs about 10 s of waiting (TensorFlow's CPU allocator retries a failed
+allocation for 10 s before giving up), so these tests keep their count low.
+"""
+
+import logging
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from reference import (
+    CLASSES,
+    FEATURES,
+    WAYS_IN,
+    assert_history_close,
+    assert_trained,
+    assert_weights_close,
+    functional,
+    initial_weights,
+    make_data,
+)
+
+import keras_accum
+
+B = 16  # the batch fit draws
+K = 8  # the most samples the limited model holds at once
+
+
+def _impossible(n, like):
+    # n x 2**40 floats. The width is made from the data so that no graph
+    # optimisation can evaluate (and fail on) the allocation ahead of time.
+    width = tf.constant(2**40, tf.int64) + tf.cast(
+        tf.reduce_min(tf.abs(tf.sign(like))) * 0, tf.int64
+    )
+    huge = tf.zeros(tf.stack([n, width]), like.dtype)
+    return tf.reduce_sum(huge[:1, :1]) * 0  # kept in the graph, adds 0
+
+
+def _limited(x, k):
+    """`x`, plus an impossible allocation if `x` holds more than `k` samples."""
+    n = tf.shape(x, out_type=tf.int64)[0]
+    return x + tf.cond(
+        n > k, lambda: _impossible(n, x), lambda: tf.zeros((), x.dtype)
+    )
+
+
+class Limit(keras.layers.Layer):
+    """The identity, out of memory above `k` samples at once; no weights."""
+
+    def __init__(self, k, **kwargs):
+        super().__init__(**kwargs)
+        self.k = k
+
+    def call(self, x):
+        return _limited(x, self.k)
+
+
+class LimitedLoss(keras.losses.SparseCategoricalCrossentropy):
+    """The test loss, out of memory above `k` samples at once: puts a limit on
+    every way in without touching its model."""
+
+    def __init__(self, k):
+        super().__init__(from_logits=True)
+        self.k = k
+
+    def call(self, y_true, y_pred):
+        return _limited(super().call(y_true, y_pred), self.k)
+
+
+def plain_loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def adam():
+    return keras.optimizers.Adam(0.01)
+
+
+def fit_kwargs(**kwargs):
+    return dict(epochs=2, shuffle=False, verbose=0, **kwargs)
+
+
+def train_reference(make_plain, data, batch_size=B, **kwargs):
+    plain = make_plain()
+    plain.compile(adam(), plain_loss(), metrics=["accuracy"])
+    history = plain.fit(*data, batch_size=batch_size, **fit_kwargs(**kwargs))
+    return plain, history
+
+
+def train_auto(make_accum, data, k=K, batch_size=B, **kwargs):
+    model = make_accum()
+    model.compile(adam(), LimitedLoss(k), metrics=["accuracy"])
+    history = model.fit(*data, batch_size=batch_size, **fit_kwargs(**kwargs))
+    return model, history
+
+
+def assert_same_training(plain, h_plain, model, h_model):
+    assert_weights_close(plain, model)
+    assert_history_close(h_plain, h_model)
+    assert int(model.optimizer.iterations) == int(plain.optimizer.iterations)
+
+
+def test_limit_is_a_real_out_of_memory_error_for_plain_fit():
+    x, y = make_data(2 * B)
+    model = functional()
+    model.compile(adam(), LimitedLoss(K))
+    with pytest.raises(tf.errors.ResourceExhaustedError, match="OOM"):
+        model.fit(x, y, batch_size=B, verbose=0)
+
+
+@pytest.mark.parametrize("way", sorted(WAYS_IN))
+def test_auto_trains_as_the_big_batch_after_running_out_of_memory(way, caplog):
+    make_accum, make_plain = WAYS_IN[way](micro_batch_size="auto")
+    data = make_data(3 * B + K)  # 16, 16, 16, 8: a short last batch
+    plain, h_plain = train_reference(make_plain, data)
+    with caplog.at_level(logging.WARNING, logger="keras_accum"):
+        model, h_model = train_auto(make_accum, data)
+    assert_trained(plain, initial_weights(make_plain, data[0]))
+    assert_same_training(plain, h_plain, model, h_model)
+    assert model.micro_batch_size == "auto"
+    # Halved once, at the first step, and kept for both epochs.
+    assert model.chosen_micro_batch_size == K
+    changes = [r for r in caplog.records if "ran out of memory" in r.getMessage()]
+    assert len(changes) == 1
+    assert f"micro_batch_size={K}" in changes[0].getMessage()
+
+
+def test_auto_without_running_out_of_memory_keeps_whole_batches():
+    make_accum, make_plain = WAYS_IN["functional"](micro_batch_size="auto")
+    data = make_data(3 * B)
+    plain, h_plain = train_reference(make_plain, data)
+    model, h_model = train_auto(make_accum, data, k=B)
+    assert_same_training(plain, h_plain, model, h_model)
+    assert model.chosen_micro_batch_size is None
+
+
+def _uneven_batches(x, y, sizes):
+    """A dataset of batches of the given sizes, in order."""
+    bounds = np.cumsum([0, *sizes])
+    parts = [
+        tf.data.Dataset.from_tensors((x[a:b], y[a:b]))
+        for a, b in zip(bounds[:-1], bounds[1:])
+    ]
+    dataset = parts[0]
+    for part in parts[1:]:
+        dataset = dataset.concatenate(part)
+    return dataset
+
+
+def test_out_of_memory_in_the_middle_of_an_epoch_is_recovered():
+    # Whole batches fit until a bigger batch comes: its step runs out of
+    # memory, is retried on micro-batches and nothing is lost or doubled.
+    sizes = [K, K, B, K, B + K]
+    x, y = make_data(sum(sizes))
+    dataset = _uneven_batches(x, y, sizes)
+    make_accum, make_plain = WAYS_IN["functional"](micro_batch_size="auto")
+    plain = make_plain()
+    plain.compile(adam(), plain_loss(), metrics=["accuracy"])
+    h_plain = plain.fit(dataset, **fit_kwargs())
+    model = make_accum()
+    model.compile(adam(), LimitedLoss(K), metrics=["accuracy"])
+    h_model = model.fit(dataset, **fit_kwargs())
+    assert_same_training(plain, h_plain, model, h_model)
+    assert int(plain.optimizer.iterations) == 2 * len(sizes)
+    assert model.chosen_micro_batch_size == K
+
+
+def test_auto_with_accum_steps():
+    # Windows of 2 batches of 16, the last epoch's window a single batch
+    # of 8: the reference is the plain model with batches of 32.
+    make_accum, make_plain = WAYS_IN["functional"](
+        micro_batch_size="auto", accum_steps=2
+    )
+    data = make_data(2 * 2 * B + K)
+    plain, h_plain = train_reference(make_plain, data, batch_size=2 * B)
+    model, h_model = train_auto(make_accum, data)
+    assert_same_training(plain, h_plain, model, h_model)
+    assert model.chosen_micro_batch_size == K
+
+
+def test_auto_with_steps_per_execution():
+    # The out-of-memory step is the first of an execution of 3 batches.
+    make_accum, make_plain = WAYS_IN["functional"](micro_batch_size="auto")
+    data = make_data(4 * B + K)
+    plain = make_plain()
+    plain.compile(adam(), plain_loss(), metrics=["accuracy"], steps_per_execution=3)
+    h_plain = plain.fit(*data, batch_size=B, **fit_kwargs())
+    model = make_accum()
+    model.compile(adam(), LimitedLoss(K), metrics=["accuracy"], steps_per_execution=3)
+    h_model = model.fit(*data, batch_size=B, **fit_kwargs())
+    assert_same_training(plain, h_plain, model, h_model)
+
+
+def test_micro_batch_of_one_still_out_of_memory_raises_the_error_saying_so():
+    x, y = make_data(4)
+    model = functional(keras_accum.AccumModel, micro_batch_size="auto")
+    model.compile(adam(), LimitedLoss(0))
+    with pytest.raises(tf.errors.ResourceExhaustedError) as raised:
+        model.fit(x, y, batch_size=2, verbose=0)
+    message = str(raised.value)
+    assert "micro-batches of 1 sample" in message
+    assert "OOM when allocating" in message  # the original error's text
+    assert model.chosen_micro_batch_size == 1
+
+
+def _state(model):
+    """Every value training can change: weights, optimizer, metrics, the open
+    window, the BatchNormalization windows."""
+    acc = model._accumulator
+    variables = [
+        *model.variables,
+        *model.optimizer.variables,
+        *model.metrics_variables,
+        *model._batchnorm.variables,
+        acc.micro_step,
+        acc.window_weight,
+        *acc.acc_grads,
+    ]
+    return [v.numpy() for v in variables]
+
+
+@pytest.mark.parametrize("batchnorm", ["window", "micro_batch"])
+def test_a_failed_attempt_changes_no_state(batchnorm):
+    # BatchNormalization before the point that runs out of memory updates its
+    # statistics in the forward pass, which a failed step may already have
+    # run; every value must be as before the attempt.
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((FEATURES,))
+    h = keras.layers.Dense(8, name="hidden")(inputs)
+    h = keras.layers.BatchNormalization(name="bn")(h)
+    limit = Limit(K, name="limit")
+    outputs = keras.layers.Dense(CLASSES)(limit(h))
+    model = keras_accum.AccumModel(
+        inputs, outputs, accum_steps=2, micro_batch_size="auto", batchnorm=batchnorm
+    )
+    model.compile(adam(), plain_loss(), metrics=["accuracy"])
+    x, y = make_data(2)
+    model.train_on_batch(x[:1], y[:1])  # opens a window
+    assert model._accumulator.pending() == 1
+    model.reset_metrics()  # as train_on_batch does before its step
+    before = _state(model)
+    limit.k = 0  # now even one sample is too many
+    model._train_functions.clear()
+    model.train_function = None
+    with pytest.raises(tf.errors.ResourceExhaustedError):
+        # Would complete the window: the update is part of the attempt.
+        model.train_on_batch(x[1:], y[1:])
+    after = _state(model)
+    assert len(before) == len(after)
+    for a, b in zip(before, after):
+        np.testing.assert_array_equal(a, b)
