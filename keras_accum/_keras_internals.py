@@ -67,7 +67,7 @@ def legacy_keras_hint(obj):
     )
 
 from keras import tree  # noqa: E402
-from keras.src.backend.common.masking import get_keras_mask  # noqa: E402
+from keras.src.backend.common.masking import get_keras_mask, set_keras_mask  # noqa: E402
 from keras.src.backend.tensorflow.trainer import (  # noqa: E402
     TensorFlowTrainer,
     _collective_all_reduce_multi_worker,
@@ -213,6 +213,7 @@ __all__ = [
     "reduce_outputs",
     "symbolic_build",
     "get_keras_mask",
+    "set_keras_mask",
     "recording_loss_calls",
     "squeeze_or_expand_to_same_rank",
     "no_automatic_dependency_tracking",

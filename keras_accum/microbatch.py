@@ -65,3 +65,159 @@ def static_batch_size(data):
 def num_micro_batches(batch_size, micro_batch_size):
     """How many micro-batches a batch of `batch_size` samples is split into."""
     return max(1, math.ceil(batch_size / micro_batch_size))
+
+
+class Gradients(NamedTuple):
+    """One forward and backward pass: what a micro-batch (or a batch) gives.
+
+    Attributes:
+        grads: gradients of the (scaled) loss, one per variable, None where
+            the variable has none.
+        grad_scale: multiplies `grads` into `weight * gradient` (the
+            micro-batch's weight and the loss scale's undoing), or None when
+            the weight was folded into the loss already.
+        weight: what the loss was normalised by (normaliser.py).
+        normalise: whether the update divides by the total weight (Python bool).
+        loss: the loss as Keras computed it.
+        num_samples: the number of samples.
+        y_pred: the predictions.
+    """
+
+    grads: list
+    grad_scale: object
+    weight: object
+    normalise: bool
+    loss: object
+    num_samples: object
+    y_pred: object
+
+
+def split(data, micro_batch_size, batch_size_seen):
+    """Cuts a batch `(x, y, sample_weight)` into micro-batches, in order.
+
+    With a static batch size the cuts are static: `micro_batch_size` samples
+    each, the last one shorter. Otherwise (fit's batch dimension is None)
+    there are as many micro-batches as the batch seen first needs, each of
+    `micro_batch_size` samples: a shorter batch (an epoch's last) leaves
+    trailing ones empty, which weigh 0 and add exactly zero; a longer one is
+    cut into as many longer micro-batches, never dropping a sample.
+    """
+    static = static_batch_size(data)
+    if static is not None:
+        size = micro_batch_size
+        bounds = [
+            (start, min(start + size, static)) for start in range(0, static, size)
+        ] or [(0, 0)]
+    else:
+        if batch_size_seen is None:
+            raise ValueError(
+                "`micro_batch_size` needs the batch size when the train step "
+                "is traced, but neither the batch's shape nor a first batch "
+                "seen by `fit`, `train_on_batch` or `evaluate` gives it. "
+                "Train with `fit` or `train_on_batch`, or give batches a "
+                "static size."
+            )
+        count = num_micro_batches(batch_size_seen, micro_batch_size)
+        total = internals.batch_size(data[0])
+        size = tf.maximum(micro_batch_size, -(-total // count))
+        bounds = [
+            (tf.minimum(i * size, total), tf.minimum((i + 1) * size, total))
+            for i in range(count)
+        ]
+    for start, stop in bounds:
+        yield tree.map_structure(
+            lambda t: None if t is None else t[start:stop], data
+        )
+
+
+def combine(parts):
+    """The batch's `Gradients` from its micro-batches', summed exactly.
+
+    `grads` are `weight * gradient` summed over micro-batches (the first
+    micro-batch's taken as they are, not added to zeros), in float32 for
+    half-precision variables; `grad_scale` is None; `loss` is the batch's
+    loss as Keras logs it for the whole batch; `y_pred` the batch's
+    predictions, masks included.
+    """
+    grads = None
+    for part in parts:
+        scaled = [_scaled(g, part.grad_scale) for g in part.grads]
+        grads = scaled if grads is None else [_add(a, b) for a, b in zip(grads, scaled)]
+    weights = [tf.cast(p.weight, tf.float32) for p in parts]
+    weight = tf.add_n(weights)
+    losses = [tf.cast(p.loss, tf.float32) for p in parts]
+    normalise = parts[0].normalise
+    if normalise:
+        # The weighted mean is the big batch's loss: its normaliser is the
+        # sum of the micro-batches'.
+        loss = tf.math.divide_no_nan(
+            tf.add_n([w * l for w, l in zip(weights, losses)]), weight
+        )
+    else:
+        loss = tf.add_n(losses)
+    num_samples = tf.add_n([p.num_samples for p in parts])
+    y_pred = tree.map_structure(_concat, *[p.y_pred for p in parts])
+    return Gradients(grads, None, weight, normalise, loss, num_samples, y_pred)
+
+
+def batch_gradients(batch, loss_scale=None, total_weight=None):
+    """The update's gradients from a combined batch, in each gradient's dtype
+    for the optimizer: divided by the total weight (unless a sum), times the
+    loss scale a loss-scaling optimizer expects."""
+    if total_weight is None:
+        total_weight = batch.weight
+    inv = tf.math.divide_no_nan(1.0, total_weight) if batch.normalise else None
+    if loss_scale is not None:
+        inv = tf.cast(loss_scale, tf.float32) * (1.0 if inv is None else inv)
+    return [None if g is None else _scaled(g, inv) for g in batch.grads]
+
+
+def control_after(batch):
+    """Tensors that are ready only once every micro-batch has run."""
+    return [
+        t
+        for g in batch.grads
+        if g is not None
+        for t in ((g.values,) if isinstance(g, tf.IndexedSlices) else (g,))
+    ] + [batch.weight]
+
+
+def _sum_dtype(dtype):
+    # As the accumulator's buffers: half-precision gradients are summed in
+    # float32.
+    dtype = tf.as_dtype(dtype)
+    return tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
+
+
+def _scaled(g, scale):
+    if g is None:
+        return None
+    if isinstance(g, tf.IndexedSlices):
+        values = _scaled(g.values, scale)
+        return tf.IndexedSlices(values, g.indices, g.dense_shape)
+    g = tf.cast(g, _sum_dtype(g.dtype))
+    return g if scale is None else g * tf.cast(scale, g.dtype)
+
+
+def _add(a, b):
+    if a is None:
+        return None
+    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+        # Rows of the batch, concatenated: as the big batch's gradient is.
+        return tf.IndexedSlices(
+            tf.concat([a.values, b.values], 0),
+            tf.concat([a.indices, b.indices], 0),
+            a.dense_shape,
+        )
+    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
+
+
+def _concat(*tensors):
+    tensors = [t for t in tensors]
+    if any(t is None for t in tensors):
+        return None
+    joined = tf.concat(tensors, 0)
+    masks = [internals.get_keras_mask(t) for t in tensors]
+    if all(m is not None for m in masks):
+        internals.set_keras_mask(joined, tf.concat(masks, 0))
+    return joined

@@ -12,6 +12,7 @@ from keras_accum.accumulator import (
 )
 from keras_accum.backup import check_callbacks
 from keras_accum.batchnorm import BatchNormWindow, check_batchnorm
+from keras_accum import microbatch
 from keras_accum.microbatch import check_micro_batch_size, static_batch_size
 from keras_accum.nonfinite import NonFiniteWindows
 from keras_accum.normaliser import loss_normaliser, micro_batch_weight
@@ -331,6 +332,10 @@ class AccumModel(keras.Model):
         check_not_accumulating(self.optimizer, self._accum_steps)
         if self._windowed() and self.built:
             self._bind_window()
+        elif self._step_micro_batch_size() is not None and self.built:
+            # The batch's pooled moments are applied in the step: windows
+            # made now, outside any replica.
+            self._batchnorm.build(self.distribute_strategy)
         function = None if force else self._train_functions.get(self)
         if function is None:
             function = self._new_train_function()
@@ -445,7 +450,10 @@ class AccumModel(keras.Model):
 
     def train_step(self, data):
         if not self._windowed():
-            return super().train_step(data)
+            size = self._step_micro_batch_size()
+            if size is None:
+                return super().train_step(data)
+            return self._train_on_micro_batches(data, size)
         logs = self._accumulate(data)
         self._accumulator.when_full(self._accum_steps, self._apply_window)
         return logs
@@ -454,27 +462,6 @@ class AccumModel(keras.Model):
         # TensorFlowTrainer.train_step with the update replaced by
         # accumulation; keep in step with it (see _keras_internals).
         internals.build_compiled_loss(self, data)
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        loss_scale = loss_scale_of(self.optimizer)
-        # The micro-batch's weight is folded into the loss where that is safe:
-        # one scalar multiply instead of one per gradient element. Not under
-        # loss scaling or float16, where it could overflow float16 gradients;
-        # there the (then needed anyway) per-element unscale carries it.
-        fold = loss_scale is None and self.dtype_policy.compute_dtype != "float16"
-        normalisers = []
-        with tf.GradientTape() as tape:
-            with self._batchnorm.micro_batch():
-                y_pred = internals.call_for_training(self, x)
-            with internals.recording_loss_calls(
-                self, lambda *call: normalisers.append(loss_normaliser(*call))
-            ):
-                loss = internals.compute_loss(self, x, y, y_pred, sample_weight)
-            n = internals.batch_size(x)
-            internals.track_loss(self, loss, n)
-            weight, normalise = micro_batch_weight(normalisers, n)
-            scaled = self.optimizer.scale_loss(loss)
-            if fold:
-                scaled = scaled * tf.cast(weight, loss.dtype)
         variables = self._accumulator.window_variables
         if variables is None:
             raise ValueError(
@@ -484,6 +471,62 @@ class AccumModel(keras.Model):
                 "before training it outside `fit`, `train_on_batch` and "
                 "`evaluate`."
             )
+        size = self._step_micro_batch_size()
+        if size is not None:
+            x, y, sample_weight, batch, moments = self._split_gradients(
+                data, size, variables
+            )
+            # Nothing is written until every micro-batch has run: a step that
+            # fails part-way (out of memory) leaves all state as it was.
+            with tf.control_dependencies(microbatch.control_after(batch)):
+                self._batchnorm.record(moments)
+                internals.track_loss(self, batch.loss, batch.num_samples)
+                self._accumulator.add(
+                    batch.grads,
+                    batch.weight,
+                    normalise=batch.normalise,
+                    variables=variables,
+                )
+                return self.compute_metrics(x, y, batch.y_pred, sample_weight=sample_weight)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        step = self._gradients(x, y, sample_weight, variables)
+        internals.track_loss(self, step.loss, step.num_samples)
+        self._accumulator.add(
+            step.grads,
+            step.weight,
+            step.grad_scale,
+            normalise=step.normalise,
+            variables=variables,
+        )
+        return self.compute_metrics(x, y, step.y_pred, sample_weight=sample_weight)
+
+    def _gradients(self, x, y, sample_weight, variables, moments=None):
+        """One forward and backward pass, as Keras's train_step makes it.
+
+        Returns `microbatch.Gradients`: the gradients and the weight (what
+        Keras normalised the loss by) that make them exact to sum.
+        BatchNormalization moments go to the window, or to the list
+        `moments` to be recorded later.
+        """
+        loss_scale = loss_scale_of(self.optimizer)
+        # The micro-batch's weight is folded into the loss where that is safe:
+        # one scalar multiply instead of one per gradient element. Not under
+        # loss scaling or float16, where it could overflow float16 gradients;
+        # there the (then needed anyway) per-element unscale carries it.
+        fold = loss_scale is None and self.dtype_policy.compute_dtype != "float16"
+        normalisers = []
+        with tf.GradientTape() as tape:
+            with self._batchnorm.micro_batch(moments):
+                y_pred = internals.call_for_training(self, x)
+            with internals.recording_loss_calls(
+                self, lambda *call: normalisers.append(loss_normaliser(*call))
+            ):
+                loss = internals.compute_loss(self, x, y, y_pred, sample_weight)
+            n = internals.batch_size(x)
+            weight, normalise = micro_batch_weight(normalisers, n)
+            scaled = self.optimizer.scale_loss(loss)
+            if fold:
+                scaled = scaled * tf.cast(weight, loss.dtype)
         grads = tape.gradient(scaled, variables)
         if fold:
             grad_scale = None
@@ -491,10 +534,51 @@ class AccumModel(keras.Model):
             grad_scale = weight
         else:
             grad_scale = weight / loss_scale
-        self._accumulator.add(
-            grads, weight, grad_scale, normalise=normalise, variables=variables
+        return microbatch.Gradients(
+            grads, grad_scale, weight, normalise, loss, n, y_pred
         )
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _split_gradients(self, data, size, variables):
+        """The batch's summed gradients from micro-batches of `size` samples,
+        in tensors; no state is written but by the layers' forward passes."""
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        moments = []
+        parts = [
+            self._gradients(*part, variables, moments)
+            for part in microbatch.split(
+                (x, y, sample_weight), size, self._batch_size_seen
+            )
+        ]
+        return x, y, sample_weight, microbatch.combine(parts), moments
+
+    def _train_on_micro_batches(self, data, size):
+        # accum_steps=1: the batch's gradient goes straight to the optimizer,
+        # no buffers.
+        internals.build_compiled_loss(self, data)
+        variables = self.trainable_variables
+        x, y, sample_weight, batch, moments = self._split_gradients(
+            data, size, variables
+        )
+        total = batch.weight
+        context = tf.distribute.get_replica_context()
+        if context is not None and context.num_replicas_in_sync > 1:
+            # As for a window across replicas (_apply_across_replicas): the
+            # optimizer sums replicas' gradients of losses Keras divided by
+            # the number of replicas.
+            total = context.all_reduce(tf.distribute.ReduceOp.SUM, total)
+            total = total / context.num_replicas_in_sync
+        with tf.control_dependencies(microbatch.control_after(batch)):
+            self._batchnorm.record(moments)
+            self._batchnorm.apply()
+            internals.track_loss(self, batch.loss, batch.num_samples)
+            grads = microbatch.batch_gradients(
+                batch, loss_scale_of(self.optimizer), total
+            )
+            self.optimizer.apply(
+                [None if g is None else tf.cast(g, v.dtype) for g, v in zip(grads, variables)],
+                variables,
+            )
+            return self.compute_metrics(x, y, batch.y_pred, sample_weight=sample_weight)
 
     def _apply_window(self):
         if self.distribute_strategy.num_replicas_in_sync > 1:
