@@ -25,6 +25,10 @@ from keras_accum import _keras_internals as internals
 
 _log = logging.getLogger("keras_accum")
 
+# The micro-batch size of a step on whole batches: more samples than any
+# batch holds, and an int32 still, as the split step's slicing needs.
+WHOLE_BATCH = 2**31 - 1
+
 
 class AutoMicroBatch:
     """The micro-batch size chosen by `micro_batch_size="auto"`.

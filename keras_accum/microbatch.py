@@ -173,13 +173,17 @@ def batch_gradients(batch, loss_scale=None, total_weight=None):
 
 
 def control_after(batch):
-    """Tensors that are ready only once every micro-batch has run."""
+    """Tensors that are ready only once every micro-batch has run.
+
+    The loss too: what it alone needs (a loss term's extra work, say) may
+    run, and fail, after the gradients are ready.
+    """
     return [
         t
         for g in batch.grads
         if g is not None
         for t in ((g.values,) if isinstance(g, tf.IndexedSlices) else (g,))
-    ] + [batch.weight]
+    ] + [batch.weight, batch.loss]
 
 
 def _sum_dtype(dtype):

@@ -4,7 +4,7 @@ import keras
 import tensorflow as tf
 
 from keras_accum import _keras_internals as internals
-from keras_accum.auto_micro_batch import AutoMicroBatch, StepState
+from keras_accum.auto_micro_batch import WHOLE_BATCH, AutoMicroBatch, StepState
 from keras_accum.accumulator import (
     GradientAccumulator,
     check_accum_steps,
@@ -219,11 +219,15 @@ class AccumModel(keras.Model):
 
     def _step_micro_batch_size(self):
         """The micro-batch size the step being traced splits batches into: a
-        Python int, or None for whole batches ("auto" starts from the whole
-        batch)."""
+        Python int, or None for whole batches.
+
+        "auto" starts from the whole batch, as one micro-batch: the split
+        step writes no state before its loss and gradients exist, so a step
+        that runs out of memory can be retried (auto_micro_batch.py).
+        """
         size = self._micro_batch_size
         if size == "auto":
-            return self._auto_micro_batch.size
+            return self._auto_micro_batch.size or WHOLE_BATCH
         return size
 
     @property
