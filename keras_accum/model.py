@@ -350,6 +350,13 @@ class AccumModel(keras.Model):
     def _new_train_function(self):
         strategy = self.distribute_strategy
         if self._micro_batch_size == "auto":
+            if strategy.num_replicas_in_sync > 1 or internals.multi_worker(strategy):
+                raise ValueError(
+                    "`micro_batch_size='auto'` trains on one device; under "
+                    f"{type(strategy).__name__} set an integer "
+                    "`micro_batch_size` (the micro-batch per replica). "
+                    "Received: micro_batch_size='auto'."
+                )
             self.train_function = self._auto_micro_batch.train_function(
                 self, self._make_step, StepState(self._forward_state)
             )
@@ -371,15 +378,9 @@ class AccumModel(keras.Model):
         return self.train_function
 
     def _make_step(self):
-        # One step on a batch in hand, composed as the train functions above.
-        if self._windowed() and self.distribute_strategy.num_replicas_in_sync > 1:
-            return internals.make_step_on_data(
-                self, self._accumulate, self._apply_if_full_across_replicas,
-                reduce_retracing=False,
-            )
-        return internals.make_step_on_data(
-            self, self.train_step, reduce_retracing=False
-        )
+        # One step on a batch in hand, traced per batch shape: the split is
+        # static and exact for every batch, the epoch's short last one too.
+        return internals.make_step_on_data(self, self.train_step, reduce_retracing=False)
 
     def _forward_state(self):
         # Variables a step may write before its gradients exist (see

@@ -74,6 +74,9 @@ class LimitedLoss(keras.losses.SparseCategoricalCrossentropy):
     def call(self, y_true, y_pred):
         return _limited(super().call(y_true, y_pred), self.k)
 
+    def get_config(self):
+        return {"k": self.k}
+
 
 def plain_loss():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -256,3 +259,47 @@ def test_a_failed_attempt_changes_no_state(batchnorm):
     assert len(before) == len(after)
     for a, b in zip(before, after):
         np.testing.assert_array_equal(a, b)
+
+
+def test_save_resume_and_flush_in_auto_mode(tmp_path):
+    # A window of 2 steps of 16 opened in one model (which runs out of
+    # memory first), saved mid-window, resumed in a fresh model (which runs
+    # out of memory again), completed; then a window of one step applied by
+    # flush(). The reference: plain updates with 32 samples, then 16.
+    x, y = make_data(3 * B)
+    plain = functional()
+    plain.compile(adam(), plain_loss())
+    plain.train_on_batch(x[: 2 * B], y[: 2 * B])
+    plain.train_on_batch(x[2 * B :], y[2 * B :])
+
+    def auto_model():
+        model = functional(
+            keras_accum.AccumModel, accum_steps=2, micro_batch_size="auto"
+        )
+        model.compile(adam(), LimitedLoss(K))
+        return model
+
+    first = auto_model()
+    first.train_on_batch(x[:B], y[:B])
+    assert first.chosen_micro_batch_size == K
+    path = str(tmp_path / "mid_window.keras")
+    first.save(path)
+    resumed = keras.models.load_model(path, custom_objects={"LimitedLoss": LimitedLoss})
+    assert resumed.micro_batch_size == "auto"
+    assert resumed._accumulator.pending() == 1
+    resumed.train_on_batch(x[B : 2 * B], y[B : 2 * B])
+    assert int(resumed.optimizer.iterations) == 1
+    resumed.train_on_batch(x[2 * B :], y[2 * B :])
+    assert resumed._accumulator.pending() == 1
+    resumed.flush()
+    assert int(resumed.optimizer.iterations) == 2
+    assert_weights_close(plain, resumed)
+
+
+def test_auto_config_round_trip():
+    model = functional(keras_accum.AccumModel, micro_batch_size="auto")
+    config = model.get_config()
+    assert config["micro_batch_size"] == "auto"
+    clone = keras_accum.AccumModel.from_config(config)
+    assert clone.micro_batch_size == "auto"
+    assert clone.chosen_micro_batch_size is None
