@@ -95,39 +95,63 @@ class Gradients(NamedTuple):
 def split(data, micro_batch_size, batch_size_seen):
     """Cuts a batch `(x, y, sample_weight)` into micro-batches, in order.
 
+    Yields `(micro_batch, live)`: `live` is None for a real micro-batch, or a
+    boolean tensor saying whether it is one.
+
     With a static batch size the cuts are static: `micro_batch_size` samples
     each, the last one shorter. Otherwise (fit's batch dimension is None)
-    there are as many micro-batches as the batch seen first needs, each of
-    `micro_batch_size` samples: a shorter batch (an epoch's last) leaves
-    trailing ones empty, which weigh 0 and add exactly zero; a longer one is
-    cut into as many longer micro-batches, never dropping a sample.
+    there are as many micro-batches as the first training batch needs, of
+    `micro_batch_size` samples each. A shorter batch (an epoch's last) has
+    fewer real ones: each one past its end is the batch's last sample alone,
+    not live, which the step weighs 0 (an empty micro-batch would give NaN
+    moments, and NaN * 0 gradients, in layers such as BatchNormalization).
+    A longer batch is cut into as many longer micro-batches, never dropping
+    a sample.
     """
     static = static_batch_size(data)
     if static is not None:
         size = micro_batch_size
-        bounds = [
-            (start, min(start + size, static)) for start in range(0, static, size)
-        ] or [(0, 0)]
-    else:
-        if batch_size_seen is None:
-            raise ValueError(
-                "`micro_batch_size` needs the batch size when the train step "
-                "is traced, but neither the batch's shape nor a first batch "
-                "seen by `fit`, `train_on_batch` or `evaluate` gives it. "
-                "Train with `fit` or `train_on_batch`, or give batches a "
-                "static size."
-            )
-        count = num_micro_batches(batch_size_seen, micro_batch_size)
-        total = internals.batch_size(data[0])
-        size = tf.maximum(micro_batch_size, -(-total // count))
-        bounds = [
-            (tf.minimum(i * size, total), tf.minimum((i + 1) * size, total))
-            for i in range(count)
-        ]
-    for start, stop in bounds:
-        yield tree.map_structure(
-            lambda t: None if t is None else t[start:stop], data
+        for start in range(0, max(static, 1), size):
+            stop = min(start + size, static)
+            yield _rows(data, start, stop), None
+        return
+    if batch_size_seen is None:
+        raise ValueError(
+            "`micro_batch_size` needs the batch size when the train step "
+            "is traced, but neither the batch's shape nor a first batch "
+            "seen by `fit` or `train_on_batch` gives it. Train with `fit` "
+            "or `train_on_batch`, or give batches a static size."
         )
+    count = num_micro_batches(batch_size_seen, micro_batch_size)
+    total = internals.batch_size(data[0])
+    size = tf.maximum(micro_batch_size, -(-total // count))
+    for i in range(count):
+        if i == 0:
+            yield _rows(data, 0, tf.minimum(size, total)), None
+            continue
+        live = i * size < total
+        start = tf.minimum(i * size, total - 1)
+        stop = tf.maximum(tf.minimum((i + 1) * size, total), start + 1)
+        yield _rows(data, start, stop), live
+
+
+def _rows(data, start, stop):
+    return tree.map_structure(lambda t: None if t is None else t[start:stop], data)
+
+
+def drop_rows(y_pred, rows):
+    """The first `rows` rows of every prediction, masks included."""
+
+    def cut(t):
+        if t is None:
+            return None
+        kept = t[:rows]
+        mask = internals.get_keras_mask(t)
+        if mask is not None:
+            internals.set_keras_mask(kept, mask[:rows])
+        return kept
+
+    return tree.map_structure(cut, y_pred)
 
 
 def combine(parts):

@@ -158,6 +158,9 @@ class AccumModel(keras.Model):
         # first batch (see _maybe_symbolic_build).
         self._batch_size_seen = None
         self._auto_micro_batch = AutoMicroBatch()
+        # Set while fit or train_on_batch builds from its first batch (not
+        # evaluate's, whose batches the step never splits).
+        self._training_build = False
         self._accumulator = accumulator
         self._flush_function = None
         self._flush_key = None
@@ -307,6 +310,7 @@ class AccumModel(keras.Model):
             flush.set_model(self)
         else:
             callbacks = [flush] + list(callbacks or [])
+        self._training_build = True
         try:
             return super().fit(
                 x,
@@ -318,6 +322,7 @@ class AccumModel(keras.Model):
                 **kwargs,
             )
         finally:
+            self._training_build = False
             if isinstance(callbacks, keras.callbacks.CallbackList):
                 callbacks.callbacks.remove(flush)
             if self._accum_steps != previous:
@@ -415,18 +420,27 @@ class AccumModel(keras.Model):
         data_batch = internals.symbolic_build(
             self, iterator=iterator, data_batch=data_batch, without_strategy=True
         )
-        self._see_batch(data_batch)
+        if self._training_build:
+            self._training_build = False
+            self._see_batch(data_batch)
 
     def _see_batch(self, data_batch):
         # The step splits a batch whose size the trace may not know (fit's
-        # batch dimension is None): it is taken from the first batch, here,
-        # in Python, and a new size gets its own train function.
+        # batch dimension is None): it is taken from the first training
+        # batch, here, in Python, and a new size gets its own train function.
         size = None if data_batch is None else static_batch_size(data_batch)
         if size is None or size == self._batch_size_seen:
             return
         self._batch_size_seen = size
         if self._micro_batch_size is not None:
             self.train_function = None
+
+    def train_on_batch(self, *args, **kwargs):
+        self._training_build = True
+        try:
+            return super().train_on_batch(*args, **kwargs)
+        finally:
+            self._training_build = False
 
     def _bind_window(self):
         """Makes the window the trainable variables' and builds the optimizer.
@@ -505,13 +519,14 @@ class AccumModel(keras.Model):
         )
         return self.compute_metrics(x, y, step.y_pred, sample_weight=sample_weight)
 
-    def _gradients(self, x, y, sample_weight, variables, moments=None):
+    def _gradients(self, x, y, sample_weight, variables, moments=None, live=None):
         """One forward and backward pass, as Keras's train_step makes it.
 
         Returns `microbatch.Gradients`: the gradients and the weight (what
         Keras normalised the loss by) that make them exact to sum.
         BatchNormalization moments go to the window, or to the list
-        `moments` to be recorded later.
+        `moments` to be recorded later. `live` (a 0/1 float tensor)
+        multiplies the weight: 0 makes the gradient exactly zero.
         """
         loss_scale = loss_scale_of(self.optimizer)
         # The micro-batch's weight is folded into the loss where that is safe:
@@ -529,6 +544,8 @@ class AccumModel(keras.Model):
                 loss = internals.compute_loss(self, x, y, y_pred, sample_weight)
             n = internals.batch_size(x)
             weight, normalise = micro_batch_weight(normalisers, n)
+            if live is not None:
+                weight = weight * live
             scaled = self.optimizer.scale_loss(loss)
             if fold:
                 scaled = scaled * tf.cast(weight, loss.dtype)
@@ -548,12 +565,30 @@ class AccumModel(keras.Model):
         in tensors; no state is written but by the layers' forward passes."""
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
         moments = []
-        parts = [
-            self._gradients(*part, variables, moments)
-            for part in microbatch.split(
-                (x, y, sample_weight), size, self._batch_size_seen
+        parts = []
+        for part, live in microbatch.split(
+            (x, y, sample_weight), size, self._batch_size_seen
+        ):
+            if live is None:
+                parts.append(self._gradients(*part, variables, moments))
+                continue
+            # A stand-in past a short batch's end: weighs nothing, counts no
+            # sample, predicts no row, adds no BatchNormalization moments.
+            live = tf.cast(live, tf.float32)
+            first = len(moments)
+            step = self._gradients(*part, variables, moments, live=live)
+            rows = step.num_samples * tf.cast(live, step.num_samples.dtype)
+            moments[first:] = [
+                (window, count * tf.cast(live, count.dtype), mean, variance)
+                for window, count, mean, variance in moments[first:]
+            ]
+            parts.append(
+                step._replace(
+                    loss=step.loss * tf.cast(live, step.loss.dtype),
+                    num_samples=rows,
+                    y_pred=microbatch.drop_rows(step.y_pred, rows),
+                )
             )
-        ]
         return x, y, sample_weight, microbatch.combine(parts), moments
 
     def _train_on_micro_batches(self, data, size):
