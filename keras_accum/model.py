@@ -102,6 +102,15 @@ class AccumModel(keras.Model):
             update at every micro-batch (momentum applied `accum_steps`
             times per update). The forward pass normalises each micro-batch
             with its own moments either way.
+        micro_batch_size: split each batch inside the step into
+            micro-batches of this many samples, summed exactly (one update
+            per batch, memory of the micro-batch); None (default) trains on
+            whole batches. "auto": whole batches until a step runs out of
+            memory (`tf.errors.ResourceExhaustedError`), then the same batch
+            is trained again on micro-batches half the size, as often as
+            needed, and the size that fitted is kept
+            (`chosen_micro_batch_size`); the failed attempt leaves no trace,
+            so the training is unchanged. One device only.
         **kwargs: passed to `keras.Model`.
 
     Example:
@@ -283,8 +292,8 @@ class AccumModel(keras.Model):
             micro_batch_size: if given, overrides `self.micro_batch_size`
                 for this call: each batch of `batch_size` is split into
                 micro-batches of this many samples inside the step (one
-                update per batch when `accum_steps=1`). Validated before any
-                training happens.
+                update per batch when `accum_steps=1`), or "auto" (see
+                `AccumModel`). Validated before any training happens.
             (others): as `keras.Model.fit`. `batch_size` is the batch each
                 step trains on (the micro-batch of an `accum_steps` window).
 

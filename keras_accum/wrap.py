@@ -78,7 +78,8 @@ def wrap(
             `BatchNormalization` layers update their moving statistics; see
             `AccumModel`.
         micro_batch_size: split each batch into micro-batches of this many
-            samples inside the step; see `AccumModel`. Default None.
+            samples inside the step, or "auto" to find the size that fits
+            memory; see `AccumModel`. Default None.
 
     Returns:
         An `AccumModel`, not yet compiled.

@@ -303,3 +303,25 @@ def test_auto_config_round_trip():
     clone = keras_accum.AccumModel.from_config(config)
     assert clone.micro_batch_size == "auto"
     assert clone.chosen_micro_batch_size is None
+
+
+def test_readme_auto_snippet_runs():
+    import re
+
+    from reference import ROOT
+
+    readme = (ROOT / "README.md").read_text()
+    block = next(
+        b
+        for b in re.findall(r"```python\n(.*?)```", readme, flags=re.S)
+        if 'micro_batch_size="auto")' in b and "chosen_micro_batch_size" in b
+    )
+    x, y = make_data(2 * 256)
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((FEATURES,))
+    outputs = keras.layers.Dense(CLASSES, activation="softmax")(inputs)
+    namespace = {"keras_accum": keras_accum, "inputs": inputs, "outputs": outputs, "x": x, "y": y}
+    exec(block, namespace)
+    model = namespace["model"]
+    assert int(model.optimizer.iterations) == 2
+    assert model.chosen_micro_batch_size is None
