@@ -102,12 +102,15 @@ class AccumModel(keras.Model):
             update at every micro-batch (momentum applied `accum_steps`
             times per update). The forward pass normalises each micro-batch
             with its own moments either way.
-        micro_batch_size: split each batch inside the step into
-            micro-batches of this many samples, summed exactly (one update
-            per batch, memory of the micro-batch); None (default) trains on
-            whole batches. "auto": whole batches until a step runs out of
-            memory (`tf.errors.ResourceExhaustedError`), then the same batch
-            is trained again on micro-batches half the size, as often as
+        micro_batch_size: if set, each batch `fit` draws is split into
+            micro-batches of this many samples inside the compiled step;
+            their gradients are summed exactly and make one update (or, with
+            `accum_steps > 1`, one micro-step of the window): the training
+            of the whole batch with the memory of the micro-batch. An
+            integer >= 1, "auto", or None (default: whole batches). "auto":
+            whole batches until a step runs out of memory
+            (`tf.errors.ResourceExhaustedError`), then the same batch is
+            trained again on micro-batches half the size, as often as
             needed, and the size that fitted is kept
             (`chosen_micro_batch_size`); the failed attempt leaves no trace,
             so the training is unchanged. One device only.
@@ -121,6 +124,11 @@ class AccumModel(keras.Model):
     model = keras_accum.AccumModel(inputs, outputs, accum_steps=4)
     model.compile("adam", "sparse_categorical_crossentropy")
     model.fit(x, y, batch_size=32)  # updates as with batch_size=128
+
+    # The batch you want, split inside the step.
+    model = keras_accum.AccumModel(inputs, outputs, micro_batch_size=32)
+    model.compile("adam", "sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=256)  # one update per 256, 32 at a time
 
     class Net(keras_accum.AccumModel):
         def __init__(self):
