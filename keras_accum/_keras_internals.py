@@ -93,7 +93,10 @@ REVIEWED_KERAS = ("3.8.0", "3.10.0", "3.13.2", "3.15.1")
 # Keras code that keras_accum mirrors rather than calls, by the SHA-256 of
 # its source, with the Keras versions that have that source: every one
 # listed was read and is handled here. `AccumModel._accumulate` mirrors the
-# TF trainer's train_step, `make_replicated_function` its `_make_function`,
+# TF trainer's train_step, `make_replicated_function` and `make_step_on_data`
+# its `_make_function` (`micro_batch_size="auto"` also relies on the contract
+# of the `function(iterator)` it returns: `fit` passes an iterator that
+# yields batches, and StopIteration or OutOfRangeError ends the epoch),
 # and `keras_accum.normaliser` the divisor Keras's `Loss.__call__`,
 # `reduce_values` and `apply_mask` compute, reached through
 # `CompileLoss.call`'s terms; `symbolic_build` and `reduce_outputs` replace

@@ -196,6 +196,19 @@ def batch_gradients(batch, loss_scale=None, total_weight=None):
     return [None if g is None else _scaled(g, inv) for g in batch.grads]
 
 
+def after(previous, data):
+    """`data`, available only once the micro-batch `previous` has run.
+
+    Nothing else orders the micro-batches of one step: without this the
+    runtime may run every forward pass before any backward pass and hold
+    the activations of several micro-batches at once.
+    """
+    with tf.control_dependencies(control_after(previous)):
+        return tree.map_structure(
+            lambda t: None if t is None else tf.identity(t), data
+        )
+
+
 def control_after(batch):
     """Tensors that are ready only once every micro-batch has run.
 
