@@ -166,7 +166,7 @@ def combine(parts):
     grads = None
     for part in parts:
         scaled = [_scaled(g, part.grad_scale) for g in part.grads]
-        grads = scaled if grads is None else [_add(a, b) for a, b in zip(grads, scaled)]
+        grads = scaled if grads is None else [add_gradients(a, b) for a, b in zip(grads, scaled)]
     weights = [tf.cast(p.weight, tf.float32) for p in parts]
     weight = tf.add_n(weights)
     losses = [tf.cast(p.loss, tf.float32) for p in parts]
@@ -223,7 +223,8 @@ def _scaled(g, scale):
     return g if scale is None else g * tf.cast(scale, g.dtype)
 
 
-def _add(a, b):
+def add_gradients(a, b):
+    """`a + b` for one variable's gradients; sparse ones stay sparse."""
     if a is None:
         return None
     if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
