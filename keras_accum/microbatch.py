@@ -206,6 +206,17 @@ def control_after(batch):
     ] + [batch.weight]
 
 
+def after(previous, part):
+    """`part`, readable only once `previous` (a `Gradients`) is computed.
+
+    The micro-batches of a step do not depend on each other, so the graph
+    could run several at once, holding several micro-batches' activations:
+    each waits for the one before, and memory stays the micro-batch's.
+    """
+    with tf.control_dependencies(control_after(previous)):
+        return tree.map_structure(lambda t: None if t is None else tf.identity(t), part)
+
+
 def _sum_dtype(dtype):
     # As the accumulator's buffers: half-precision gradients are summed in
     # float32.

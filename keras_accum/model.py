@@ -533,6 +533,8 @@ class AccumModel(keras.Model):
         for part, live in microbatch.split(
             (x, y, sample_weight), size, self._batch_size_seen
         ):
+            if parts:
+                part = microbatch.after(parts[-1], part)
             if live is None:
                 parts.append(self._gradients(*part, variables, moments))
                 continue
