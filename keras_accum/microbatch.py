@@ -6,8 +6,22 @@ in turn (unrolled in the traced graph: no `tf.while_loop`, so XLA fuses it
 like any other step) and sums their gradients, each micro-batch weighted by
 what Keras normalises its loss by (normaliser.py), exactly as a window of
 `accum_steps` micro-batches is summed across steps. Only one micro-batch's
-activations are alive at a time, so memory is the micro-batch's; the update,
-the logged loss and the metrics are the whole batch's.
+activations are alive at a time (each micro-batch waits for the previous
+one's gradients), so memory is the micro-batch's; the update, the logged
+loss and the metrics are the whole batch's.
+
+Everything is computed into tensors first; `AccumModel` makes every state
+write of the step (BatchNormalization's pooled moments, the loss tracker,
+the metrics, the window or the optimizer) wait for all micro-batches'
+gradients, so a step that fails part-way (out of memory) writes nothing.
+
+Example (inside a traced train step, as `AccumModel` does it):
+
+```python
+parts = [gradients_of(*part) for part, live in split(data, 32, 256)]
+batch = combine(parts)
+optimizer.apply(batch_gradients(batch), variables)
+```
 """
 
 import math
@@ -29,7 +43,9 @@ def check_micro_batch_size(micro_batch_size):
     Rejects bools, floats and other strings, even integral floats, as
     `check_accum_steps` does.
     """
-    if micro_batch_size is None or micro_batch_size == AUTO:
+    if micro_batch_size is None or (
+        isinstance(micro_batch_size, str) and micro_batch_size == AUTO
+    ):
         return micro_batch_size
     if isinstance(micro_batch_size, bool) or not isinstance(
         micro_batch_size, numbers.Integral
@@ -249,7 +265,6 @@ def add_gradients(a, b):
 
 
 def _concat(*tensors):
-    tensors = [t for t in tensors]
     if any(t is None for t in tensors):
         return None
     joined = tf.concat(tensors, 0)
