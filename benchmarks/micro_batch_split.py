@@ -6,8 +6,10 @@ the step), and step-mode `AccumModel(accum_steps=N)` on batches of b.
 Epochs are interleaved and the median epoch time of each is reported as a
 ratio to the big batch's. Also: micro_batch_size = b*N and b*N/2 (1 and 2
 micro-batches), which split the time into the path's fixed cost and the
-cost per extra micro-batch, and the time of one pass that adds two
-gradients of the model's size (what each micro-batch after the first adds).
+cost per extra micro-batch; and, in one `tf.function` each, the forward and
+backward pass of b*N samples, of N x b samples without summing their
+gradients and with summing them: the small-batch penalty of the compute
+against the cost of the adds over the weights.
 
     python -m benchmarks.micro_batch_split [--rounds 7] [--quick] [--jit]
 """
@@ -61,22 +63,52 @@ def _epoch(model, x, y, batch):
     return time.perf_counter() - start
 
 
-def _add_pass_ms(model, repeats=50):
-    """Milliseconds of `a + b` over one gradient-sized list of tensors."""
+def _split_costs_ms(model, x, y, rounds, repeats=10):
+    """Median milliseconds of one batch's forward and backward pass: whole,
+    as N micro-batches without summing, and as N micro-batches summed."""
+    import keras
     import tensorflow as tf
 
-    a = [tf.ones(v.shape, v.dtype) for v in model.trainable_variables]
+    from keras_accum.microbatch import add_gradients
 
-    @tf.function
-    def add(a, b):
-        return [u + v for u, v in zip(a, b)]
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    x, y = tf.constant(x[: B * N]), tf.constant(y[: B * N])
 
-    add(a, a)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        out = add(a, a)
-    _ = out[0].numpy()
-    return (time.perf_counter() - start) / repeats * 1000
+    def gradients(k, summed):
+        @tf.function
+        def step(x, y):
+            out = []
+            for i in range(k):
+                rows = slice(i * B * N // k, (i + 1) * B * N // k)
+                with tf.GradientTape() as tape:
+                    value = loss(y[rows], model(x[rows], training=True))
+                grads = tape.gradient(value, model.trainable_variables)
+                if summed and out:
+                    out = [add_gradients(a, b) for a, b in zip(out, grads)]
+                elif summed:
+                    out = grads
+                else:
+                    out.append(grads)
+            return out
+
+        return step
+
+    steps = {
+        f"{B * N} samples": gradients(1, True),
+        f"{N} x {B}, not summed": gradients(N, False),
+        f"{N} x {B}, summed": gradients(N, True),
+    }
+    times = {label: [] for label in steps}
+    for step in steps.values():
+        step(x, y)
+    for _ in range(rounds):
+        for label, step in steps.items():
+            start = time.perf_counter()
+            for _ in range(repeats):
+                out = step(x, y)
+            tf.nest.flatten(out, expand_composites=True)[-1].numpy()
+            times[label].append((time.perf_counter() - start) / repeats * 1000)
+    return {label: statistics.median(t) for label, t in times.items()}
 
 
 def run(name, rounds, quick, jit):
@@ -95,8 +127,9 @@ def run(name, rounds, quick, jit):
     print(f"\n{workload.description} (jit_compile={jit}), {steps} updates/epoch")
     for label, seconds in medians.items():
         print(f"  {label:28s} {seconds * 1000 / steps:8.2f} ms/update  {seconds / big:5.2f}x")
-    add = _add_pass_ms(models["big batch"][0])
-    print(f"  one add pass over the gradients: {add:.2f} ms")
+    print("  forward + backward of one batch, in one tf.function:")
+    for label, ms in _split_costs_ms(models["big batch"][0], x, y, rounds).items():
+        print(f"    {label:26s} {ms:8.2f} ms")
 
 
 def main(argv=None):

@@ -6,8 +6,22 @@ in turn (unrolled in the traced graph: no `tf.while_loop`, so XLA fuses it
 like any other step) and sums their gradients, each micro-batch weighted by
 what Keras normalises its loss by (normaliser.py), exactly as a window of
 `accum_steps` micro-batches is summed across steps. Only one micro-batch's
-activations are alive at a time, so memory is the micro-batch's; the update,
-the logged loss and the metrics are the whole batch's.
+activations are alive at a time (each micro-batch waits for the previous
+one's gradients), so memory is the micro-batch's; the update, the logged
+loss and the metrics are the whole batch's.
+
+Everything is computed into tensors first; `AccumModel` makes every state
+write of the step (BatchNormalization's pooled moments, the loss tracker,
+the metrics, the window or the optimizer) wait for all micro-batches'
+gradients, so a step that fails part-way (out of memory) writes nothing.
+
+Example (inside a traced train step, as `AccumModel` does it):
+
+```python
+parts = [gradients_of(*part) for part, live in split(data, 32, 256)]
+batch = combine(parts)
+optimizer.apply(batch_gradients(batch), variables)
+```
 """
 
 import math
@@ -29,7 +43,9 @@ def check_micro_batch_size(micro_batch_size):
     Rejects bools, floats and other strings, even integral floats, as
     `check_accum_steps` does.
     """
-    if micro_batch_size is None or micro_batch_size == AUTO:
+    if micro_batch_size is None or (
+        isinstance(micro_batch_size, str) and micro_batch_size == AUTO
+    ):
         return micro_batch_size
     if isinstance(micro_batch_size, bool) or not isinstance(
         micro_batch_size, numbers.Integral
@@ -166,7 +182,7 @@ def combine(parts):
     grads = None
     for part in parts:
         scaled = [_scaled(g, part.grad_scale) for g in part.grads]
-        grads = scaled if grads is None else [_add(a, b) for a, b in zip(grads, scaled)]
+        grads = scaled if grads is None else [add_gradients(a, b) for a, b in zip(grads, scaled)]
     weights = [tf.cast(p.weight, tf.float32) for p in parts]
     weight = tf.add_n(weights)
     losses = [tf.cast(p.loss, tf.float32) for p in parts]
@@ -196,19 +212,6 @@ def batch_gradients(batch, loss_scale=None, total_weight=None):
     return [None if g is None else _scaled(g, inv) for g in batch.grads]
 
 
-def after(previous, data):
-    """`data`, available only once the micro-batch `previous` has run.
-
-    Nothing else orders the micro-batches of one step: without this the
-    runtime may run every forward pass before any backward pass and hold
-    the activations of several micro-batches at once.
-    """
-    with tf.control_dependencies(control_after(previous)):
-        return tree.map_structure(
-            lambda t: None if t is None else tf.identity(t), data
-        )
-
-
 def control_after(batch):
     """Tensors that are ready only once every micro-batch has run.
 
@@ -221,6 +224,17 @@ def control_after(batch):
         if g is not None
         for t in ((g.values,) if isinstance(g, tf.IndexedSlices) else (g,))
     ] + [batch.weight, batch.loss]
+
+
+def after(previous, part):
+    """`part`, readable only once `previous` (a `Gradients`) is computed.
+
+    The micro-batches of a step do not depend on each other, so the graph
+    could run several at once, holding several micro-batches' activations:
+    each waits for the one before, and memory stays the micro-batch's.
+    """
+    with tf.control_dependencies(control_after(previous)):
+        return tree.map_structure(lambda t: None if t is None else tf.identity(t), part)
 
 
 def _sum_dtype(dtype):
@@ -240,7 +254,8 @@ def _scaled(g, scale):
     return g if scale is None else g * tf.cast(scale, g.dtype)
 
 
-def _add(a, b):
+def add_gradients(a, b):
+    """`a + b` for one variable's gradients; sparse ones stay sparse."""
     if a is None:
         return None
     if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
@@ -254,7 +269,6 @@ def _add(a, b):
 
 
 def _concat(*tensors):
-    tensors = [t for t in tensors]
     if any(t is None for t in tensors):
         return None
     joined = tf.concat(tensors, 0)

@@ -4,6 +4,7 @@ import keras
 import tensorflow as tf
 
 from keras_accum import _keras_internals as internals
+from keras_accum import microbatch
 from keras_accum.auto_micro_batch import WHOLE_BATCH, AutoMicroBatch, StepState
 from keras_accum.accumulator import (
     GradientAccumulator,
@@ -12,7 +13,6 @@ from keras_accum.accumulator import (
 )
 from keras_accum.backup import check_callbacks
 from keras_accum.batchnorm import BatchNormWindow, check_batchnorm
-from keras_accum import microbatch
 from keras_accum.microbatch import check_micro_batch_size, static_batch_size
 from keras_accum.nonfinite import NonFiniteWindows
 from keras_accum.normaliser import loss_normaliser, micro_batch_weight

@@ -31,3 +31,13 @@ def test_quick_benchmark_writes_its_report(tmp_path):
     assert "## Two workers" in report
 
     assert (tmp_path / "results.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_micro_batch_split_timing_runs():
+    result = run_python(
+        "-m", "benchmarks.micro_batch_split", "--quick", "--rounds", "1",
+        "--workloads", "mlp", timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for label in ("big batch", "micro_batch_size=32", "step mode", "summed"):
+        assert label in result.stdout, label
