@@ -157,7 +157,7 @@ def _uneven_batches(x, y, sizes):
     return dataset
 
 
-def test_out_of_memory_in_the_middle_of_an_epoch_is_recovered():
+def test_out_of_memory_in_the_middle_of_an_epoch_is_recovered(caplog):
     # Whole batches fit until a bigger batch comes: its step runs out of
     # memory, is retried on micro-batches and nothing is lost or doubled.
     sizes = [K, K, B, K, B + K]
@@ -172,6 +172,14 @@ def test_out_of_memory_in_the_middle_of_an_epoch_is_recovered():
     h_model = model.fit(dataset, **fit_kwargs())
     assert_same_training(plain, h_plain, model, h_model)
     assert int(plain.optimizer.iterations) == 2 * len(sizes)
+    assert model.chosen_micro_batch_size == K
+    # Kept for later fit calls, through a new compile (a new train function)
+    # too: no step runs out of memory again.
+    caplog.clear()
+    model.compile(adam(), LimitedLoss(K))
+    with caplog.at_level(logging.WARNING, logger="keras_accum"):
+        model.fit(dataset, epochs=1, verbose=0)
+    assert not [r for r in caplog.records if "ran out of memory" in r.getMessage()]
     assert model.chosen_micro_batch_size == K
 
 
