@@ -370,3 +370,13 @@ def test_auto_is_refused_under_a_multi_replica_strategy():
     assert "refused: `micro_batch_size='auto'` trains on one device" in result.stdout
     assert "MirroredStrategy set an integer `micro_batch_size`" in result.stdout
     assert "iterations: 0" in result.stdout
+
+
+def test_fit_argument_auto_for_one_call():
+    make_accum, make_plain = WAYS_IN["functional"]()
+    data = make_data(2 * B)
+    plain, h_plain = train_reference(make_plain, data)
+    model, h_model = train_auto(make_accum, data, micro_batch_size="auto")
+    assert_same_training(plain, h_plain, model, h_model)
+    assert model.chosen_micro_batch_size == K
+    assert model.micro_batch_size is None  # for that call only
