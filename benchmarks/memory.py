@@ -80,6 +80,7 @@ def configuration(name):
         "plain N*b": ("plain", n * b),
         "plain b": ("plain", b),
         "AccumModel b x N": ("AccumModel", b),
+        "micro_batch_size b of N*b": ("micro_batch_size", n * b),
     }[name]
 
 
@@ -116,6 +117,9 @@ def run(config, quick):
         "implementation": implementation,
         "batch_size": batch_size,
         "accum_steps": workloads.ACCUM_STEPS if implementation == "AccumModel" else 1,
+        "micro_batch_size": (
+            workloads.MICRO_BATCH if implementation == "micro_batch_size" else None
+        ),
         "description": workload.description,
         "samples": workload.samples,
         "rss_before_mib": before / MIB,

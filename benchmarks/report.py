@@ -14,6 +14,7 @@ SPEED_TARGET = 1.00  # AccumModel / other, median paired ratio
 MEMORY_TARGET = 1.10  # AccumModel b x N / (plain b + one float32 weight copy)
 FAR_BELOW = 0.50  # AccumModel b x N / plain N*b counts as "far below" under this
 WELL_UNDER_HALF = 0.50  # two workers: epoch at accum_steps N / at 1
+PRICE_TARGET = 1.30  # micro_batch_size=b / big batch, median paired ratio
 COLORS = {
     "plain": "#9e9e9e",
     "builtin": "#f0a030",
@@ -52,6 +53,124 @@ def summarise_timing(result):
             row["ratio_max"] = max(ratios) if ratios else None
         summary[name] = row
     return summary
+
+
+def summarise_price(result):
+    """Medians and paired ratios to the big batch of each `PRICE_MODES` mode.
+
+    As `summarise_timing`, with the plain model trained on the big batch as
+    the denominator; "vs_step" is micro_batch_size=b's paired ratio to step
+    mode. Empty for results from before the modes were measured.
+
+    Returns:
+        `{mode: {"median": s, "ratio": r, "ratio_min": ..., "ratio_max": ...}}`
+        and, for micro_batch_size=b, "vs_step" (median paired ratio).
+    """
+    seconds = result["seconds"]
+    if "big batch" not in seconds:
+        return {}
+    measured = range(1, result["rounds"])
+
+    def paired(a, b):
+        ratios = [
+            seconds[a][r] / seconds[b][r]
+            for r in measured
+            if seconds[a][r] is not None and seconds[b][r] is not None
+        ]
+        if not ratios:
+            return None, None, None
+        return statistics.median(ratios), min(ratios), max(ratios)
+
+    summary = {}
+    for mode in workloads.PRICE_MODES:
+        times = [seconds[mode][r] for r in measured if seconds[mode][r] is not None]
+        ratio, low, high = paired(mode, "big batch")
+        summary[mode] = {
+            "median": statistics.median(times) if times else None,
+            "ratio": ratio,
+            "ratio_min": low,
+            "ratio_max": high,
+        }
+    summary["micro_batch_size=b"]["vs_step"] = paired("micro_batch_size=b", "step mode")[0]
+    return summary
+
+
+def price_markdown(results):
+    """The "price of the memory saved" section, or nothing for older results."""
+    timing = [r for r in results["timing"] if summarise_price(r)]
+    if not timing:
+        return []
+    n, b = workloads.PRICE_ACCUM_STEPS, workloads.MICRO_BATCH
+    out = [
+        "",
+        "## Price of the memory saved",
+        "",
+        f"Every mode below makes the same updates, of N*b = {n * b} samples "
+        f"(b = {b}, N = {n}), as the plain model trained with that big batch "
+        "itself: the run accumulation stands in for when the big batch does "
+        "not fit. Timed in the same processes and rounds as the table above "
+        "(modes rotated with the implementations). *Price*: the mode's epoch "
+        "time divided by the big batch's epoch time in the same round, median "
+        "over rounds (min-max): what the memory saved costs in time.",
+        "",
+    ]
+    out += [f"- `{mode}`: {workloads.PRICE_NOTES[mode]}" for mode in workloads.PRICE_MODES]
+    out += [
+        "",
+        "| workload | mode | batch per step | median epoch (s) | price: time / big batch's (min-max) |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    for result in timing:
+        summary = summarise_price(result)
+        for mode in workloads.PRICE_MODES:
+            row = summary[mode]
+            batch = result["price_batch_sizes"][mode]
+            if row["median"] is None:
+                reason = result["unavailable"].get(mode, "did not run")
+                out.append(f"| {result['workload']} | {mode} | {batch} | unavailable: {reason} | |")
+                continue
+            price = (
+                "1 (reference)"
+                if mode == "big batch"
+                else f"**{_fmt(row['ratio'])}** ({_fmt(row['ratio_min'])}-{_fmt(row['ratio_max'])})"
+            )
+            out.append(
+                f"| {result['workload']} | {mode} | {batch} | {row['median']:.3f} | {price} |"
+            )
+    out += ["", "Largest weight difference from the big batch after the run:", ""]
+    for result in timing:
+        differences = ", ".join(
+            f"{mode} {value:.1e}"
+            for mode, value in result.get("max_weight_difference_vs_big_batch", {}).items()
+        )
+        out.append(f"- **{result['workload']}**: {differences or 'n/a'}")
+    return out
+
+
+def price_targets(results):
+    """micro_batch_size=b within PRICE_TARGET of the big batch, and never
+    slower than step mode, on every workload."""
+    lines = []
+    for result in results["timing"]:
+        summary = summarise_price(result)
+        if not summary:
+            continue
+        row = summary["micro_batch_size=b"]
+        name = result["workload"]
+        if row["ratio"] is None:
+            lines.append((None, f"{name}: micro_batch_size=b: not measured."))
+            continue
+        lines.append((
+            round(row["ratio"], 2) <= PRICE_TARGET,
+            f"{name}: micro_batch_size=b / big batch = {row['ratio']:.2f} "
+            f"(target <= {PRICE_TARGET:.2f})",
+        ))
+        lines.append((
+            round(row["vs_step"], 2) <= 1.0,
+            f"{name}: micro_batch_size=b / step mode = {row['vs_step']:.2f} "
+            "(target: never slower, <= 1.00)",
+        ))
+    return lines
 
 
 def summarise_multi_worker(result):
@@ -124,6 +243,16 @@ def targets(results):
         f"memory: AccumModel b x N / plain N*b = {accum['growth_mib']:.0f} / "
         f"{big['growth_mib']:.0f} MiB = {ratio:.2f} (\"far below\": target <= {FAR_BELOW:.2f})",
     ))
+    micro = memory.get("micro_batch_size b of N*b")
+    if micro is not None:
+        ratio = micro["growth_mib"] / plain_b["growth_mib"]
+        lines.append((
+            ratio <= MEMORY_TARGET,
+            f"memory: micro_batch_size b of N*b / plain b = "
+            f"{micro['growth_mib']:.0f} / {plain_b['growth_mib']:.0f} MiB = "
+            f"{ratio:.2f} (target <= {MEMORY_TARGET:.2f})",
+        ))
+    lines += price_targets(results)
     summary = summarise_multi_worker(results["multi_worker"])
     lines.append((
         summary["ratio"] < WELL_UNDER_HALF,
@@ -248,17 +377,21 @@ def markdown(results):
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for config in workloads.MEMORY_CONFIGS:
-        row = memory[config]
-        batch = (
-            f"{row['batch_size']} x {row['accum_steps']}"
-            if row["accum_steps"] > 1
-            else str(row["batch_size"])
-        )
+        row = memory.get(config)
+        if row is None:
+            continue  # results from before this configuration was measured
+        if row.get("micro_batch_size"):
+            batch = f"{row['batch_size']} split into {row['micro_batch_size']}s"
+        elif row["accum_steps"] > 1:
+            batch = f"{row['batch_size']} x {row['accum_steps']}"
+        else:
+            batch = str(row["batch_size"])
         out.append(
             f"| {config} | {batch} | {row['updates']} | {row['growth_mib']:.0f} | "
             f"{row['growth_mib'] / plain_b['growth_mib']:.2f} | "
             f"{row['growth_mib'] / big['growth_mib']:.2f} |"
         )
+    out += price_markdown(results)
     out += multi_worker_markdown(results["multi_worker"])
     out += ["", "## Targets", ""]
     marks = {True: "met", False: "**missed**", None: "not measured"}
@@ -336,9 +469,9 @@ def plot(results, path):
     speed.legend(fontsize=8, ncols=len(IMPLEMENTATIONS), loc="upper center")
 
     memory = memory_by_config(results["memory"])
-    configs = list(workloads.MEMORY_CONFIGS)
+    configs = [c for c in workloads.MEMORY_CONFIGS if c in memory]
     values = [memory[c]["growth_mib"] for c in configs]
-    colors = [COLORS["plain"], COLORS["plain"], COLORS["AccumModel"]]
+    colors = [COLORS["plain"] if c.startswith("plain") else COLORS["AccumModel"] for c in configs]
     bars = memory_axis.bar(range(len(configs)), values, color=colors)
     memory_axis.bar_label(bars, fmt="%.0f", fontsize=8)
     allowance = MEMORY_TARGET * (
@@ -356,6 +489,7 @@ def plot(results, path):
         "plain N*b": f"plain\nbatch {n * b}",
         "plain b": f"plain\nbatch {b}",
         "AccumModel b x N": f"AccumModel\n{b} x {n}",
+        "micro_batch_size b of N*b": f"micro_batch_size\n{n * b} in {b}s",
     }
     memory_axis.set_xticks(range(len(configs)), [labels[c] for c in configs], fontsize=8)
     memory_axis.set_ylabel("peak RSS growth during fit (MiB)")

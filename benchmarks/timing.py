@@ -49,13 +49,13 @@ def _epoch_timer():
     return EpochTimer()
 
 
-def train_one_epoch(model, x, y):
-    """Trains `model` for one epoch of micro-batches; returns its seconds."""
+def train_one_epoch(model, x, y, batch_size=workloads.MICRO_BATCH):
+    """Trains `model` for one epoch of `batch_size`; returns its seconds."""
     timer = _epoch_timer()
     model.fit(
         x,
         y,
-        batch_size=workloads.MICRO_BATCH,
+        batch_size=batch_size,
         epochs=1,
         shuffle=False,  # the same micro-batches, in the same order, for all
         verbose=0,
@@ -91,13 +91,22 @@ def run(workload_name, rounds, quick):
                 raise
             unavailable[name] = _describe(error)
 
-    seconds = {name: [None] * rounds for name in workloads.IMPLEMENTATIONS}
+    # The price of the memory saved: the modes are timed in the same rounds,
+    # against the plain model trained with the big batch itself.
+    batch_sizes = {name: workloads.MICRO_BATCH for name in models}
+    for mode in workloads.PRICE_MODES:
+        models[mode], batch_sizes[mode] = workloads.make_price_model(mode, workload)
+
+    names_timed = (*workloads.IMPLEMENTATIONS, *workloads.PRICE_MODES)
+    seconds = {name: [None] * rounds for name in names_timed}
     for round_index in range(rounds):
         names = list(models)
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
             try:
-                seconds[name][round_index] = train_one_epoch(models[name], x, y)
+                seconds[name][round_index] = train_one_epoch(
+                    models[name], x, y, batch_sizes[name]
+                )
             except Exception as error:
                 if name in workloads.REQUIRED:
                     raise
@@ -118,7 +127,7 @@ def run(workload_name, rounds, quick):
     reference = models["AccumModel"].get_weights()
     weight_difference = {}
     for name, model in models.items():
-        if name in ("AccumModel", "plain"):
+        if name in ("AccumModel", "plain") or name in workloads.PRICE_MODES:
             continue
         weight_difference[name] = max(
             float(np.max(np.abs(a - b))) for a, b in zip(model.get_weights(), reference)
@@ -136,6 +145,18 @@ def run(workload_name, rounds, quick):
         "seconds": seconds,
         "unavailable": unavailable,
         "max_weight_difference_vs_AccumModel": weight_difference,
+        "price_accum_steps": workloads.PRICE_ACCUM_STEPS,
+        "price_batch_sizes": {m: batch_sizes[m] for m in workloads.PRICE_MODES},
+        "max_weight_difference_vs_big_batch": {
+            mode: max(
+                float(np.max(np.abs(a - b)))
+                for a, b in zip(
+                    models[mode].get_weights(), models["big batch"].get_weights()
+                )
+            )
+            for mode in workloads.PRICE_MODES
+            if mode != "big batch" and mode in models
+        },
         "versions": _versions(tf, keras),
     }
 

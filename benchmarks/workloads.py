@@ -28,7 +28,27 @@ IMPLEMENTATION_NOTES = {
 REQUIRED = ("plain", "AccumModel")
 
 TIMING_WORKLOADS = ("mlp", "cnn", "embedding")
-MEMORY_CONFIGS = ("plain N*b", "plain b", "AccumModel b x N")
+MEMORY_CONFIGS = ("plain N*b", "plain b", "AccumModel b x N", "micro_batch_size b of N*b")
+
+# The price of the memory saved: every mode below makes the same updates, of
+# PRICE_ACCUM_STEPS * MICRO_BATCH samples, as the plain model trained with
+# that big batch itself, whose time they are divided by.
+PRICE_ACCUM_STEPS = 4
+PRICE_MODES = (
+    "big batch",
+    "step mode",
+    "step mode, steps_per_execution=N",
+    "micro_batch_size=b",
+    "micro_batch_size='auto'",
+)
+PRICE_NOTES = {
+    "big batch": "keras.Model, batch N*b: the training the others stand in for",
+    "step mode": "keras_accum.AccumModel(accum_steps=N), batch b",
+    "step mode, steps_per_execution=N": "the same, compiled with steps_per_execution=N",
+    "micro_batch_size=b": "keras_accum.AccumModel(micro_batch_size=b), batch N*b split inside the step",
+    "micro_batch_size='auto'": "keras_accum.AccumModel(micro_batch_size='auto'), batch N*b "
+    "(it never runs out of memory here, so this is the cost of being ready to)",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,6 +213,40 @@ def timing_workload(name, quick=False):
     return {"mlp": mlp, "cnn": cnn, "embedding": embedding}[name](quick)
 
 
+def make_price_model(mode, workload, seed=SEED):
+    """`(compiled model, batch_size)` of a `PRICE_MODES` mode of `workload`,
+    compiled as `make_model` compiles."""
+    import keras
+
+    import keras_accum
+
+    n, b = PRICE_ACCUM_STEPS, MICRO_BATCH
+    keras.utils.set_random_seed(seed)
+    inputs, outputs = workload.build()
+    steps_per_execution = 1
+    if mode == "big batch":
+        model, batch_size = keras.Model(inputs, outputs), n * b
+    elif mode == "step mode":
+        model, batch_size = keras_accum.AccumModel(inputs, outputs, accum_steps=n), b
+    elif mode == "step mode, steps_per_execution=N":
+        model, batch_size = keras_accum.AccumModel(inputs, outputs, accum_steps=n), b
+        steps_per_execution = n
+    elif mode == "micro_batch_size=b":
+        model = keras_accum.AccumModel(inputs, outputs, micro_batch_size=b)
+        batch_size = n * b
+    elif mode == "micro_batch_size='auto'":
+        model = keras_accum.AccumModel(inputs, outputs, micro_batch_size="auto")
+        batch_size = n * b
+    else:
+        raise ValueError(f"Unknown mode: {mode!r}")
+    model.compile(
+        optimizer=keras.optimizers.Adam(LEARNING_RATE),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        steps_per_execution=steps_per_execution,
+    )
+    return model, batch_size
+
+
 def make_model(implementation, workload, accum_steps=ACCUM_STEPS, seed=SEED):
     """A compiled model of `workload` trained the way `implementation` trains.
 
@@ -227,6 +281,10 @@ def make_model(implementation, workload, accum_steps=ACCUM_STEPS, seed=SEED):
         import keras_accum
 
         model = keras_accum.AccumModel(inputs, outputs, accum_steps=accum_steps)
+    elif implementation == "micro_batch_size":
+        import keras_accum
+
+        model = keras_accum.AccumModel(inputs, outputs, micro_batch_size=MICRO_BATCH)
     else:
         raise ValueError(f"Unknown implementation: {implementation!r}")
     model.compile(

@@ -67,7 +67,7 @@ def legacy_keras_hint(obj):
     )
 
 from keras import tree  # noqa: E402
-from keras.src.backend.common.masking import get_keras_mask  # noqa: E402
+from keras.src.backend.common.masking import get_keras_mask, set_keras_mask  # noqa: E402
 from keras.src.backend.tensorflow.trainer import (  # noqa: E402
     TensorFlowTrainer,
     _collective_all_reduce_multi_worker,
@@ -93,7 +93,10 @@ REVIEWED_KERAS = ("3.8.0", "3.10.0", "3.13.2", "3.15.1")
 # Keras code that keras_accum mirrors rather than calls, by the SHA-256 of
 # its source, with the Keras versions that have that source: every one
 # listed was read and is handled here. `AccumModel._accumulate` mirrors the
-# TF trainer's train_step, `make_replicated_function` its `_make_function`,
+# TF trainer's train_step, `make_replicated_function` and `make_step_on_data`
+# its `_make_function` (`micro_batch_size="auto"` also relies on the contract
+# of the `function(iterator)` it returns: `fit` passes an iterator that
+# yields batches, and StopIteration or OutOfRangeError ends the epoch),
 # and `keras_accum.normaliser` the divisor Keras's `Loss.__call__`,
 # `reduce_values` and `apply_mask` compute, reached through
 # `CompileLoss.call`'s terms; `symbolic_build` and `reduce_outputs` replace
@@ -205,12 +208,15 @@ __all__ = [
     "recording_moments",
     "functional_init_arguments",
     "make_replicated_function",
+    "make_step_on_data",
+    "optionals_to_none",
     "metrics_summed_over_replicas",
     "multi_worker",
     "set_initial_epoch",
     "reduce_outputs",
     "symbolic_build",
     "get_keras_mask",
+    "set_keras_mask",
     "recording_loss_calls",
     "squeeze_or_expand_to_same_rank",
     "no_automatic_dependency_tracking",
@@ -344,6 +350,9 @@ def symbolic_build(model, iterator=None, data_batch=None, without_strategy=False
 
     Without a strategy Keras waits for the first traced step instead; with
     `without_strategy=True` the build happens here all the same.
+
+    Returns:
+        The batch built from (one replica's share of it), or None.
     """
     if model._distribute_strategy is None and not without_strategy:
         # As Keras: without a strategy, building waits for the first trace.
@@ -362,10 +371,11 @@ def symbolic_build(model, iterator=None, data_batch=None, without_strategy=False
             try:
                 data_batch = tree.map_structure(local, next(it))
             except StopIteration:
-                return  # no data: nothing will train
+                return None  # no data: nothing will train
             break
     with strategy.scope():
         model._symbolic_build(data_batch=data_batch)
+    return data_batch
 
 
 def reduce_outputs(outputs, strategy):
@@ -383,6 +393,45 @@ def reduce_outputs(outputs, strategy):
     return reduce_per_replica(outputs, strategy, reduction="auto")
 
 
+def make_step_on_data(model, replica_step, after_step=None, reduce_retracing=True):
+    """One training step on a batch in hand, as Keras's `one_step_on_data`.
+
+    `strategy.run(replica_step)` on the batch, then `after_step()` (if given)
+    in cross-replica context, outputs reduced by `reduce_outputs`; traced
+    (with the model's `jit_compile`) unless the model runs eagerly; with
+    `reduce_retracing=False`, once per batch shape.
+    """
+    strategy = model.distribute_strategy
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_data(data):
+        outputs = strategy.run(replica_step, args=(data,))
+        if after_step is not None:
+            after_step()
+        return reduce_outputs(outputs, strategy)
+
+    if model.run_eagerly:
+        return one_step_on_data
+    return tf.function(
+        one_step_on_data,
+        reduce_retracing=reduce_retracing,
+        jit_compile=model.jit_compile,
+    )
+
+
+def optionals_to_none(data):
+    """A batch with `tf.experimental.Optional` leaves made None.
+
+    Keras >= 3.13 delivers a dataset's None entries (e.g. no sample weights)
+    as empty Optionals and turns them back into None before its step
+    (`_autoconvert_optionals`); a batch taken from the iterator outside
+    Keras's train function needs the same.
+    """
+    return tree.map_structure(
+        lambda t: None if isinstance(t, tf.experimental.Optional) else t, data
+    )
+
+
 def make_replicated_function(model, replica_step, after_step=None):
     """A train or test function for a model under a multi-replica strategy.
 
@@ -396,13 +445,7 @@ def make_replicated_function(model, replica_step, after_step=None):
     reduced by `reduce_outputs`, which also works across workers.
     """
     strategy = model.distribute_strategy
-
-    @tf.autograph.experimental.do_not_convert
-    def one_step_on_data(data):
-        outputs = strategy.run(replica_step, args=(data,))
-        if after_step is not None:
-            after_step()
-        return reduce_outputs(outputs, strategy)
+    one_step_on_data = make_step_on_data(model, replica_step, after_step)
 
     def one_step_on_iterator(iterator):
         # The next batch is taken inside the traced step, as Keras does: an
@@ -412,9 +455,6 @@ def make_replicated_function(model, replica_step, after_step=None):
         return one_step_on_data(iterator.get_next())
 
     if not model.run_eagerly:
-        one_step_on_data = tf.function(
-            one_step_on_data, reduce_retracing=True, jit_compile=model.jit_compile
-        )
         one_step_on_iterator = tf.function(one_step_on_iterator, reduce_retracing=True)
 
     def steps(iterator):

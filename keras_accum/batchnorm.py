@@ -177,8 +177,13 @@ class BatchNormWindow(tf.Module, internals.SavedState):
         return self._windows[key]
 
     @contextlib.contextmanager
-    def micro_batch(self):
+    def micro_batch(self, deferred=None):
         """Records the moments of every pooled layer's forward pass in the block.
+
+        With a list `deferred`, the moments are appended to it as tensors
+        instead of being added to the window: `record(deferred)` adds them
+        later (micro-batches inside one step write no window state until
+        every one of them has run).
 
         Reentrant across threads: under MirroredStrategy each replica's step
         is traced in a thread of its own, which all enter this block, and
@@ -196,6 +201,7 @@ class BatchNormWindow(tf.Module, internals.SavedState):
                         self._patches.enter_context(_momentum_one(layer))
             self._entered += 1
         self._before.values = []
+        self._before.deferred = deferred
         try:
             yield
             # Keras's own update with momentum 1 leaves the moving statistics
@@ -205,6 +211,7 @@ class BatchNormWindow(tf.Module, internals.SavedState):
                 variable.assign(value)
         finally:
             self._before.values = []
+            self._before.deferred = None
             with self._lock:
                 self._entered -= 1
                 if not self._entered:
@@ -223,13 +230,33 @@ class BatchNormWindow(tf.Module, internals.SavedState):
                 if context is not None and context.num_replicas_in_sync > 1:
                     count = context.all_reduce(tf.distribute.ReduceOp.SUM, count)
             shape = window.mean.shape
-            window.add(
+            moments = (
+                window,
                 tf.broadcast_to(count, shape),
                 tf.reshape(mean, shape),
                 tf.reshape(variance, shape),
             )
+            deferred = getattr(self._before, "deferred", None)
+            if deferred is None:
+                window.add(*moments[1:])
+            else:
+                deferred.append(moments)
 
         return record
+
+    def record(self, deferred):
+        """Adds moments collected by `micro_batch(deferred)` to their windows.
+
+        A micro-batch with no values (an empty trailing slice of a short
+        batch) has NaN moments and count 0: it adds nothing.
+        """
+        for window, count, mean, variance in deferred:
+            seen = count > 0
+            window.add(
+                count,
+                tf.where(seen, mean, tf.zeros_like(mean)),
+                tf.where(seen, variance, tf.zeros_like(variance)),
+            )
 
     def apply(self, finite_only=False):
         """Folds the window into each layer's moving statistics; a new window starts.

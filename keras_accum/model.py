@@ -4,6 +4,8 @@ import keras
 import tensorflow as tf
 
 from keras_accum import _keras_internals as internals
+from keras_accum import microbatch
+from keras_accum.auto_micro_batch import WHOLE_BATCH, AutoMicroBatch, StepState
 from keras_accum.accumulator import (
     GradientAccumulator,
     check_accum_steps,
@@ -11,6 +13,7 @@ from keras_accum.accumulator import (
 )
 from keras_accum.backup import check_callbacks
 from keras_accum.batchnorm import BatchNormWindow, check_batchnorm
+from keras_accum.microbatch import check_micro_batch_size, static_batch_size
 from keras_accum.nonfinite import NonFiniteWindows
 from keras_accum.normaliser import loss_normaliser, micro_batch_weight
 from keras_accum.optimizer import check_not_accumulating
@@ -99,6 +102,18 @@ class AccumModel(keras.Model):
             update at every micro-batch (momentum applied `accum_steps`
             times per update). The forward pass normalises each micro-batch
             with its own moments either way.
+        micro_batch_size: if set, each batch `fit` draws is split into
+            micro-batches of this many samples inside the compiled step;
+            their gradients are summed exactly and make one update (or, with
+            `accum_steps > 1`, one micro-step of the window): the training
+            of the whole batch with the memory of the micro-batch. An
+            integer >= 1, "auto", or None (default: whole batches). "auto":
+            whole batches until a step runs out of memory
+            (`tf.errors.ResourceExhaustedError`), then the same batch is
+            trained again on micro-batches half the size, as often as
+            needed, and the size that fitted is kept
+            (`chosen_micro_batch_size`); the failed attempt leaves no trace,
+            so the training is unchanged. One device only.
         **kwargs: passed to `keras.Model`.
 
     Example:
@@ -109,6 +124,11 @@ class AccumModel(keras.Model):
     model = keras_accum.AccumModel(inputs, outputs, accum_steps=4)
     model.compile("adam", "sparse_categorical_crossentropy")
     model.fit(x, y, batch_size=32)  # updates as with batch_size=128
+
+    # The batch you want, split inside the step.
+    model = keras_accum.AccumModel(inputs, outputs, micro_batch_size=32)
+    model.compile("adam", "sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=256)  # one update per 256, 32 at a time
 
     class Net(keras_accum.AccumModel):
         def __init__(self):
@@ -134,10 +154,12 @@ class AccumModel(keras.Model):
         accum_dtype=None,
         skip_nonfinite=False,
         batchnorm="window",
+        micro_batch_size=None,
         **kwargs,
     ):
         accum_steps = check_accum_steps(accum_steps)
         batchnorm = check_batchnorm(batchnorm)
+        micro_batch_size = check_micro_batch_size(micro_batch_size)
         accumulator = GradientAccumulator(dtype=accum_dtype)
         if internals.functional_init_arguments(args, kwargs):
             # Calling Functional.__init__ ourselves, on a class that already
@@ -148,6 +170,14 @@ class AccumModel(keras.Model):
         else:
             super().__init__(*args, **kwargs)
         self._accum_steps = accum_steps
+        self._micro_batch_size = micro_batch_size
+        # The batch size the step splits into micro-batches, learnt from the
+        # first batch (see _maybe_symbolic_build).
+        self._batch_size_seen = None
+        self._auto_micro_batch = AutoMicroBatch()
+        # Set while fit or train_on_batch builds from its first batch (not
+        # evaluate's, whose batches the step never splits).
+        self._training_build = False
         self._accumulator = accumulator
         self._flush_function = None
         self._flush_key = None
@@ -190,6 +220,53 @@ class AccumModel(keras.Model):
         self._accum_steps = value
         self._retrace()
 
+    @property
+    def micro_batch_size(self):
+        """Samples per micro-batch inside each step, "auto", or None (whole batches).
+
+        Setting it makes the next train step split batches with the new size
+        (a train function per size is traced once and kept).
+        """
+        return self._micro_batch_size
+
+    @micro_batch_size.setter
+    def micro_batch_size(self, value):
+        value = check_micro_batch_size(value)
+        if value == self._micro_batch_size:
+            return
+        self._micro_batch_size = value
+        self._retrace()
+
+    def _step_micro_batch_size(self):
+        """The micro-batch size the step being traced splits batches into: a
+        Python int, or None for whole batches.
+
+        "auto" starts from the whole batch, as one micro-batch: the split
+        step writes no state before its loss and gradients exist, so a step
+        that runs out of memory can be retried (auto_micro_batch.py).
+        """
+        size = self._micro_batch_size
+        if size == "auto":
+            return self._auto_micro_batch.size or WHOLE_BATCH
+        return size
+
+    @property
+    def chosen_micro_batch_size(self):
+        """The micro-batch size `micro_batch_size="auto"` trains with.
+
+        None (whole batches) until a step runs out of memory; then the
+        halved size that fitted, kept for the rest of training (and later
+        `fit` calls of this model).
+        """
+        return self._auto_micro_batch.size
+
+    def _step_settings(self):
+        # What the traced step reads as Python constants: a train function
+        # is kept per value (train_functions.py).
+        if self._micro_batch_size is None:
+            return self._accum_steps
+        return (self._accum_steps, self._micro_batch_size, self._batch_size_seen)
+
     def _retrace(self):
         # The window length is a Python constant in the traced step (cheaper
         # than a variable read every micro-batch), so a new one needs its own
@@ -211,14 +288,22 @@ class AccumModel(keras.Model):
         callbacks=None,
         *,
         accum_steps=None,
+        micro_batch_size=None,
         **kwargs,
     ):
-        """`keras.Model.fit`, plus `accum_steps` for this call only.
+        """`keras.Model.fit`, plus `accum_steps` and `micro_batch_size` for this
+        call only.
 
         Args:
             accum_steps: if given, overrides `self.accum_steps` for this call;
                 validated before any training happens.
-            (others): as `keras.Model.fit`. `batch_size` is the micro-batch.
+            micro_batch_size: if given, overrides `self.micro_batch_size`
+                for this call: each batch of `batch_size` is split into
+                micro-batches of this many samples inside the step (one
+                update per batch when `accum_steps=1`), or "auto" (see
+                `AccumModel`). Validated before any training happens.
+            (others): as `keras.Model.fit`. `batch_size` is the batch each
+                step trains on (the micro-batch of an `accum_steps` window).
 
         A window left open when an epoch's data ends is applied before
         validation and before other callbacks' `on_epoch_end`.
@@ -228,15 +313,21 @@ class AccumModel(keras.Model):
         check_callbacks(
             getattr(callbacks, "callbacks", callbacks) or [], self.distribute_strategy
         )
+        if micro_batch_size is not None:
+            micro_batch_size = check_micro_batch_size(micro_batch_size)
         previous = self._accum_steps
+        previous_micro = self._micro_batch_size
         if accum_steps is not None:
             self.accum_steps = accum_steps
+        if micro_batch_size is not None:
+            self.micro_batch_size = micro_batch_size
         flush = _WindowFlush(self)
         if isinstance(callbacks, keras.callbacks.CallbackList):
             callbacks.callbacks.insert(0, flush)
             flush.set_model(self)
         else:
             callbacks = [flush] + list(callbacks or [])
+        self._training_build = True
         try:
             return super().fit(
                 x,
@@ -248,6 +339,7 @@ class AccumModel(keras.Model):
                 **kwargs,
             )
         finally:
+            self._training_build = False
             if isinstance(callbacks, keras.callbacks.CallbackList):
                 callbacks.callbacks.remove(flush)
             if self._accum_steps != previous:
@@ -256,6 +348,9 @@ class AccumModel(keras.Model):
                 # The next fit or train_on_batch traces a new step.
                 self._accum_steps = previous
                 self.train_function = None
+            if self._micro_batch_size != previous_micro:
+                self._micro_batch_size = previous_micro
+                self.train_function = None
 
     def make_train_function(self, force=False):
         if self.train_function is not None and not force:
@@ -263,6 +358,10 @@ class AccumModel(keras.Model):
         check_not_accumulating(self.optimizer, self._accum_steps)
         if self._windowed() and self.built:
             self._bind_window()
+        elif self._step_micro_batch_size() is not None and self.built:
+            # The batch's pooled moments are applied in the step: windows
+            # made now, outside any replica.
+            self._batchnorm.build(self.distribute_strategy)
         function = None if force else self._train_functions.get(self)
         if function is None:
             function = self._new_train_function()
@@ -272,6 +371,18 @@ class AccumModel(keras.Model):
 
     def _new_train_function(self):
         strategy = self.distribute_strategy
+        if self._micro_batch_size == "auto":
+            if strategy.num_replicas_in_sync > 1 or internals.multi_worker(strategy):
+                raise ValueError(
+                    "`micro_batch_size='auto'` trains on one device; under "
+                    f"{type(strategy).__name__} set an integer "
+                    "`micro_batch_size` (the micro-batch per replica). "
+                    "Received: micro_batch_size='auto'."
+                )
+            self.train_function = self._auto_micro_batch.train_function(
+                self, self._make_step, StepState(self._forward_state)
+            )
+            return self.train_function
         if self._windowed():
             if strategy.num_replicas_in_sync > 1:
                 self.train_function = internals.make_replicated_function(
@@ -287,6 +398,23 @@ class AccumModel(keras.Model):
             return self.train_function
         super().make_train_function(force=True)
         return self.train_function
+
+    def _make_step(self):
+        # One step on a batch in hand, traced per batch shape: the split is
+        # static and exact for every batch, the epoch's short last one too.
+        return internals.make_step_on_data(self, self.train_step, reduce_retracing=False)
+
+    def _forward_state(self):
+        # Variables a step may write before its gradients exist (see
+        # auto_micro_batch.StepState).
+        acc = self._accumulator
+        scalars = [acc.micro_step, acc.window_weight] if acc.built else []
+        return [
+            *self.non_trainable_variables,
+            *self.metrics_variables,
+            *self._batchnorm.variables,
+            *scalars,
+        ]
 
     def make_test_function(self, force=False):
         if self.test_function is not None and not force:
@@ -306,9 +434,30 @@ class AccumModel(keras.Model):
         # from the first batch's shapes, as Keras does under a strategy.
         # Keras's own version also fails across workers
         # (tensorflow/tensorflow#72388).
-        internals.symbolic_build(
+        data_batch = internals.symbolic_build(
             self, iterator=iterator, data_batch=data_batch, without_strategy=True
         )
+        if self._training_build:
+            self._training_build = False
+            self._see_batch(data_batch)
+
+    def _see_batch(self, data_batch):
+        # The step splits a batch whose size the trace may not know (fit's
+        # batch dimension is None): it is taken from the first training
+        # batch, here, in Python, and a new size gets its own train function.
+        size = None if data_batch is None else static_batch_size(data_batch)
+        if size is None or size == self._batch_size_seen:
+            return
+        self._batch_size_seen = size
+        if self._micro_batch_size is not None:
+            self.train_function = None
+
+    def train_on_batch(self, *args, **kwargs):
+        self._training_build = True
+        try:
+            return super().train_on_batch(*args, **kwargs)
+        finally:
+            self._training_build = False
 
     def _bind_window(self):
         """Makes the window the trainable variables' and builds the optimizer.
@@ -337,7 +486,10 @@ class AccumModel(keras.Model):
 
     def train_step(self, data):
         if not self._windowed():
-            return super().train_step(data)
+            size = self._step_micro_batch_size()
+            if size is None:
+                return super().train_step(data)
+            return self._train_on_micro_batches(data, size)
         logs = self._accumulate(data)
         self._accumulator.when_full(self._accum_steps, self._apply_window)
         return logs
@@ -346,27 +498,6 @@ class AccumModel(keras.Model):
         # TensorFlowTrainer.train_step with the update replaced by
         # accumulation; keep in step with it (see _keras_internals).
         internals.build_compiled_loss(self, data)
-        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        loss_scale = loss_scale_of(self.optimizer)
-        # The micro-batch's weight is folded into the loss where that is safe:
-        # one scalar multiply instead of one per gradient element. Not under
-        # loss scaling or float16, where it could overflow float16 gradients;
-        # there the (then needed anyway) per-element unscale carries it.
-        fold = loss_scale is None and self.dtype_policy.compute_dtype != "float16"
-        normalisers = []
-        with tf.GradientTape() as tape:
-            with self._batchnorm.micro_batch():
-                y_pred = internals.call_for_training(self, x)
-            with internals.recording_loss_calls(
-                self, lambda *call: normalisers.append(loss_normaliser(*call))
-            ):
-                loss = internals.compute_loss(self, x, y, y_pred, sample_weight)
-            n = internals.batch_size(x)
-            internals.track_loss(self, loss, n)
-            weight, normalise = micro_batch_weight(normalisers, n)
-            scaled = self.optimizer.scale_loss(loss)
-            if fold:
-                scaled = scaled * tf.cast(weight, loss.dtype)
         variables = self._accumulator.window_variables
         if variables is None:
             raise ValueError(
@@ -376,6 +507,65 @@ class AccumModel(keras.Model):
                 "before training it outside `fit`, `train_on_batch` and "
                 "`evaluate`."
             )
+        size = self._step_micro_batch_size()
+        if size is not None:
+            x, y, sample_weight, batch, moments = self._split_gradients(
+                data, size, variables
+            )
+            # Nothing is written until every micro-batch has run: a step that
+            # fails part-way (out of memory) leaves all state as it was.
+            with tf.control_dependencies(microbatch.control_after(batch)):
+                self._batchnorm.record(moments)
+                internals.track_loss(self, batch.loss, batch.num_samples)
+                self._accumulator.add(
+                    batch.grads,
+                    batch.weight,
+                    normalise=batch.normalise,
+                    variables=variables,
+                )
+                return self.compute_metrics(x, y, batch.y_pred, sample_weight=sample_weight)
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        step = self._gradients(x, y, sample_weight, variables)
+        internals.track_loss(self, step.loss, step.num_samples)
+        self._accumulator.add(
+            step.grads,
+            step.weight,
+            step.grad_scale,
+            normalise=step.normalise,
+            variables=variables,
+        )
+        return self.compute_metrics(x, y, step.y_pred, sample_weight=sample_weight)
+
+    def _gradients(self, x, y, sample_weight, variables, moments=None, live=None):
+        """One forward and backward pass, as Keras's train_step makes it.
+
+        Returns `microbatch.Gradients`: the gradients and the weight (what
+        Keras normalised the loss by) that make them exact to sum.
+        BatchNormalization moments go to the window, or to the list
+        `moments` to be recorded later. `live` (a 0/1 float tensor)
+        multiplies the weight: 0 makes the gradient exactly zero.
+        """
+        loss_scale = loss_scale_of(self.optimizer)
+        # The micro-batch's weight is folded into the loss where that is safe:
+        # one scalar multiply instead of one per gradient element. Not under
+        # loss scaling or float16, where it could overflow float16 gradients;
+        # there the (then needed anyway) per-element unscale carries it.
+        fold = loss_scale is None and self.dtype_policy.compute_dtype != "float16"
+        normalisers = []
+        with tf.GradientTape() as tape:
+            with self._batchnorm.micro_batch(moments):
+                y_pred = internals.call_for_training(self, x)
+            with internals.recording_loss_calls(
+                self, lambda *call: normalisers.append(loss_normaliser(*call))
+            ):
+                loss = internals.compute_loss(self, x, y, y_pred, sample_weight)
+            n = internals.batch_size(x)
+            weight, normalise = micro_batch_weight(normalisers, n)
+            if live is not None:
+                weight = weight * live
+            scaled = self.optimizer.scale_loss(loss)
+            if fold:
+                scaled = scaled * tf.cast(weight, loss.dtype)
         grads = tape.gradient(scaled, variables)
         if fold:
             grad_scale = None
@@ -383,10 +573,71 @@ class AccumModel(keras.Model):
             grad_scale = weight
         else:
             grad_scale = weight / loss_scale
-        self._accumulator.add(
-            grads, weight, grad_scale, normalise=normalise, variables=variables
+        return microbatch.Gradients(
+            grads, grad_scale, weight, normalise, loss, n, y_pred
         )
-        return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+
+    def _split_gradients(self, data, size, variables):
+        """The batch's summed gradients from micro-batches of `size` samples,
+        in tensors; no state is written but by the layers' forward passes."""
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        moments = []
+        parts = []
+        for part, live in microbatch.split(
+            (x, y, sample_weight), size, self._batch_size_seen
+        ):
+            if parts:
+                part = microbatch.after(parts[-1], part)
+            if live is None:
+                parts.append(self._gradients(*part, variables, moments))
+                continue
+            # A stand-in past a short batch's end: weighs nothing, counts no
+            # sample, predicts no row, adds no BatchNormalization moments.
+            live = tf.cast(live, tf.float32)
+            first = len(moments)
+            step = self._gradients(*part, variables, moments, live=live)
+            rows = step.num_samples * tf.cast(live, step.num_samples.dtype)
+            moments[first:] = [
+                (window, count * tf.cast(live, count.dtype), mean, variance)
+                for window, count, mean, variance in moments[first:]
+            ]
+            parts.append(
+                step._replace(
+                    loss=step.loss * tf.cast(live, step.loss.dtype),
+                    num_samples=rows,
+                    y_pred=microbatch.drop_rows(step.y_pred, rows),
+                )
+            )
+        return x, y, sample_weight, microbatch.combine(parts), moments
+
+    def _train_on_micro_batches(self, data, size):
+        # accum_steps=1: the batch's gradient goes straight to the optimizer,
+        # no buffers.
+        internals.build_compiled_loss(self, data)
+        variables = self.trainable_variables
+        x, y, sample_weight, batch, moments = self._split_gradients(
+            data, size, variables
+        )
+        total = batch.weight
+        context = tf.distribute.get_replica_context()
+        if context is not None and context.num_replicas_in_sync > 1:
+            # As for a window across replicas (_apply_across_replicas): the
+            # optimizer sums replicas' gradients of losses Keras divided by
+            # the number of replicas.
+            total = context.all_reduce(tf.distribute.ReduceOp.SUM, total)
+            total = total / context.num_replicas_in_sync
+        with tf.control_dependencies(microbatch.control_after(batch)):
+            self._batchnorm.record(moments)
+            self._batchnorm.apply()
+            internals.track_loss(self, batch.loss, batch.num_samples)
+            grads = microbatch.batch_gradients(
+                batch, loss_scale_of(self.optimizer), total
+            )
+            self.optimizer.apply(
+                [None if g is None else tf.cast(g, v.dtype) for g, v in zip(grads, variables)],
+                variables,
+            )
+            return self.compute_metrics(x, y, batch.y_pred, sample_weight=sample_weight)
 
     def _apply_window(self):
         if self.distribute_strategy.num_replicas_in_sync > 1:
@@ -527,6 +778,8 @@ class AccumModel(keras.Model):
         if self._nonfinite is not None:
             config["skip_nonfinite"] = True
         config["batchnorm"] = self._batchnorm.mode
+        if self._micro_batch_size is not None:
+            config["micro_batch_size"] = self._micro_batch_size
         return config
 
     @classmethod
@@ -536,9 +789,11 @@ class AccumModel(keras.Model):
         accum_dtype = config.pop("accum_dtype", None)
         skip_nonfinite = config.pop("skip_nonfinite", False)
         batchnorm = config.pop("batchnorm", "window")
+        micro_batch_size = check_micro_batch_size(config.pop("micro_batch_size", None))
         model = super().from_config(config, custom_objects=custom_objects)
         model._batchnorm = BatchNormWindow(model, batchnorm)
         model.accum_steps = accum_steps
+        model.micro_batch_size = micro_batch_size
         if accum_dtype is not None:
             model._accumulator = GradientAccumulator(dtype=accum_dtype)
         model._set_skip_nonfinite(skip_nonfinite)

@@ -1,11 +1,12 @@
-"""One traced train function per `accum_steps` value, reused while it is valid."""
+"""One traced train function per step setting (`accum_steps`, micro-batch size),
+reused while it is valid."""
 
 
 class TrainFunctionCache:
-    """Keeps a model's train functions by `accum_steps`.
+    """Keeps a model's train functions by `accum_steps` (and micro-batch split).
 
-    The window length is a Python constant in the traced step, so each value
-    needs its own function; keeping them means a schedule of k distinct
+    The window length and the micro-batch split are Python constants in the
+    traced step, so each setting needs its own function; keeping them means a schedule of k distinct
     values, or repeated `fit(accum_steps=k)`, traces k functions in all.
     An entry is reused only while what its trace captured is unchanged: the
     compiled state (`compile()` makes a new optimizer and loss tracker) and
@@ -26,7 +27,7 @@ class TrainFunctionCache:
         self._functions = {}
 
     def get(self, model):
-        entry = self._functions.get(model.accum_steps)
+        entry = self._functions.get(_key(model))
         if entry is None or not _same(entry[0], _captured(model)):
             return None
         return entry[1]
@@ -40,13 +41,19 @@ class TrainFunctionCache:
             for steps, entry in self._functions.items()
             if _same(entry[0], captured)
         }
-        self._functions[model.accum_steps] = (captured, function)
+        self._functions[_key(model)] = (captured, function)
 
     def clear(self):
         self._functions.clear()
 
     def __len__(self):
         return len(self._functions)
+
+
+def _key(model):
+    # What the step reads as Python constants when traced.
+    settings = getattr(model, "_step_settings", None)
+    return settings() if settings is not None else model.accum_steps
 
 
 def _captured(model):

@@ -5,6 +5,7 @@ import keras
 from keras_accum import _keras_internals as internals
 from keras_accum.accumulator import check_accum_steps
 from keras_accum.batchnorm import check_batchnorm
+from keras_accum.microbatch import check_micro_batch_size
 from keras_accum.model import AccumModel
 
 
@@ -54,7 +55,13 @@ class WrappedModel(AccumModel):
         return cls(model, **config)
 
 
-def wrap(model, accum_steps=1, skip_nonfinite=False, batchnorm="window"):
+def wrap(
+    model,
+    accum_steps=1,
+    skip_nonfinite=False,
+    batchnorm="window",
+    micro_batch_size=None,
+):
     """Returns an `AccumModel` that trains `model`'s own layers and weights.
 
     Training the result trains `model`: no weights are copied. A functional
@@ -70,6 +77,9 @@ def wrap(model, accum_steps=1, skip_nonfinite=False, batchnorm="window"):
         batchnorm: 'window' (default) or 'micro_batch': how
             `BatchNormalization` layers update their moving statistics; see
             `AccumModel`.
+        micro_batch_size: split each batch into micro-batches of this many
+            samples inside the step, or "auto" to find the size that fits
+            memory; see `AccumModel`. Default None.
 
     Returns:
         An `AccumModel`, not yet compiled.
@@ -84,6 +94,7 @@ def wrap(model, accum_steps=1, skip_nonfinite=False, batchnorm="window"):
     """
     accum_steps = check_accum_steps(accum_steps)
     check_batchnorm(batchnorm)
+    micro_batch_size = check_micro_batch_size(micro_batch_size)
     if not isinstance(model, keras.Model):
         raise TypeError(
             "`model` must be a keras.Model. "
@@ -104,6 +115,7 @@ def wrap(model, accum_steps=1, skip_nonfinite=False, batchnorm="window"):
             accum_steps=accum_steps,
             skip_nonfinite=skip_nonfinite,
             batchnorm=batchnorm,
+            micro_batch_size=micro_batch_size,
         )
     _check_no_step_overrides(model)
     return WrappedModel(
@@ -111,6 +123,7 @@ def wrap(model, accum_steps=1, skip_nonfinite=False, batchnorm="window"):
         accum_steps=accum_steps,
         skip_nonfinite=skip_nonfinite,
         batchnorm=batchnorm,
+        micro_batch_size=micro_batch_size,
     )
 
 

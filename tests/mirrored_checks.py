@@ -96,6 +96,24 @@ def main():
             out["weights"]["adam_steps_per_execution_3"] = max_diff(plain, acc)
             out["history"]["adam_steps_per_execution_3"] = history_diff(h_plain, h_acc)
 
+    # micro_batch_size: each replica splits its share of the batch (16 of
+    # 32) into micro-batches of 4 (uneven: the last batch of 12 is 6 per
+    # replica, 4 + 2 and two stand-ins); alone and with accum_steps=2.
+    plain = functional()
+    plain.compile(OPTIMIZERS["adam"](), loss(), metrics=["accuracy"])
+    h_plain = plain.fit(x, y, batch_size=32, **fit)
+    for accum_steps, batch in ((1, 32), (2, 16)):
+        with strategy.scope():
+            acc = functional(AccumModel, micro_batch_size=4, accum_steps=accum_steps)
+            acc.compile(OPTIMIZERS["adam"](), loss(), metrics=["accuracy"])
+        h_acc = acc.fit(x, y, batch_size=batch, **fit)
+        out["micro_batch"] = out.get("micro_batch", {})
+        out["micro_batch"][f"accum_steps_{accum_steps}"] = {
+            "weights": max_diff(plain, acc),
+            "history": history_diff(h_plain, h_acc),
+            "iterations": [int(m.optimizer.iterations.numpy()) for m in (plain, acc)],
+        }
+
     # mixed_float16: the loss scale is checked and updated once per window,
     # on the window's gradient summed across replicas.
     keras.mixed_precision.set_global_policy("mixed_float16")

@@ -22,6 +22,22 @@ def test_quick_benchmark_writes_its_report(tmp_path):
         # Listed even when unavailable (gradient-accumulator is optional).
         assert name in report, name
     assert "## Memory" in report
+    # The price of the memory saved: every mode against the big batch itself,
+    # and micro-batch mode's memory row.
+    assert "## Price of the memory saved" in report
+    for mode in ("big batch", "step mode", "micro_batch_size=b", "micro_batch_size='auto'"):
+        assert f"| {mode} |" in report, mode
+    assert "| micro_batch_size b of N*b |" in report
     assert "## Two workers" in report
 
     assert (tmp_path / "results.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_micro_batch_split_timing_runs():
+    result = run_python(
+        "-m", "benchmarks.micro_batch_split", "--quick", "--rounds", "1",
+        "--workloads", "mlp", timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for label in ("big batch", "micro_batch_size=32", "step mode", "summed"):
+        assert label in result.stdout, label

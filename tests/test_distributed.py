@@ -57,6 +57,15 @@ def test_two_replicas_match_one_device_big_batch(mirrored, optimizer):
         assert mirrored["history"][optimizer] < 1e-5
 
 
+@pytest.mark.parametrize("accum_steps", [1, 2])
+def test_micro_batch_size_splits_each_replicas_share(mirrored, accum_steps):
+    result = mirrored["micro_batch"][f"accum_steps_{accum_steps}"]
+    assert result["weights"] < ATOL
+    assert result["iterations"][0] == result["iterations"][1] == 6
+    if METRICS_EXACT:
+        assert result["history"] < 1e-5
+
+
 def test_keras_builtin_accumulation_fails_under_mirrored_strategy(mirrored):
     # keras-team/keras#20582: its conditional update is a cond inside the
     # replica function around a merge_call. If this starts failing, Keras

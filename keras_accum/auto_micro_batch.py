@@ -1,0 +1,159 @@
+"""`micro_batch_size="auto"`: a step that runs out of memory is retried on
+smaller micro-batches, and the training does not change.
+
+Because the micro-batches of a batch are summed exactly (microbatch.py), the
+micro-batch size is a memory setting, not a training one: any size gives the
+same update. So when a step raises `tf.errors.ResourceExhaustedError`, the
+same batch is trained again with micro-batches half the size, and the size
+that worked is kept for the rest of training.
+
+Keras's `fit` hands the train function an iterator and the batch is taken
+from it inside the traced function, so a failed step would lose its batch.
+In auto mode the train function takes each step's batch from the iterator
+eagerly, in Python, and calls a traced step on it: a failed attempt leaves
+the batch in hand to retry. Whatever the failed attempt may have written
+before the error (statistics a layer updates in its forward pass, metrics)
+is put back first, so the retry starts from exactly the state before it.
+"""
+
+import logging
+
+import tensorflow as tf
+from keras import tree
+
+from keras_accum import _keras_internals as internals
+
+_log = logging.getLogger("keras_accum")
+
+# The micro-batch size of a step on whole batches: more samples than any
+# batch holds, and an int32 still, as the split step's slicing needs.
+WHOLE_BATCH = 2**31 - 1
+
+
+class AutoMicroBatch:
+    """The micro-batch size chosen by `micro_batch_size="auto"`.
+
+    Starts from the whole batch (`size` None) or a remembered size; halves it
+    (rounding up) each time a step runs out of memory, and keeps it.
+
+    Args:
+        size: the size to start from, an integer >= 1, or None for the whole
+            batch.
+
+    Example:
+
+    ```python
+    auto = AutoMicroBatch()
+    function = auto.train_function(model, make_step)  # fit's train_function
+    auto.size  # None until a step ran out of memory, then e.g. 16
+    ```
+    """
+
+    def __init__(self, size=None):
+        self.size = size
+
+    def train_function(self, model, make_step, state):
+        """A train function for `fit` that retries out-of-memory steps.
+
+        Args:
+            model: the model trained (for `steps_per_execution`).
+            make_step: returns a new step `step(data) -> logs`, traced for
+                the current `self.size`; called again after each halving.
+            state: a `StepState` for the variables a failed attempt may have
+                written.
+
+        Returns:
+            `function(iterator) -> logs`, as Keras's `train_function`: runs
+            up to `steps_per_execution` steps on batches taken from
+            `iterator`, and raises StopIteration if it holds none.
+        """
+        step = make_step()
+
+        def run(data):
+            nonlocal step
+            while True:
+                before = state.snapshot()
+                try:
+                    return step(data)
+                except tf.errors.ResourceExhaustedError as error:
+                    state.restore(before)
+                    self._halve(data, error)
+                    step = make_step()
+
+        def function(iterator):
+            logs = None
+            for _, data in zip(range(model.steps_per_execution), iterator):
+                logs = run(internals.optionals_to_none(data))
+            if logs is None:
+                raise StopIteration
+            return logs
+
+        return function
+
+    def _halve(self, data, error):
+        current = self.size or _batch_size(data)
+        if current is None or current <= 1:
+            raise tf.errors.ResourceExhaustedError(
+                error.node_def,
+                error.op,
+                "A training step ran out of memory with micro-batches of 1 "
+                "sample (micro_batch_size='auto' halved them down to 1), so "
+                "no micro-batch size fits: make the model or its inputs "
+                "smaller, or free memory. The error was: " + error.message,
+            ) from error
+        self.size = (current + 1) // 2
+        _log.warning(
+            "A training step ran out of memory with micro-batches of %d "
+            "samples; training on with micro_batch_size=%d (the same batch "
+            "is trained again, the training is unchanged).",
+            current,
+            self.size,
+        )
+
+
+class StepState:
+    """Snapshot and restore of what a step may write before it fails.
+
+    A traced step's writes that depend on its gradients (the optimizer's
+    update and the accumulator's sums) cannot run before the gradients exist,
+    so a step that fails while computing them leaves them untouched (tested).
+    Writes made in the forward pass can: a `BatchNormalization` layer's
+    moving statistics, or metrics updated before a failing backward pass.
+    Those variables are small (statistics, counters, totals), so they are
+    copied before every attempt and put back after a failed one.
+
+    Args:
+        variables: a callable returning the variables to guard (read at every
+            snapshot: the model builds some of them in its first step).
+    """
+
+    def __init__(self, variables):
+        self._variables = variables
+        self._copy = None
+        self._copied_for = None
+
+    def snapshot(self):
+        variables = tuple(self._variables())
+        if self._copied_for != tuple(map(id, variables)):
+            # Traced once per set of variables: one call per step, not one
+            # read per variable.
+            self._copy = tf.function(
+                tf.autograph.experimental.do_not_convert(
+                    lambda: [tf.identity(v) for v in variables]
+                )
+            )
+            self._copied_for = tuple(map(id, variables))
+        return variables, self._copy()
+
+    @staticmethod
+    def restore(snapshot):
+        variables, values = snapshot
+        for variable, value in zip(variables, values):
+            variable.assign(value)
+
+
+def _batch_size(data):
+    leaves = [t for t in tree.flatten(data) if t is not None and len(t.shape)]
+    if not leaves:
+        return None
+    return int(tf.shape(leaves[0])[0])

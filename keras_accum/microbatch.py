@@ -1,0 +1,278 @@
+"""Micro-batches inside the step: each batch `fit` draws is split, its
+gradients summed exactly, and one update made.
+
+The step runs the forward and backward pass of every micro-batch of the batch
+in turn (unrolled in the traced graph: no `tf.while_loop`, so XLA fuses it
+like any other step) and sums their gradients, each micro-batch weighted by
+what Keras normalises its loss by (normaliser.py), exactly as a window of
+`accum_steps` micro-batches is summed across steps. Only one micro-batch's
+activations are alive at a time (each micro-batch waits for the previous
+one's gradients), so memory is the micro-batch's; the update, the logged
+loss and the metrics are the whole batch's.
+
+Everything is computed into tensors first; `AccumModel` makes every state
+write of the step (BatchNormalization's pooled moments, the loss tracker,
+the metrics, the window or the optimizer) wait for all micro-batches'
+gradients, so a step that fails part-way (out of memory) writes nothing.
+
+Example (inside a traced train step, as `AccumModel` does it):
+
+```python
+parts = [gradients_of(*part) for part, live in split(data, 32, 256)]
+batch = combine(parts)
+optimizer.apply(batch_gradients(batch), variables)
+```
+"""
+
+import math
+import numbers
+from typing import NamedTuple
+
+import tensorflow as tf
+from keras import tree
+
+from keras_accum import _keras_internals as internals
+
+AUTO = "auto"
+
+
+def check_micro_batch_size(micro_batch_size):
+    """Returns `micro_batch_size` (a Python int, None or "auto"), or raises
+    naming what was received.
+
+    Rejects bools, floats and other strings, even integral floats, as
+    `check_accum_steps` does.
+    """
+    if micro_batch_size is None or (
+        isinstance(micro_batch_size, str) and micro_batch_size == AUTO
+    ):
+        return micro_batch_size
+    if isinstance(micro_batch_size, bool) or not isinstance(
+        micro_batch_size, numbers.Integral
+    ):
+        raise TypeError(
+            "`micro_batch_size` must be an integer >= 1, 'auto' or None. "
+            f"Received: micro_batch_size={micro_batch_size!r} "
+            f"(of type {type(micro_batch_size).__name__}). "
+            "Pass a whole number such as micro_batch_size=32, or None to "
+            "train on whole batches."
+        )
+    if micro_batch_size < 1:
+        raise ValueError(
+            "`micro_batch_size` must be an integer >= 1, 'auto' or None. "
+            f"Received: micro_batch_size={micro_batch_size!r}. "
+            "Use None to train on whole batches."
+        )
+    return int(micro_batch_size)
+
+
+def static_batch_size(data):
+    """The batch dimension of `data` as a Python int, or None if unknown."""
+    x = data[0] if isinstance(data, tuple) else data
+    for leaf in tree.flatten(x):
+        if leaf is not None and getattr(leaf, "shape", None) is not None:
+            if len(leaf.shape) == 0:
+                return None
+            dim = leaf.shape[0]
+            return None if dim is None else int(dim)
+    return None
+
+
+def num_micro_batches(batch_size, micro_batch_size):
+    """How many micro-batches a batch of `batch_size` samples is split into."""
+    return max(1, math.ceil(batch_size / micro_batch_size))
+
+
+class Gradients(NamedTuple):
+    """One forward and backward pass: what a micro-batch (or a batch) gives.
+
+    Attributes:
+        grads: gradients of the (scaled) loss, one per variable, None where
+            the variable has none.
+        grad_scale: multiplies `grads` into `weight * gradient` (the
+            micro-batch's weight and the loss scale's undoing), or None when
+            the weight was folded into the loss already.
+        weight: what the loss was normalised by (normaliser.py).
+        normalise: whether the update divides by the total weight (Python bool).
+        loss: the loss as Keras computed it.
+        num_samples: the number of samples.
+        y_pred: the predictions.
+    """
+
+    grads: list
+    grad_scale: object
+    weight: object
+    normalise: bool
+    loss: object
+    num_samples: object
+    y_pred: object
+
+
+def split(data, micro_batch_size, batch_size_seen):
+    """Cuts a batch `(x, y, sample_weight)` into micro-batches, in order.
+
+    Yields `(micro_batch, live)`: `live` is None for a real micro-batch, or a
+    boolean tensor saying whether it is one.
+
+    With a static batch size the cuts are static: `micro_batch_size` samples
+    each, the last one shorter. Otherwise (fit's batch dimension is None)
+    there are as many micro-batches as the first training batch needs, of
+    `micro_batch_size` samples each. A shorter batch (an epoch's last) has
+    fewer real ones: each one past its end is the batch's last sample alone,
+    not live, which the step weighs 0 (an empty micro-batch would give NaN
+    moments, and NaN * 0 gradients, in layers such as BatchNormalization).
+    A longer batch is cut into as many longer micro-batches, never dropping
+    a sample.
+    """
+    static = static_batch_size(data)
+    if static is not None:
+        size = micro_batch_size
+        for start in range(0, max(static, 1), size):
+            stop = min(start + size, static)
+            yield _rows(data, start, stop), None
+        return
+    if batch_size_seen is None:
+        raise ValueError(
+            "`micro_batch_size` needs the batch size when the train step "
+            "is traced, but neither the batch's shape nor a first batch "
+            "seen by `fit` or `train_on_batch` gives it. Train with `fit` "
+            "or `train_on_batch`, or give batches a static size."
+        )
+    count = num_micro_batches(batch_size_seen, micro_batch_size)
+    total = internals.batch_size(data[0])
+    size = tf.maximum(micro_batch_size, -(-total // count))
+    for i in range(count):
+        if i == 0:
+            yield _rows(data, 0, tf.minimum(size, total)), None
+            continue
+        live = i * size < total
+        start = tf.minimum(i * size, total - 1)
+        stop = tf.maximum(tf.minimum((i + 1) * size, total), start + 1)
+        yield _rows(data, start, stop), live
+
+
+def _rows(data, start, stop):
+    return tree.map_structure(lambda t: None if t is None else t[start:stop], data)
+
+
+def drop_rows(y_pred, rows):
+    """The first `rows` rows of every prediction, masks included."""
+
+    def cut(t):
+        if t is None:
+            return None
+        kept = t[:rows]
+        mask = internals.get_keras_mask(t)
+        if mask is not None:
+            internals.set_keras_mask(kept, mask[:rows])
+        return kept
+
+    return tree.map_structure(cut, y_pred)
+
+
+def combine(parts):
+    """The batch's `Gradients` from its micro-batches', summed exactly.
+
+    `grads` are `weight * gradient` summed over micro-batches (the first
+    micro-batch's taken as they are, not added to zeros), in float32 for
+    half-precision variables; `grad_scale` is None; `loss` is the batch's
+    loss as Keras logs it for the whole batch; `y_pred` the batch's
+    predictions, masks included.
+    """
+    grads = None
+    for part in parts:
+        scaled = [_scaled(g, part.grad_scale) for g in part.grads]
+        grads = scaled if grads is None else [add_gradients(a, b) for a, b in zip(grads, scaled)]
+    weights = [tf.cast(p.weight, tf.float32) for p in parts]
+    weight = tf.add_n(weights)
+    losses = [tf.cast(p.loss, tf.float32) for p in parts]
+    normalise = parts[0].normalise
+    if normalise:
+        # The weighted mean is the big batch's loss: its normaliser is the
+        # sum of the micro-batches'.
+        loss = tf.math.divide_no_nan(
+            tf.add_n([w * l for w, l in zip(weights, losses)]), weight
+        )
+    else:
+        loss = tf.add_n(losses)
+    num_samples = tf.add_n([p.num_samples for p in parts])
+    y_pred = tree.map_structure(_concat, *[p.y_pred for p in parts])
+    return Gradients(grads, None, weight, normalise, loss, num_samples, y_pred)
+
+
+def batch_gradients(batch, loss_scale=None, total_weight=None):
+    """The update's gradients from a combined batch, in each gradient's dtype
+    for the optimizer: divided by the total weight (unless a sum), times the
+    loss scale a loss-scaling optimizer expects."""
+    if total_weight is None:
+        total_weight = batch.weight
+    inv = tf.math.divide_no_nan(1.0, total_weight) if batch.normalise else None
+    if loss_scale is not None:
+        inv = tf.cast(loss_scale, tf.float32) * (1.0 if inv is None else inv)
+    return [None if g is None else _scaled(g, inv) for g in batch.grads]
+
+
+def control_after(batch):
+    """Tensors that are ready only once every micro-batch has run.
+
+    The loss too: what it alone needs (a loss term's extra work, say) may
+    run, and fail, after the gradients are ready.
+    """
+    return [
+        t
+        for g in batch.grads
+        if g is not None
+        for t in ((g.values,) if isinstance(g, tf.IndexedSlices) else (g,))
+    ] + [batch.weight, batch.loss]
+
+
+def after(previous, part):
+    """`part`, readable only once `previous` (a `Gradients`) is computed.
+
+    The micro-batches of a step do not depend on each other, so the graph
+    could run several at once, holding several micro-batches' activations:
+    each waits for the one before, and memory stays the micro-batch's.
+    """
+    with tf.control_dependencies(control_after(previous)):
+        return tree.map_structure(lambda t: None if t is None else tf.identity(t), part)
+
+
+def _sum_dtype(dtype):
+    # As the accumulator's buffers: half-precision gradients are summed in
+    # float32.
+    dtype = tf.as_dtype(dtype)
+    return tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
+
+
+def _scaled(g, scale):
+    if g is None:
+        return None
+    if isinstance(g, tf.IndexedSlices):
+        values = _scaled(g.values, scale)
+        return tf.IndexedSlices(values, g.indices, g.dense_shape)
+    g = tf.cast(g, _sum_dtype(g.dtype))
+    return g if scale is None else g * tf.cast(scale, g.dtype)
+
+
+def add_gradients(a, b):
+    """`a + b` for one variable's gradients; sparse ones stay sparse."""
+    if a is None:
+        return None
+    if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+        # Rows of the batch, concatenated: as the big batch's gradient is.
+        return tf.IndexedSlices(
+            tf.concat([a.values, b.values], 0),
+            tf.concat([a.indices, b.indices], 0),
+            a.dense_shape,
+        )
+    return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
+
+
+def _concat(*tensors):
+    if any(t is None for t in tensors):
+        return None
+    joined = tf.concat(tensors, 0)
+    masks = [internals.get_keras_mask(t) for t in tensors]
+    if all(m is not None for m in masks):
+        internals.set_keras_mask(joined, tf.concat(masks, 0))
+    return joined
