@@ -7,10 +7,10 @@ Keras's Adam (and RMSprop, Adagrad) applies an `Embedding`'s sparse
 gradient occurrence by occurrence: a token seen k times in a batch adds the
 square of each occurrence's gradient to the second moment. AccumModel keeps
 a window's sparse gradient as slices and hands the optimizer all of the
-window's occurrences, the big batch's gradient, while the slices (values
-and indices) fit in the table-sized buffer, `tokens x (width + 1) <= rows x
-width`; a bigger window is summed into the dense buffer instead, and Adam then sees one occurrence
-per row. This measures both on small text models, as a share of how far
+window's occurrences, the big batch's gradient, while the slices fit in
+the table-sized buffer, `window tokens <= table rows`; a bigger window is
+summed into the dense buffer instead, and Adam then sees one occurrence per
+row. This measures both on small text models, as a share of how far
 the big batch moved the weights: a 5,000-row table (2,560 window tokens:
 slices) and a 1,000-row one (dense).
 """
@@ -100,7 +100,7 @@ def main(argv=None):
             f"({MICRO * N * LENGTH} tokens per window) against a plain "
             f"keras.Model with batch {MICRO * N}, Adam(0.01), {EPOCHS} epochs. "
             "A window is kept as slices while they fit in the table-sized "
-            "buffer (tokens x (width + 1) <= rows x width), else as a dense "
+            "buffer (window tokens <= table rows), else as a dense "
             "sum. Produced by "
             "`python -m benchmarks.sparse_adam_gap`.",
             "",

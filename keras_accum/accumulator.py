@@ -121,10 +121,11 @@ class GradientAccumulator(tf.Module, internals.SavedState):
             `dtype` asks otherwise. For a variable whose gradient is
             `tf.IndexedSlices` (an `Embedding`'s), the buffer holds the
             window's slices instead, one per row, while they fit
-            (sparse.py; their row indices too, so no more memory than the
-            dense sum): the window is then handed to the optimizer as one
+            (sparse.py): the window is then handed to the optimizer as one
             `IndexedSlices` of all its occurrences, as the big batch's
             gradient is, for Keras's occurrence-wise sparse updates.
+        slice_indices: per buffer, the table row of each slice it holds
+            (one int per row of the variable).
         slice_counts: per buffer, how many slices it holds; -1 when it
             holds the dense sum instead.
         window_variables: the variables the buffers belong to, one each, by
@@ -163,8 +164,9 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         self.accum_steps = None
         self.normalise = None
         self.acc_grads = []
-        # Per buffer: how many slices of its window's sparse gradient it
-        # holds (sparse.py); -1 when it holds a dense sum.
+        # Per buffer: the table rows of its window's slices and how many
+        # slices it holds (sparse.py); -1 when it holds a dense sum.
+        self.slice_indices = []
         self.slice_counts = []
         self._binding = _Binding(None)
         # Indices of variables whose gradient is None in the traced step: the
@@ -321,6 +323,7 @@ class GradientAccumulator(tf.Module, internals.SavedState):
             # build fills each buffer as it is created.
             if self.acc_grads:
                 self.acc_grads = []
+                self.slice_indices = []
                 self.slice_counts = []
             for i, v in enumerate(variables):
                 self.acc_grads.append(
@@ -329,6 +332,16 @@ class GradientAccumulator(tf.Module, internals.SavedState):
                         trainable=False,
                         name=f"acc_grad_{i}",
                         **total,
+                    )
+                )
+                # Scalars cannot have sparse gradients: no slices for them.
+                rows = v.shape[0] if len(v.shape) else 0
+                self.slice_indices.append(
+                    tf.Variable(
+                        tf.zeros([rows], sparse.index_dtype(rows)),
+                        trainable=False,
+                        name=f"slice_indices_{i}",
+                        **first,
                     )
                 )
                 self.slice_counts.append(
@@ -437,7 +450,7 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         # This replica's own buffers: each replica keeps its own slices.
         return [
             internals.replica_component(v)
-            for v in (self.acc_grads[i], self.slice_counts[i])
+            for v in (self.acc_grads[i], self.slice_indices[i], self.slice_counts[i])
         ]
 
     def _dense_sum(self, i):
@@ -447,10 +460,10 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         # Slices whose variable is not known to be sparse: a window restored
         # by `tf.train.Checkpoint` (which does not save `_sparse`) and applied
         # before a step is traced. Summed, as their dense gradient.
-        storage, count = self._slice_window(i)
+        storage, indices, count = self._slice_window(i)
         return tf.cond(
             count > 0,
-            lambda: sparse.dense_sum(storage, count),
+            lambda: sparse.dense_sum(storage, indices, count),
             storage.read_value,
         )
 
@@ -548,8 +561,9 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         # the replicas that spilled into a dense sum give `acc_grad_i`.
         storages = self._local(self.acc_grads[i])
         counts = [int(c.numpy()) for c in self._local(self.slice_counts[i])]
-        live = [(s, sparse.live_indices(s, n).numpy(), n)
-                for s, n in zip(storages, counts) if n > 0]
+        indices = self._local(self.slice_indices[i])
+        live = [(s, sparse.live_indices(ix, n).numpy(), n)
+                for s, ix, n in zip(storages, indices, counts) if n > 0]
         dense = [s.numpy() for s, n in zip(storages, counts) if n < 0]
         shape = tuple(self.acc_grads[i].shape)
         store[f"acc_grad_{i}"] = (
@@ -638,9 +652,11 @@ class GradientAccumulator(tf.Module, internals.SavedState):
 
     def _load_slices(self, store, i):
         counts = [int(c) for c in np.asarray(store[f"slice_counts_{i}"])]
-        components = list(
-            zip(self._local(self.acc_grads[i]), self._local(self.slice_counts[i]))
-        )
+        components = list(zip(
+            self._local(self.acc_grads[i]),
+            self._local(self.slice_indices[i]),
+            self._local(self.slice_counts[i]),
+        ))
         if len(counts) != len(components):
             # Only a window saved with no micro-batch gets here (the
             # replica check above refuses others): nothing to restore.
@@ -649,7 +665,7 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         values = np.asarray(store[f"slice_values_{i}"])
         dense = np.asarray(store[f"acc_grad_{i}"])
         start, dense_given = 0, False
-        for (storage, count), n in zip(components, counts):
+        for (storage, index, count), n in zip(components, counts):
             count.assign(n)
             if n < 0:
                 # The dense share on the first replica that spilled, zeros on
@@ -658,7 +674,7 @@ class GradientAccumulator(tf.Module, internals.SavedState):
                 dense_given = True
             elif n > 0:
                 rows = slice(start, start + n)
-                sparse.write_slices(storage, count, values[rows], indices[rows])
+                sparse.write_slices(storage, index, count, values[rows], indices[rows])
                 start += n
 
     def snapshot(self):
@@ -700,6 +716,7 @@ class GradientAccumulator(tf.Module, internals.SavedState):
             self.accum_steps,
             self.normalise,
             *self.acc_grads,
+            *self.slice_indices,
             *self.slice_counts,
         ]
 

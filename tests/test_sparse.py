@@ -381,7 +381,7 @@ def test_a_window_saved_before_slices_is_applied_as_its_dense_sum():
     store = {}
     source._accumulator.save_own_variables(store)
     acc = source._accumulator
-    table_sum = sparse.dense_sum(acc.acc_grads[0], acc.slice_counts[0])
+    table_sum = sparse.dense_sum(acc.acc_grads[0], acc.slice_indices[0], acc.slice_counts[0])
     old = {k: v for k, v in store.items() if not k.startswith(("slice_", "sparse"))}
     old["acc_grad_0"] = table_sum.numpy()
     loaded = net(AccumModel, accum_steps=N)
@@ -437,8 +437,8 @@ def test_window_bigger_than_the_table_is_the_dense_sum(name):
 
 
 def test_a_micro_batch_that_overflows_spills_the_window_losing_nothing():
-    # 8 + 8 samples (96 tokens) fit a 110-row table (width 8: room for 97
-    # slices with their indices); a third micro-batch of 16 samples does not:
+    # 8 + 8 samples (96 tokens) fit a 110-row table (room for 110 slices); a
+    # third micro-batch of 16 samples (96 tokens more) does not:
     # the window becomes the dense sum, all of it.
     x, y = token_data(32)
     accum = net(AccumModel, vocab=110, accum_steps=3)
@@ -462,7 +462,7 @@ def test_slices_are_appended_and_a_new_window_starts_by_count():
     acc.add([first], weight=2.0, grad_scale=2.0)
     acc.add([second], weight=2.0, grad_scale=2.0)
     assert int(acc.slice_counts[0].numpy()) == 3
-    indices = sparse.live_indices(acc.acc_grads[0], acc.slice_counts[0])
+    indices = sparse.live_indices(acc.slice_indices[0], acc.slice_counts[0])
     np.testing.assert_array_equal(indices.numpy(), [7, 7, 2])
     window = acc.window_gradients()[0]  # divided by the window's weight, 4
     assert isinstance(window, tf.IndexedSlices)
@@ -523,15 +523,16 @@ def test_keras_builtin_accumulation_sums_embedding_gradients():
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
 def test_row_indices_survive_in_any_buffer_dtype(dtype):
-    # Indices are kept bit-cast in the buffer's own floats; some of these
-    # are NaN or Inf bit patterns in 16-bit floats, and must come back intact.
+    # Row indices (some of them NaN or Inf bit patterns as 16-bit floats,
+    # which copies of float buffers may canonicalise) come back intact and
+    # address the window's values, whatever the buffer's dtype.
     acc = GradientAccumulator(dtype=dtype)
     weights = tf.Variable(tf.zeros((70000, 2)))
     acc.build([weights], accum_steps=2)
     ids = [31744, 31745, 65535, 69999, 0, 32767, 32768]
     acc.add([tf.IndexedSlices(tf.ones((3, 2)), tf.constant(ids[:3]))], weight=0.5)
     acc.add([tf.IndexedSlices(tf.ones((4, 2)), tf.constant(ids[3:]))], weight=0.5)
-    live = sparse.live_indices(acc.acc_grads[0], acc.slice_counts[0])
+    live = sparse.live_indices(acc.slice_indices[0], acc.slice_counts[0])
     assert live.numpy().tolist() == ids
     eager = tf.convert_to_tensor(acc.window_gradients()[0])
     compiled = tf.function(lambda: acc.window_gradients()[0], jit_compile=True)()
@@ -542,7 +543,7 @@ def test_row_indices_survive_in_any_buffer_dtype(dtype):
 
 
 def test_slices_fill_the_buffer_to_capacity_then_spill():
-    # 10 rows x 2: room for 6 slices with their indices (6 x 3 <= 20).
+    # 10 rows x 2: room for 10 slices (window tokens <= table rows).
     acc = GradientAccumulator()
     weights = tf.Variable(tf.zeros((10, 2)))
     acc.build([weights], accum_steps=4)
@@ -555,10 +556,10 @@ def test_slices_fill_the_buffer_to_capacity_then_spill():
         acc.add([tf.IndexedSlices(tf.constant(values), tf.constant(ids))], weight=1.0)
 
     add([9, 9, 0, 4])
-    add([8, 9])
-    assert int(acc.slice_counts[0].numpy()) == 6  # full, still slices
+    add([8, 9, 1, 1, 5, 3])
+    assert int(acc.slice_counts[0].numpy()) == 10  # full, still slices
     window = acc.window_gradients()[0]
-    assert window.values.shape == (6, 2)
+    assert window.values.shape == (10, 2)
     # The window's gradient: the sum over its weight (two micro-batches of 1).
     np.testing.assert_allclose(
         tf.convert_to_tensor(window).numpy(), expected / 2, rtol=1e-6
