@@ -74,13 +74,21 @@ def _maxrss_bytes():
 
 
 def configuration(name):
-    """`(implementation, batch_size)` of a memory configuration."""
+    """`(implementation, batch_size, input_batch)` of a memory configuration.
+
+    `input_batch` is the batch the dataset delivers; the model trains on
+    `batch_size`. "plain b, input in N*b batches" is the plain model at the
+    micro-batch fed by a pipeline that holds batches of N*b, as
+    micro_batch_size's is: the input a step is handed is part of what `fit`
+    holds, so this is the micro-batch's memory with micro_batch_size's input.
+    """
     n, b = workloads.ACCUM_STEPS, workloads.MICRO_BATCH
     return {
-        "plain N*b": ("plain", n * b),
-        "plain b": ("plain", b),
-        "AccumModel b x N": ("AccumModel", b),
-        "micro_batch_size b of N*b": ("micro_batch_size", n * b),
+        "plain N*b": ("plain", n * b, n * b),
+        "plain b": ("plain", b, b),
+        "AccumModel b x N": ("AccumModel", b, b),
+        "plain b, input in N*b batches": ("plain", b, n * b),
+        "micro_batch_size b of N*b": ("micro_batch_size", n * b, n * b),
     }[name]
 
 
@@ -88,14 +96,16 @@ def run(config, quick):
     """Measures the peak RSS growth of one `fit` of `config`; returns a dict."""
     import tensorflow as tf
 
-    implementation, batch_size = configuration(config)
+    implementation, batch_size, input_batch = configuration(config)
     workload = workloads.memory_cnn(quick)
     model = workloads.make_model(implementation, workload)
     # Optimizer slots are the same for every configuration: create them
     # before the measurement rather than count them in it.
     model.optimizer.build(model.trainable_variables)
     x, y = workload.data(np.random.default_rng(workloads.SEED))
-    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch_size)
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(input_batch)
+    if input_batch != batch_size:
+        dataset = dataset.rebatch(batch_size)
     weight_bytes = sum(
         int(np.prod(v.shape)) * 4 for v in model.trainable_variables
     )
@@ -116,6 +126,7 @@ def run(config, quick):
         "config": config,
         "implementation": implementation,
         "batch_size": batch_size,
+        "input_batch": input_batch,
         "accum_steps": workloads.ACCUM_STEPS if implementation == "AccumModel" else 1,
         "micro_batch_size": (
             workloads.MICRO_BATCH if implementation == "micro_batch_size" else None

@@ -28,7 +28,13 @@ IMPLEMENTATION_NOTES = {
 REQUIRED = ("plain", "AccumModel")
 
 TIMING_WORKLOADS = ("mlp", "cnn", "embedding")
-MEMORY_CONFIGS = ("plain N*b", "plain b", "AccumModel b x N", "micro_batch_size b of N*b")
+MEMORY_CONFIGS = (
+    "plain N*b",
+    "plain b",
+    "AccumModel b x N",
+    "plain b, input in N*b batches",
+    "micro_batch_size b of N*b",
+)
 
 # The price of the memory saved: every mode below makes the same updates, of
 # PRICE_ACCUM_STEPS * MICRO_BATCH samples, as the plain model trained with

@@ -28,6 +28,9 @@ def test_quick_benchmark_writes_its_report(tmp_path):
     for mode in ("big batch", "step mode", "micro_batch_size=b", "micro_batch_size='auto'"):
         assert f"| {mode} |" in report, mode
     assert "| micro_batch_size b of N*b |" in report
+    # ... and the plain micro-batch fed the same input batches, for the memory
+    # micro_batch_size holds beyond its input.
+    assert "| plain b, input in N*b batches |" in report
     assert "## Two workers" in report
 
     assert (tmp_path / "results.png").read_bytes().startswith(PNG_SIGNATURE)
