@@ -44,10 +44,22 @@ def main():
             plain.compile(OPTIMIZERS[name](), loss())
             accum = net(AccumModel, accum_steps=N)
             accum.compile(OPTIMIZERS[name](), loss())
-        plain.fit(x, y, batch_size=MICRO * N, **fit)
-        accum.fit(x, y, batch_size=MICRO, **fit)
-        out[f"{name}_vs_mirrored_big_batch"] = max_diff(plain, accum)
+        try:
+            plain.fit(x, y, batch_size=MICRO * N, **fit)
+            accum.fit(x, y, batch_size=MICRO, **fit)
+        except ValueError as error:
+            # Keras 3.8's own sparse update of a gradient reduced across
+            # replicas fails (`values_for_union` on a partly unknown shape),
+            # the plain model's as ours: reported, and the test allows it on
+            # that Keras only.
+            out[f"{name}_error"] = str(error)
+            try:
+                accum.fit(x, y, batch_size=MICRO, **fit)
+            except ValueError as accum_error:
+                out[f"{name}_accum_error"] = str(accum_error)
+            continue
         out[f"{name}_vs_one_device_big_batch"] = max_diff(one_device, accum)
+        out[f"{name}_vs_mirrored_big_batch"] = max_diff(plain, accum)
     print(json.dumps(out))
 
 

@@ -496,11 +496,19 @@ def test_mirrored_strategy_matches_the_big_batch():
     assert result.returncode == 0, result.stderr[-3000:]
 
     out = json.loads(result.stdout.strip().splitlines()[-1])
+    names = ["adam", "rmsprop"]
+    if keras.__version__.startswith("3.8.") and "rmsprop_error" in out:
+        # Keras 3.8's RMSprop fails its own sparse update under
+        # MirroredStrategy, the plain big batch's as AccumModel's (README:
+        # caveats), so there is no reference to compare with there.
+        for what in ("error", "accum_error"):
+            assert "partially known" in out.pop(f"rmsprop_{what}")
+        names.remove("rmsprop")
     # Largest absolute weight differences (weights are O(0.1)): float
     # rounding only; the summed window is ~1e-2 away (above).
     assert sorted(out) == [
         f"{name}_vs_{what}_big_batch"
-        for name in ("adam", "rmsprop")
+        for name in names
         for what in ("mirrored", "one_device")
     ]
     for name, diff in out.items():
