@@ -4,6 +4,8 @@
     nox -s "tests(newest)"                   # whole suite on one pair
     nox -s tests -- tests/test_saving.py     # pytest arguments, every pair
     nox -s "tests(floor)" -- -n 2 -m "not slow"
+    nox -s "tests(next)"                     # the next Keras (a pinned nightly)
+    nox -s kerashub                          # KerasHub models (tests/test_kerashub.py)
 
 Each session installs keras_accum with its pair into its own virtualenv
 (`nox -r` reuses it) and runs pytest, by default on the whole suite. The
@@ -19,7 +21,13 @@ PAIRS = {
     "floor": ("2.18.1", "3.8.0"),  # the oldest supported
     "colab": ("2.20.0", "3.13.2"),  # Colab's and Kaggle's image today
     "newest": ("2.21.0", "3.15.1"),
+    # The next Keras, before its release: a pinned nightly, so CI stays
+    # reproducible. Move the pin to "keras==3.16.0" once it is published.
+    "next": ("2.21.0", "nightly:3.16.0.dev2026102704"),
 }
+
+# KerasHub's release tested by the `kerashub` session, on the newest pair.
+KERAS_HUB = "0.32.0"
 
 nox.options.sessions = ["tests"]
 
@@ -28,12 +36,40 @@ nox.options.sessions = ["tests"]
 @nox.parametrize("pair", list(PAIRS), ids=list(PAIRS))
 def tests(session, pair):
     tensorflow, keras = PAIRS[pair]
-    session.install(
-        "-e", ".[test]", f"tensorflow=={tensorflow}", f"keras=={keras}", "pytest-xdist"
+    _install(session, tensorflow, keras)
+    _print_versions(session)
+    session.run("python", "-m", "pytest", *session.posargs)
+
+
+@nox.session
+def kerashub(session):
+    """tests/test_kerashub.py with keras-hub on the newest pair; a missing
+    keras-hub fails the session instead of skipping the tests."""
+    tensorflow, keras = PAIRS["newest"]
+    _install(session, tensorflow, keras, f"keras-hub=={KERAS_HUB}")
+    _print_versions(session)
+    session.run(
+        "python", "-m", "pytest", "tests/test_kerashub.py", *session.posargs,
+        env={"KERAS_ACCUM_REQUIRE_KERAS_HUB": "1"},
     )
+
+
+def _install(session, tensorflow, keras, *extra):
+    if keras.startswith("nightly:"):
+        # keras-nightly provides the same `keras` module as keras; TensorFlow
+        # and keras_accum pull in keras, so it is replaced afterwards.
+        session.install("-e", ".[test]", f"tensorflow=={tensorflow}", "pytest-xdist", *extra)
+        session.run("python", "-m", "pip", "uninstall", "-y", "keras", silent=True)
+        session.install(f"keras-nightly=={keras.split(':', 1)[1]}")
+        return
+    session.install(
+        "-e", ".[test]", f"tensorflow=={tensorflow}", f"keras=={keras}", "pytest-xdist", *extra
+    )
+
+
+def _print_versions(session):
     session.run(
         "python", "-c",
         "import keras, tensorflow; print('Keras', keras.__version__, 'TensorFlow', tensorflow.__version__)",
         env={"TF_CPP_MIN_LOG_LEVEL": "3"},
     )
-    session.run("python", "-m", "pytest", *session.posargs)

@@ -10,45 +10,24 @@ keras_accum mirrors (`MIRRORED_SOURCES`).
 
 import contextlib
 import inspect
-import re
 
 import keras
 import tensorflow as tf
 
+from keras_accum._keras_versions import (
+    MIN_KERAS,
+    MIN_TENSORFLOW,
+    REVIEWED_KERAS,
+    SUPPORTED,
+    KerasInternalsChanged,
+    check_versions,
+    is_missing,
+    reach,
+    warn_if_unreviewed,
+)
+
 # The supported range, checked before anything below reaches into Keras:
 # older releases lack names used here (and fail with confusing errors).
-MIN_KERAS = (3, 8)
-MIN_TENSORFLOW = (2, 18)
-SUPPORTED = "Keras >= 3.8, < 4 with TensorFlow >= 2.18"
-
-
-def _release(version):
-    return tuple(int(part) for part in re.findall(r"\d+", version)[:2])
-
-
-def check_versions(keras_version, tensorflow_version):
-    """Raises ImportError naming the supported range if these are outside it."""
-    found = f"Keras {keras_version} with TensorFlow {tensorflow_version}"
-    if keras_version.startswith("2."):
-        raise ImportError(
-            f"keras_accum needs Keras 3, but found {found}: `tf_keras` (Keras "
-            "2, TF_USE_LEGACY_KERAS=1) is not supported. keras_accum supports "
-            f"{SUPPORTED}: `pip install 'keras>=3.8,<4'` and leave "
-            "TF_USE_LEGACY_KERAS unset."
-        )
-    keras_release = _release(keras_version)
-    if keras_release < MIN_KERAS or keras_release[0] != 3:
-        raise ImportError(
-            f"keras_accum supports {SUPPORTED}; found {found}. Install a "
-            "supported Keras: `pip install 'keras>=3.8,<4'`."
-        )
-    if _release(tensorflow_version) < MIN_TENSORFLOW:
-        raise ImportError(
-            f"keras_accum supports {SUPPORTED}; found {found}. Install a "
-            "supported TensorFlow: `pip install 'tensorflow>=2.18'`."
-        )
-
-
 check_versions(keras.__version__, tf.__version__)
 
 
@@ -66,29 +45,41 @@ def legacy_keras_hint(obj):
         "it with `import keras`, not `tf.keras`."
     )
 
-from keras import tree  # noqa: E402
-from keras.src.backend.common.masking import get_keras_mask, set_keras_mask  # noqa: E402
-from keras.src.backend.tensorflow.trainer import (  # noqa: E402
-    TensorFlowTrainer,
-    _collective_all_reduce_multi_worker,
-    reduce_per_replica,
-)
-from keras.src.layers.normalization.batch_normalization import (  # noqa: E402
-    BatchNormalization,
-)
-from keras.src.losses.loss import (  # noqa: E402
-    apply_mask,
-    squeeze_or_expand_to_same_rank,
-    unscale_loss_for_distribution,
-)
-from keras.src.models.functional import Functional  # noqa: E402
-from keras.src.models.model import functional_init_arguments  # noqa: E402
-from keras.src.saving.keras_saveable import KerasSaveable  # noqa: E402
-from keras.src.utils.tracking import no_automatic_dependency_tracking  # noqa: E402
 
-# Keras versions whose sources this module was read against; each one's
-# fingerprints are in MIRRORED_SOURCES.
-REVIEWED_KERAS = ("3.8.0", "3.10.0", "3.13.2", "3.15.1")
+from keras import tree  # noqa: E402
+
+# Every name from `keras.src`, through `reach` (see _keras_versions.py): a
+# name this Keras lacks becomes a stand-in that raises, naming the change,
+# when used, so `import keras_accum` does not fail on it. Newest name first.
+_TRAINER = "keras.src.backend.tensorflow.trainer"
+# Keras 3.16 renamed the TF trainer `TensorFlowTrainer` -> `Trainer`.
+TensorFlowTrainer = reach(_TRAINER, "Trainer", "TensorFlowTrainer")
+_collective_all_reduce_multi_worker = reach(_TRAINER, "_collective_all_reduce_multi_worker")
+reduce_per_replica = reach(_TRAINER, "reduce_per_replica")
+get_keras_mask = reach("keras.src.backend.common.masking", "get_keras_mask")
+set_keras_mask = reach("keras.src.backend.common.masking", "set_keras_mask")
+BatchNormalization = reach(
+    "keras.src.layers.normalization.batch_normalization", "BatchNormalization"
+)
+_LOSS = "keras.src.losses.loss"
+apply_mask = reach(_LOSS, "apply_mask")
+squeeze_or_expand_to_same_rank = reach(_LOSS, "squeeze_or_expand_to_same_rank")
+unscale_loss_for_distribution = reach(_LOSS, "unscale_loss_for_distribution")
+Functional = reach("keras.src.models.functional", "Functional")
+functional_init_arguments = reach("keras.src.models.model", "functional_init_arguments")
+KerasSaveable = reach("keras.src.saving.keras_saveable", "KerasSaveable")
+_no_tracking = reach("keras.src.utils.tracking", "no_automatic_dependency_tracking")
+
+
+def no_automatic_dependency_tracking(method):
+    """Keras's decorator; used at import, so a missing one fails on call."""
+    if not is_missing(_no_tracking):
+        return _no_tracking(method)
+
+    def moved(*_args, **_kwargs):
+        _no_tracking()  # raises KerasInternalsChanged, naming the change
+
+    return moved
 
 # Keras code that keras_accum mirrors rather than calls, by the SHA-256 of
 # its source, with the Keras versions that have that source: every one
@@ -123,48 +114,88 @@ REVIEWED_KERAS = ("3.8.0", "3.10.0", "3.13.2", "3.15.1")
 # - BatchNormalization.call: renormalisation (`renorm`) is new after 3.13,
 #   and the statistics update moved after normalising; the update formula
 #   is the same. _moments: masking arithmetic only.
+# - Keras 3.16 renamed the TF trainer class `TensorFlowTrainer` -> `Trainer`
+#   (found by either name). Its `_make_function` now takes the batch of a
+#   `steps_per_execution=1` step with `get_next_as_optional()` outside the
+#   traced step; the contract `auto` relies on is unchanged. `Loss.__call__`
+#   reads the mask and name scope from `backend.common`/`backend` (the same
+#   functions); `CompileLoss.call` calls each term through `_call_loss` (a
+#   clearer shape error), still as `loss_fn(y_true, y_pred, sample_weight)`,
+#   which is what `recording_loss_calls` wraps.
 MIRRORED_SOURCES = {
     "TensorFlowTrainer.train_step": {
         "38eff65a3e8e64475bc46a4e655af968166c2909f8127cbf5d9466bdca1a0950": "3.8.0 3.10.0",
-        "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c": "3.13.2 3.15.1",
+        "debf0efab9d5794b017ade2937acbcc51886fc1dc5cf021e7d7e80f974ee707c": "3.13.2 3.15.1 3.16.0.dev2026102704",
     },
     "TensorFlowTrainer._make_function": {
         "55eb952812cac1fbb9934e24de911532f45314c57ed6e6a53c9ebe88f392d2ff": "3.8.0 3.10.0",
         "bb33b7a0da3d27406c70fac54b8e9617156ef225f452b93f6addf8cc34aca0d0": "3.13.2 3.15.1",
+        "b96ff481cdc14b4cad4a0fe00d41b6c6c908f4e173bfcca153815fd06533d298": "3.16.0.dev2026102704",
     },
     "Loss.__call__": {
         "f42c42282ee8902b2fb95310f8b9347c728040cf1fbcfdd3b94538c07d2e9fa8": "3.8.0 3.10.0 3.13.2 3.15.1",
+        "6d0748313371823bff754a32d265639f628871eea08774c032820bb95e76ad9c": "3.16.0.dev2026102704",
     },
     "reduce_values": {
-        "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9": "3.8.0 3.10.0 3.13.2 3.15.1",
+        "60b0462147725ad25b69cbfa93f1662fd83a803d6b43add1804d48c7f0cdddb9": "3.8.0 3.10.0 3.13.2 3.15.1 3.16.0.dev2026102704",
     },
     "apply_mask": {
         "c08def1fbac14b549d9b8faea29bb814bb2281d7a91bb3bf3ca2db082a71a3c8": "3.8.0 3.10.0",
         "13f8242de3cd4a06973e4cb15e4252ddbbb20c30d19480825673a3a6a1ffbffb": "3.13.2",
-        "61d8938cd8663dee3c27b678b4af5f17408c2b03ff039b7b2e9125cd07610d00": "3.15.1",
+        "61d8938cd8663dee3c27b678b4af5f17408c2b03ff039b7b2e9125cd07610d00": "3.15.1 3.16.0.dev2026102704",
     },
     "CompileLoss.call": {
         "def46c01e48ca7207205b4fa60dcdcbef39815790dab91591d7b1d0b91e8f1f2": "3.8.0 3.10.0",
         "41012fc179db545db2f77a0ace0af06c00cebbbe67c0a3f34a53b3d20e639745": "3.13.2",
         "402aaf05f91c73c4a4bcaa65be5a447566fbbbb05f5079b29a35312bcbfd509f": "3.15.1",
+        "e69a6e8919f8be2d5f7bd7c59f5d217c151934a68c31cc4e8af85cb2b226f641": "3.16.0.dev2026102704",
     },
     "TensorFlowTrainer._maybe_symbolic_build": {
         "181752273e37d689f7dd4915f31a454130a3761290dc4b6d351465b85d4c6b81": "3.8.0 3.10.0",
-        "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2": "3.13.2 3.15.1",
+        "92a504f5eba9b29f81f1bf26180bdd5bf5186b06b7bda426534b90d2d02bc1c2": "3.13.2 3.15.1 3.16.0.dev2026102704",
     },
     "reduce_per_replica": {
-        "2e7d54b1e6edc29a8c6a7e6b66cd4c8be3ba7842412c93753ac3afe169fa7fb8": "3.8.0 3.10.0 3.13.2 3.15.1",
+        "2e7d54b1e6edc29a8c6a7e6b66cd4c8be3ba7842412c93753ac3afe169fa7fb8": "3.8.0 3.10.0 3.13.2 3.15.1 3.16.0.dev2026102704",
     },
     "BatchNormalization.call": {
         "9b6a3cfad619b3f6730adc4e1c8241fed02133c60d203305d668f902185c55bb": "3.8.0 3.10.0 3.13.2",
-        "31502bd832c5eb64f0bb108a4db21f204b906fff8bebd34ffa3a4f68eab00eb5": "3.15.1",
+        "31502bd832c5eb64f0bb108a4db21f204b906fff8bebd34ffa3a4f68eab00eb5": "3.15.1 3.16.0.dev2026102704",
     },
     "BatchNormalization._moments": {
         "08ec7edbbc47aaea1afdd90c12915925c685e4466fc22ab369a6ffcf79496e83": "3.8.0",
         "e168ab1449ab50aef696bf76ef7d0474b104f6e7eea3fdc4a3e3b5b6b98a416d": "3.10.0 3.13.2",
-        "2ba739b46f4fadea719cd8e41e56d591ef86adae38d58c11930efba046093378": "3.15.1",
+        "2ba739b46f4fadea719cd8e41e56d591ef86adae38d58c11930efba046093378": "3.15.1 3.16.0.dev2026102704",
     },
 }
+
+
+def mirrored():
+    """`{name: function}` of the Keras code named in MIRRORED_SOURCES."""
+    compile_loss = reach("keras.src.trainers.compile_utils", "CompileLoss")
+    loss = reach(_LOSS, "Loss")
+    reduce_values = reach(_LOSS, "reduce_values")
+
+    def method(owner, name):
+        return getattr(owner, name) if not is_missing(owner) else owner
+
+    return {
+        "TensorFlowTrainer.train_step": method(TensorFlowTrainer, "train_step"),
+        "TensorFlowTrainer._make_function": method(TensorFlowTrainer, "_make_function"),
+        "Loss.__call__": method(loss, "__call__"),
+        "reduce_values": reduce_values,
+        "apply_mask": apply_mask,
+        "CompileLoss.call": method(compile_loss, "call"),
+        "TensorFlowTrainer._maybe_symbolic_build": method(
+            TensorFlowTrainer, "_maybe_symbolic_build"
+        ),
+        "reduce_per_replica": reduce_per_replica,
+        "BatchNormalization.call": method(BatchNormalization, "call"),
+        "BatchNormalization._moments": method(BatchNormalization, "_moments"),
+    }
+
+
+# On a Keras not in REVIEWED_KERAS, one warning if anything above changed.
+warn_if_unreviewed(mirrored(), MIRRORED_SOURCES)
 
 
 class SavedState(KerasSaveable):
@@ -195,9 +226,12 @@ __all__ = [
     "MIRRORED_SOURCES",
     "REVIEWED_KERAS",
     "SUPPORTED",
+    "KerasInternalsChanged",
     "SavedState",
+    "mirrored",
     "check_versions",
     "legacy_keras_hint",
+    "layers_shared_across_nesting",
     "batch_size",
     "build_compiled_loss",
     "call_for_training",
@@ -545,3 +579,27 @@ def replica_component(variable):
     """
     component = getattr(variable, "_get_on_device_or_primary", None)
     return variable if component is None else component()
+
+
+def layers_shared_across_nesting(model):
+    """`(layer, first, second)` for each layer with variables of functional
+    `model` that two of its top-level layers reach (one may be the layer
+    itself).
+
+    Keras's functional config records each top-level layer by its own config,
+    so such a layer is re-created once per place: a `.keras` file of the
+    model loads with the tie broken, or not at all (KerasHub's tied
+    `ReversibleEmbedding`, called by the backbone and by the LM head).
+    """
+    owners = {}
+    shared = []
+    for top in model.layers:
+        for layer in top._flatten_layers(include_self=True, recursive=True):
+            if not layer.variables:
+                # Inputs a nested model shares with the outer graph, and any
+                # stateless layer: made twice, they still compute the same.
+                continue
+            first = owners.setdefault(id(layer), top)
+            if first is not top:
+                shared.append((layer, first, top))
+    return shared

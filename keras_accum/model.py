@@ -17,6 +17,7 @@ from keras_accum.microbatch import check_micro_batch_size, static_batch_size
 from keras_accum.nonfinite import NonFiniteWindows
 from keras_accum.normaliser import loss_normaliser, micro_batch_weight
 from keras_accum.optimizer import check_not_accumulating
+from keras_accum.saving import check_config_is_faithful
 from keras_accum.train_functions import TrainFunctionCache
 
 
@@ -770,9 +771,24 @@ class AccumModel(keras.Model):
 
     # -- serialisation --------------------------------------------------------
 
+    def save(self, filepath, *args, **kwargs):
+        """`keras.Model.save`; refuses, before writing, a model whose `.keras`
+        file would not load (a layer shared across a nested model, see
+        `keras_accum.saving`)."""
+        if str(filepath).endswith(".keras"):
+            self._check_config_is_faithful()
+        return super().save(filepath, *args, **kwargs)
+
+    def _check_config_is_faithful(self):
+        check_config_is_faithful(self)
+
     def get_config(self):
-        config = super().get_config()
-        config["accum_steps"] = self._accum_steps
+        self._check_config_is_faithful()
+        return {**super().get_config(), **self._accum_config()}
+
+    def _accum_config(self):
+        # What AccumModel adds to a Keras model's config (its own arguments).
+        config = {"accum_steps": self._accum_steps}
         if self._accumulator.dtype is not None:
             config["accum_dtype"] = self._accumulator.dtype.name
         if self._nonfinite is not None:

@@ -1,5 +1,7 @@
 """`wrap`: accumulation for a model that already exists, sharing its weights."""
 
+import types
+
 import keras
 
 from keras_accum import _keras_internals as internals
@@ -7,6 +9,7 @@ from keras_accum.accumulator import check_accum_steps
 from keras_accum.batchnorm import check_batchnorm
 from keras_accum.microbatch import check_micro_batch_size
 from keras_accum.model import AccumModel
+from keras_accum.saving import check_config_is_faithful
 
 
 @keras.saving.register_keras_serializable(package="keras_accum")
@@ -44,6 +47,69 @@ class WrappedModel(AccumModel):
     def get_config(self):
         config = super().get_config()
         config["model"] = keras.saving.serialize_keras_object(self.wrapped)
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        model = keras.saving.deserialize_keras_object(
+            config.pop("model"), custom_objects=custom_objects
+        )
+        return cls(model, **config)
+
+
+@keras.saving.register_keras_serializable(package="keras_accum")
+class RebuiltModel(AccumModel):
+    """A functional `AccumModel` over the layers of a model whose class has a
+    config of its own (a KerasHub task, a registered functional subclass);
+    made by `keras_accum.wrap`.
+
+    It trains the model's layers in place, as any wrap does, and saves the
+    model's *own* config (`model.get_config()`) with its accumulation
+    settings, not the layer graph: a graph config cannot record a layer that
+    a nested model also holds (KerasHub's tied token embedding), and the
+    model's own config can. Loading rebuilds the model from its config and
+    wraps it again, so weights, optimizer state and an open window load by
+    the same paths as they were saved.
+
+    Args:
+        model: the functional `keras.Model` to train.
+        **kwargs: passed to `AccumModel` (`accum_steps`, `batchnorm`, ...).
+
+    Example:
+
+    ```python
+    lm = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    model = keras_accum.wrap(lm, accum_steps=4)  # a RebuiltModel
+    ```
+    """
+
+    def __new__(cls, model, **kwargs):
+        return super().__new__(cls, *_graph(model), **kwargs)
+
+    def __init__(self, model, **kwargs):
+        kwargs.setdefault("name", model.name)
+        super().__init__(*_graph(model), **kwargs)
+        # Held outside Keras's tracking: its layers are this model's layers
+        # already, and a second path to them would be saved twice.
+        self._source = types.SimpleNamespace(model=model)
+
+    def _check_config_is_faithful(self):
+        source = self._source.model
+        if type(source).get_config is internals.Functional.get_config:
+            # The model's own config is the layer graph after all.
+            check_config_is_faithful(source)
+
+    def get_config(self):
+        self._check_config_is_faithful()
+        config = {"name": self.name, "trainable": self.trainable}
+        config.update(self._accum_config())
+        model = keras.saving.serialize_keras_object(self._source.model)
+        # The wrapper is what is compiled; the model's own compile state
+        # (KerasHub tasks compile themselves in __init__) would only make
+        # loading warn that its custom `compile` was not called.
+        model.pop("compile_config", None)
+        config["model"] = model
         return config
 
     @classmethod
@@ -107,24 +173,22 @@ def wrap(
             f"{model.accum_steps}). Set `model.accum_steps = {accum_steps}` "
             "instead of wrapping it again."
         )
-    graph = _graph(model)
-    if graph is not None:
-        return AccumModel(
-            *graph,
-            name=model.name,
-            accum_steps=accum_steps,
-            skip_nonfinite=skip_nonfinite,
-            batchnorm=batchnorm,
-            micro_batch_size=micro_batch_size,
-        )
-    _check_no_step_overrides(model)
-    return WrappedModel(
-        model,
+    settings = dict(
         accum_steps=accum_steps,
         skip_nonfinite=skip_nonfinite,
         batchnorm=batchnorm,
         micro_batch_size=micro_batch_size,
     )
+    graph = _graph(model)
+    if graph is not None and _has_own_class(model):
+        # A KerasHub task, a functional subclass: its methods would not run
+        # in the rebuilt model, and its own config is what saving needs.
+        _check_no_step_overrides(model)
+        return RebuiltModel(model, **settings)
+    if graph is not None:
+        return AccumModel(*graph, name=model.name, **settings)
+    _check_no_step_overrides(model)
+    return WrappedModel(model, **settings)
 
 
 # What fit, evaluate and predict call on the model they run. A wrapper runs
@@ -149,6 +213,13 @@ def _check_no_step_overrides(model):
             "a custom `train_step` and compile the plain model with "
             "`optimizer=keras_accum.AccumOptimizer(...)`."
         )
+
+
+def _has_own_class(model):
+    """Whether `model` is of a class of its own, not Keras's functional model
+    or `Sequential` (KerasHub's tasks, `class M(keras.Model)` built with
+    `M(inputs, outputs)`)."""
+    return type(model) not in (internals.Functional, keras.Sequential)
 
 
 def _graph(model):

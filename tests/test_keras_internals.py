@@ -5,14 +5,18 @@ against keras_accum/_keras_internals.py and the code that mirrors it (named
 there), adapt, then update the fingerprint.
 """
 
-import hashlib
-import inspect
+import subprocess
+import sys
+import textwrap
+
+import warnings
 
 import keras
 import numpy as np
 import pytest
 
 from keras_accum import _keras_internals as internals
+from keras_accum import _keras_versions as versions
 
 MESSAGE = (
     "Keras {found} changed {what}; keras_accum/_keras_internals.py was "
@@ -21,29 +25,9 @@ MESSAGE = (
 )
 
 
-def _mirrored():
-    from keras.src.losses import loss
-    from keras.src.trainers.compile_utils import CompileLoss
-
-    trainer = internals.TensorFlowTrainer
-    return {
-        "TensorFlowTrainer.train_step": trainer.train_step,
-        "TensorFlowTrainer._make_function": trainer._make_function,
-        "Loss.__call__": loss.Loss.__call__,
-        "reduce_values": loss.reduce_values,
-        "apply_mask": loss.apply_mask,
-        "CompileLoss.call": CompileLoss.call,
-        "TensorFlowTrainer._maybe_symbolic_build": trainer._maybe_symbolic_build,
-        "reduce_per_replica": internals.reduce_per_replica,
-        "BatchNormalization.call": internals.BatchNormalization.call,
-        "BatchNormalization._moments": internals.BatchNormalization._moments,
-    }
-
-
 @pytest.mark.parametrize("name", sorted(internals.MIRRORED_SOURCES))
 def test_mirrored_keras_source_is_unchanged(name):
-    source = inspect.getsource(_mirrored()[name])
-    digest = hashlib.sha256(source.encode()).hexdigest()
+    digest = versions.fingerprint(internals.mirrored()[name])
     known = internals.MIRRORED_SOURCES[name]
     if digest not in known:
         pytest.fail(
@@ -56,6 +40,88 @@ def test_every_reviewed_keras_has_a_fingerprint_of_each_mirrored_function():
     for name, known in internals.MIRRORED_SOURCES.items():
         versions = " ".join(known.values()).split()
         assert sorted(versions) == sorted(internals.REVIEWED_KERAS), name
+
+
+def test_every_keras_src_name_keras_accum_uses_is_found():
+    # A name that `reach` could not find would make a stand-in that raises
+    # when used; on a supported Keras there must be none.
+    if versions.MOVED:
+        pytest.fail(MESSAGE.format(found=keras.__version__, what=", ".join(versions.MOVED)))
+
+
+def test_a_name_keras_removed_raises_naming_version_change_and_newest_keras():
+    missing = versions.reach("keras.src.losses.loss", "no_such_name", "nor_this")
+    try:
+        expected = (
+            rf"Keras {keras.__version__} changed.*keras\.src\.losses\.loss\.no_such_name.*"
+            rf"has no `no_such_name` or `nor_this`.*newest supported is {versions.newest_reviewed()}"
+        )
+        with pytest.raises(versions.KerasInternalsChanged, match=expected):
+            missing()
+        with pytest.raises(versions.KerasInternalsChanged, match=expected):
+            missing.some_method
+        with pytest.raises(versions.KerasInternalsChanged, match=expected):
+            isinstance(object(), missing)
+
+        class Defined(missing):  # defining a subclass at import still works
+            pass
+
+        with pytest.raises(versions.KerasInternalsChanged, match=expected):
+            Defined()
+        assert versions.is_missing(missing) and not versions.is_missing(keras.Model)
+        gone = versions.reach("keras.src.no_such_module", "X")
+        with pytest.raises(versions.KerasInternalsChanged, match=r"module not importable"):
+            gone()
+    finally:
+        versions.MOVED.clear()
+
+
+def test_unreviewed_keras_warns_once_naming_what_changed(monkeypatch):
+    monkeypatch.setattr(keras, "__version__", "3.99.0")
+    mirrored = internals.mirrored()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert versions.warn_if_unreviewed(mirrored, internals.MIRRORED_SOURCES) == {}
+    assert not seen  # every mirrored source is a reviewed one: nothing to say
+    mirrored["apply_mask"] = test_unreviewed_keras_warns_once_naming_what_changed
+    with pytest.warns(RuntimeWarning, match=r"this Keras 3\.99\.0 changed.*apply_mask: new source"):
+        changed = versions.warn_if_unreviewed(mirrored, internals.MIRRORED_SOURCES)
+    assert list(changed) == ["apply_mask"]
+
+
+def test_a_keras_that_renamed_the_trainer_still_imports_and_says_so():
+    # What Keras 3.16 did to 3.15 (`TensorFlowTrainer` -> `Trainer`), done
+    # again to whichever name this Keras has: `import keras_accum` must
+    # still work, warn naming it, and the fingerprint check must name it.
+    script = textwrap.dedent(
+        """
+        import warnings
+        warnings.simplefilter("always")
+        import keras.src.backend.tensorflow.trainer as trainer
+        for name in ("Trainer", "TensorFlowTrainer"):
+            if isinstance(getattr(trainer, name, None), type):
+                delattr(trainer, name)
+        with warnings.catch_warnings(record=True) as seen:
+            import keras_accum
+        from keras_accum import _keras_internals as internals, _keras_versions as versions
+        print("WARNING", [str(w.message) for w in seen if "keras_accum was reviewed" in str(w.message)])
+        print("CHANGED", sorted(versions.changed_sources(internals.mirrored(), internals.MIRRORED_SOURCES)))
+        try:
+            internals.TensorFlowTrainer.train_step
+        except versions.KerasInternalsChanged as error:
+            print("ERROR", error)
+        """
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240,
+        env={**__import__("os").environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "WARNING ['keras_accum was reviewed" in out and "backend.tensorflow.trainer.Trainer" in out
+    assert "CHANGED ['TensorFlowTrainer._make_function', 'TensorFlowTrainer._maybe_symbolic_build', 'TensorFlowTrainer.train_step']" in out
+    assert f"ERROR Keras {keras.__version__} changed" in out
+    assert f"newest supported is {versions.newest_reviewed()}" in out
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ twin made from the same seed and trained on the big batch.
 """
 
 import json
+import warnings
 
 import keras
 import numpy as np
@@ -512,7 +513,11 @@ def test_fit_on_no_data_leaves_an_open_window_open():
     model.train_on_batch(x[:8], y[:8])
     before = model.get_weights()
     empty = tf.data.Dataset.from_tensor_slices((x[:0], y[:0])).batch(MICRO)
-    with pytest.warns(UserWarning, match="ran out of data"):
+    with warnings.catch_warnings():
+        # Keras < 3.16 warns that the input ran out of data; 3.16 takes the
+        # batch of a one-step execution outside the traced step and says
+        # nothing. Either way no step ran.
+        warnings.simplefilter("ignore", UserWarning)
         model.fit(empty, verbose=0)
     # Not applied: the open window waits for data.
     assert model._accumulator.pending() >= 1

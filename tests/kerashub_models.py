@@ -1,0 +1,72 @@
+"""KerasHub models from small configs with random weights, and their data.
+
+Nothing is downloaded: the backbones are built from their constructors, not
+from presets. Dropout is 0 so that training is deterministic (keras_accum's
+micro-batches draw other dropout masks than one big batch would).
+"""
+
+import keras
+import numpy as np
+
+VOCAB, LENGTH, N = 64, 12, 92  # 92 samples: uneven windows at b=8, N=4
+
+
+def gpt2(seed=0):
+    import keras_hub
+
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=VOCAB, num_layers=1, num_heads=2, hidden_dim=8,
+        intermediate_dim=16, max_sequence_length=LENGTH, dropout=0.0,
+    )
+    return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+
+
+def gpt2_data(n=N, seed=0):
+    """Token ids with padding, next-token targets, the padding mask as weights."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, VOCAB, (n, LENGTH + 1)).astype("int32")
+    lengths = rng.integers(4, LENGTH + 1, n)
+    mask = np.arange(LENGTH)[None, :] < lengths[:, None]
+    x = {"token_ids": np.where(mask, tokens[:, :-1], 0), "padding_mask": mask}
+    y = np.where(mask, tokens[:, 1:], 0)
+    return x, y, mask.astype("float32")
+
+
+def bert(seed=0):
+    import keras_hub
+
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.BertBackbone(
+        vocabulary_size=VOCAB, num_layers=1, num_heads=2, hidden_dim=8,
+        intermediate_dim=16, max_sequence_length=LENGTH, dropout=0.0,
+    )
+    return keras_hub.models.BertTextClassifier(
+        backbone=backbone, num_classes=3, preprocessor=None, dropout=0.0
+    )
+
+
+def bert_data(n=N, seed=0):
+    """Two-segment inputs with padding and a class per sample."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(4, LENGTH + 1, n)
+    mask = np.arange(LENGTH)[None, :] < lengths[:, None]
+    split = (lengths // 2)[:, None]
+    x = {
+        "token_ids": np.where(mask, rng.integers(1, VOCAB, (n, LENGTH)), 0).astype("int32"),
+        "segment_ids": np.where(mask & (np.arange(LENGTH)[None, :] >= split), 1, 0).astype("int32"),
+        "padding_mask": mask,
+    }
+    y = (x["token_ids"][:, 0] % 3).astype("int32")
+    return x, y, None
+
+
+def take(data, start, stop):
+    """Samples `start:stop` of `(x, y, sample_weight)`."""
+    x, y, weights = data
+    x = {key: value[start:stop] for key, value in x.items()}
+    return x, y[start:stop], None if weights is None else weights[start:stop]
+
+
+def loss():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)

@@ -1,0 +1,184 @@
+"""KerasHub models through every way in, against the plain KerasHub model on
+the big batch; `.keras` files and exports of wrapped KerasHub models.
+
+Runs where keras-hub is installed (`nox -s kerashub`, which sets
+KERAS_ACCUM_REQUIRE_KERAS_HUB=1 so that a missing keras-hub fails instead of
+skipping). Models come from small configs with random weights (kerashub_models.py).
+"""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+
+if os.environ.get("KERAS_ACCUM_REQUIRE_KERAS_HUB"):
+    import keras_hub  # noqa: F401
+else:
+    pytest.importorskip("keras_hub")
+
+import kerashub_models as hub  # noqa: E402
+from reference import assert_history_close, assert_trained, assert_weights_close, run_python  # noqa: E402
+from test_auto_micro_batch import LimitedLoss  # noqa: E402
+
+import keras_accum  # noqa: E402
+
+MODELS = {"gpt2": (hub.gpt2, hub.gpt2_data), "bert": (hub.bert, hub.bert_data)}
+
+
+def _optimizer(name, way):
+    if name == "bert" and way in ("wrap", "fit_accum_steps"):
+        # Adam is not reproduced in step mode for BERT's 2-row segment
+        # embedding: a window's tokens outnumber its rows (see the
+        # small-tables caveat); SGD's update is linear, so it is exact.
+        return keras.optimizers.SGD(0.1)
+    # epsilon 1e-4, not Adam's 1e-7: in this tiny GPT-2 a few embedding
+    # entries get gradients of about 1e-9, float32 summation noise, which
+    # Adam at 1e-7 turns into steps of about the learning rate in a random
+    # direction (4.6e-6 apart after 6 updates for the plain big batch and
+    # micro_batch_size alike; 3e-8 at 1e-4). The accumulation is not what
+    # differs; the tolerance stays rtol 1e-5, atol 1e-6.
+    return keras.optimizers.Adam(0.01, epsilon=1e-4)
+
+
+def _fit(model, data, batch_size, **kwargs):
+    x, y, weights = data
+    return model.fit(
+        x, y, sample_weight=weights, batch_size=batch_size, epochs=2,
+        shuffle=False, verbose=0, **kwargs,
+    )
+
+
+def _compile(model, optimizer, loss=None):
+    # metrics=[]: KerasHub tasks add their own "auto" metrics otherwise.
+    model.compile(optimizer, loss or hub.loss(), metrics=[], weighted_metrics=["accuracy"])
+
+
+# way: (wrap arguments, fit arguments, batch size of the accumulating run,
+# loss of the accumulating run or None). The plain model trains on 32.
+WAYS = {
+    "wrap": ({"accum_steps": 4}, {}, 8, None),
+    "fit_accum_steps": ({}, {"accum_steps": 4}, 8, None),
+    "micro_batch_size": ({"micro_batch_size": 8}, {}, 32, None),
+    # A loss that runs out of memory (a genuine ResourceExhaustedError) on
+    # more than 16 samples at once: "auto" must find 16 and still train as 32.
+    "auto": ({"micro_batch_size": "auto"}, {}, 32, lambda: LimitedLoss(16)),
+}
+
+
+@pytest.mark.parametrize("way", sorted(WAYS))
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_kerashub_model_trains_as_its_big_batch(name, way):
+    make, make_data = MODELS[name]
+    data = make_data()
+    plain = make()
+    initial = plain.get_weights()
+    _compile(plain, _optimizer(name, way))
+    h_plain = _fit(plain, data, 32)
+
+    wrap_args, fit_args, batch_size, limited = WAYS[way]
+    model = keras_accum.wrap(make(), **wrap_args)
+    _compile(model, _optimizer(name, way), limited() if limited else None)
+    h_model = _fit(model, data, batch_size, **fit_args)
+
+    assert_trained(plain, initial)
+    assert_weights_close(plain, model)
+    assert int(model.optimizer.iterations) == int(plain.optimizer.iterations)
+    if way != "auto":  # auto's loss adds an exact 0, but is another loss object
+        assert_history_close(h_plain, h_model)
+    else:
+        assert model.chosen_micro_batch_size == 16
+
+
+def _train_on_batches(model, data, start, stop):
+    x, y, weights = data
+    for begin in range(start, stop, 8):
+        end = min(begin + 8, stop)
+        model.train_on_batch(
+            {k: v[begin:end] for k, v in x.items()}, y[begin:end],
+            sample_weight=None if weights is None else weights[begin:end],
+        )
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_keras_file_saved_mid_window_loads_in_a_fresh_process_and_resumes(name, tmp_path):
+    make, make_data = MODELS[name]
+    data = make_data()
+    x, y, weights = data
+
+    uninterrupted = keras_accum.wrap(make(), accum_steps=4)
+    _compile(uninterrupted, keras.optimizers.SGD(0.1, momentum=0.9))
+    _train_on_batches(uninterrupted, data, 0, hub.N)
+
+    model = keras_accum.wrap(make(), accum_steps=4)
+    _compile(model, keras.optimizers.SGD(0.1, momentum=0.9))
+    _train_on_batches(model, data, 0, 80)  # 10 micro-batches: 2 open
+    model.save(tmp_path / "lm.keras")
+    arrays = dict(x, y=y) if weights is None else dict(x, y=y, sample_weight=weights)
+    np.savez(tmp_path / "data.npz", **arrays)
+
+    result = run_python(
+        "tests/kerashub_resume.py", str(tmp_path / "lm.keras"),
+        str(tmp_path / "data.npz"), "80", str(hub.N), str(tmp_path / "out.npz"),
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    resumed = np.load(tmp_path / "out.npz")
+    expected = uninterrupted.get_weights()
+    assert len(resumed.files) == len(expected)
+    for i, value in enumerate(expected):
+        np.testing.assert_allclose(resumed[f"arr_{i}"], value, rtol=1e-5, atol=1e-6)
+
+
+SERVE = """
+import sys
+import numpy as np
+import tensorflow as tf
+data = dict(np.load(sys.argv[2]))
+served = tf.saved_model.load(sys.argv[1]).serve(
+    {k: tf.constant(v) for k, v in data.items()}
+)
+assert "keras_accum" not in sys.modules and "keras_hub" not in sys.modules
+np.save(sys.argv[3], served.numpy())
+"""
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_export_of_a_wrapped_kerashub_model_serves_without_keras_accum(name, tmp_path):
+    make, make_data = MODELS[name]
+    x, y, weights = make_data(n=16)
+    # The served signature is the model's Inputs' (KerasHub's masks are int32).
+    x = {key: value.astype("int32") for key, value in x.items()}
+    model = keras_accum.wrap(make(), accum_steps=2)
+    _compile(model, keras.optimizers.Adam(0.01))
+    model.fit(x, y, sample_weight=weights, batch_size=4, verbose=0)
+    model.export(str(tmp_path / "served"), verbose=False)
+    np.savez(tmp_path / "x.npz", **x)
+    (tmp_path / "serve.py").write_text(SERVE)
+    result = run_python(
+        str(tmp_path / "serve.py"), str(tmp_path / "served"),
+        str(tmp_path / "x.npz"), str(tmp_path / "served.npy"),
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    np.testing.assert_allclose(
+        np.load(tmp_path / "served.npy"), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6
+    )
+
+
+def test_plain_kerashub_file_and_wrapped_file_hold_the_same_weights(tmp_path):
+    # The wrapper trains the task's own layers in place: the task saved
+    # after training is the plain model a user hands on.
+    lm = hub.gpt2()
+    model = keras_accum.wrap(lm, accum_steps=2)
+    _compile(model, keras.optimizers.Adam(0.01))
+    x, y, weights = hub.gpt2_data(n=16)
+    model.fit(x, y, sample_weight=weights, batch_size=4, verbose=0)
+    lm.save(tmp_path / "plain.keras")
+    model.save(tmp_path / "wrapped.keras")
+    plain = keras.saving.load_model(tmp_path / "plain.keras")
+    wrapped = keras.saving.load_model(tmp_path / "wrapped.keras")
+    assert isinstance(wrapped, keras_accum.AccumModel)
+    assert wrapped.accum_steps == 2
+    assert_weights_close(plain, wrapped, rtol=0, atol=0)
+    np.testing.assert_allclose(
+        plain.predict(x, verbose=0), wrapped.predict(x, verbose=0), rtol=1e-6, atol=1e-6
+    )
