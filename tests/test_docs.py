@@ -325,9 +325,12 @@ def test_shell_commands_name_what_the_project_has():
     assert not errors, errors
 
 
-def test_docs_page_has_the_readme_test_command():
+def test_docs_page_has_the_readme_test_command_and_ci_builds_the_site():
     page = (DOCS / "development.md").read_text()
     assert code_blocks("bash")[-1].strip() in page
+    build = 'python -m pip install -e ".[docs]" && python -m mkdocs build --strict'
+    assert build in page and build in README
+    assert build in (ROOT / ".ci" / "run").read_text().splitlines()
 
 
 def test_docs_pictures_are_the_committed_results():
