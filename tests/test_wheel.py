@@ -5,14 +5,18 @@ Offline and quick on purpose: the wheel is built with the setuptools already
 installed (`--no-build-isolation`), the virtual environment reuses this
 Python's TensorFlow and Keras (`--system-site-packages`) and gets the wheel
 alone (`--no-deps`, `--no-index`, `--ignore-installed`: the checkout may be
-installed editable in this Python). Marked `wheel`: deselect with
+installed editable in this Python). Also: `python -m build` makes an sdist
+and a wheel that pass `twine check --strict` (when the docs extra, which has
+build and twine, is installed). Marked `wheel`: deselect with
 `-m "not wheel"`.
 """
 
+import importlib.util
 import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import venv
 import zipfile
 
@@ -39,12 +43,7 @@ def run(*args, cwd, timeout=600):
 
 def test_the_wheel_installs_in_a_fresh_venv_and_runs_the_quickstart(tmp_path):
     source = tmp_path / "source"
-    source.mkdir()
-    for name in SOURCES:
-        shutil.copy(ROOT / name, source / name)
-    shutil.copytree(
-        ROOT / "keras_accum", source / "keras_accum", ignore=shutil.ignore_patterns("__pycache__")
-    )
+    _copy_sources(source)
     dist = tmp_path / "dist"
     run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
         "--no-index", "-w", dist, source, cwd=tmp_path)
@@ -70,3 +69,31 @@ def test_the_wheel_installs_in_a_fresh_venv_and_runs_the_quickstart(tmp_path):
     accuracies = re.findall(r"test accuracy (\d\.\d+), (\d+) updates", output)
     assert len(accuracies) == 2 and accuracies[0] == accuracies[1], output
     assert float(re.search(r"largest weight difference: (\S+)", output)[1]) < 1e-4, output
+
+
+def _copy_sources(target):
+    target.mkdir()
+    for name in SOURCES:
+        shutil.copy(ROOT / name, target / name)
+    shutil.copytree(
+        ROOT / "keras_accum", target / "keras_accum", ignore=shutil.ignore_patterns("__pycache__")
+    )
+
+
+@pytest.mark.skipif(
+    not all(importlib.util.find_spec(m) for m in ("build", "twine")),
+    reason='needs build and twine: python -m pip install -e ".[docs]"',
+)
+def test_build_makes_an_sdist_and_a_wheel_that_pass_twine_check(tmp_path):
+    source = tmp_path / "source"
+    _copy_sources(source)
+    dist = tmp_path / "dist"
+    # --no-isolation: the installed setuptools, no download.
+    run(sys.executable, "-m", "build", "--no-isolation", "--outdir", dist, source, cwd=tmp_path)
+    (sdist,) = dist.glob("keras_accum-*.tar.gz")
+    (wheel,) = dist.glob("keras_accum-*.whl")
+    output = run(sys.executable, "-m", "twine", "check", "--strict", sdist, wheel, cwd=tmp_path)
+    assert output.count("PASSED") == 2, output
+    with tarfile.open(sdist) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    assert {"LICENSE", "README.md", "CHANGELOG.md", "pyproject.toml", "setup.cfg"} <= names, names
