@@ -190,7 +190,7 @@ if "strategy" in namespace:  # the page's MirroredStrategy ran on both devices
     assert namespace["strategy"].num_replicas_in_sync == 2
     # 256 samples at a global micro-batch of 64: 4 micro-batches, one
     # partial window of accum_steps=8, applied at the epoch's end.
-    assert int(namespace["model"].optimizer.iterations) == 1
+    assert int(namespace["model"].optimizer.iterations.numpy()) == 1
 print("ran", flush=True)
 """
 
