@@ -383,3 +383,11 @@ def test_site_builds_strictly_without_warnings(tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "WARNING" not in result.stderr, result.stderr[-3000:]
+
+
+def test_the_site_and_the_readme_list_the_same_tested_pairs():
+    def rows(text):
+        install = text.split("## Install", 1)[1].split("\n## ", 1)[0]
+        return re.findall(r"^\| \d+\.\d+.*\|$", install, flags=re.M)
+
+    assert rows(README) == rows((DOCS / "getting-started.md").read_text())
