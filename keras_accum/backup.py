@@ -74,12 +74,13 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     Example:
 
     ```python
-    strategy = tf.distribute.MultiWorkerMirroredStrategy()
-    task = strategy.cluster_resolver.task_id
-    backup = keras_accum.BackupAndRestore(
-        f"/shared/backups/worker-{task}", double_checkpoint=True
-    )
-    model.fit(dataset, epochs=10, callbacks=[backup])
+    model = keras_accum.AccumModel(inputs, outputs, accum_steps=4)
+    model.compile("adam", "sparse_categorical_crossentropy")
+    backup = keras_accum.BackupAndRestore("backups", double_checkpoint=True)
+    model.fit(dataset, epochs=2, callbacks=[backup], verbose=0)  # the same call on a restart
+
+    # Across workers, under MultiWorkerMirroredStrategy: one directory each,
+    # f"/shared/backups/worker-{strategy.cluster_resolver.task_id}".
     ```
     """
 

@@ -120,7 +120,7 @@ class AccumModel(keras.Model):
     Example:
 
     ```python
-    inputs = keras.Input((64,))
+    inputs = keras.Input((784,))
     outputs = keras.layers.Dense(10, activation="softmax")(inputs)
     model = keras_accum.AccumModel(inputs, outputs, accum_steps=4)
     model.compile("adam", "sparse_categorical_crossentropy")
@@ -197,17 +197,52 @@ class AccumModel(keras.Model):
 
     @property
     def skip_nonfinite(self):
-        """Whether windows with a non-finite gradient are skipped."""
+        """Whether windows with a non-finite gradient are skipped.
+
+        Example:
+
+        ```python
+        model = keras_accum.AccumModel(inputs, outputs, skip_nonfinite=True)
+        assert model.skip_nonfinite
+        ```
+        """
         return self._nonfinite is not None
 
     @property
     def skipped_windows(self):
-        """Windows skipped for a non-finite gradient (0 unless `skip_nonfinite`)."""
+        """Windows skipped for a non-finite gradient (0 unless `skip_nonfinite`).
+
+        `fit` also logs the count as `skipped_windows` after each epoch.
+
+        Example:
+
+        ```python
+        model = keras_accum.AccumModel(inputs, outputs, accum_steps=4, skip_nonfinite=True)
+        model.compile("adam", "sparse_categorical_crossentropy")
+        history = model.fit(x, y, batch_size=32, verbose=0)
+        assert model.skipped_windows == history.history["skipped_windows"][-1] == 0
+        ```
+        """
         return 0 if self._nonfinite is None else int(self._nonfinite.skipped.numpy())
 
     @property
     def accum_steps(self):
-        """Micro-batches per optimizer update. Setting it applies a pending window."""
+        """Micro-batches per optimizer update. Setting it applies a pending window.
+
+        Each value is traced once per compile: switching back and forth
+        reuses the traced step.
+
+        Example:
+
+        ```python
+        model = keras_accum.AccumModel(inputs, outputs, accum_steps=4)
+        model.compile("adam", "sparse_categorical_crossentropy")
+        model.fit(x, y, batch_size=32, verbose=0)  # 2 updates of 128 samples
+        model.accum_steps = 8
+        model.fit(x, y, batch_size=32, verbose=0)  # 1 update of 256 samples
+        assert int(model.optimizer.iterations) == 3
+        ```
+        """
         return self._accum_steps
 
     @accum_steps.setter
@@ -227,6 +262,15 @@ class AccumModel(keras.Model):
 
         Setting it makes the next train step split batches with the new size
         (a train function per size is traced once and kept).
+
+        Example:
+
+        ```python
+        model = keras_accum.AccumModel(inputs, outputs, micro_batch_size=32)
+        model.compile("adam", "sparse_categorical_crossentropy")
+        model.fit(x, y, batch_size=128, verbose=0)  # 2 updates, 32 samples at a time
+        model.micro_batch_size = 64
+        ```
         """
         return self._micro_batch_size
 
@@ -258,6 +302,15 @@ class AccumModel(keras.Model):
         None (whole batches) until a step runs out of memory; then the
         halved size that fitted, kept for the rest of training (and later
         `fit` calls of this model).
+
+        Example:
+
+        ```python
+        model = keras_accum.AccumModel(inputs, outputs, micro_batch_size="auto")
+        model.compile("adam", "sparse_categorical_crossentropy")
+        model.fit(x, y, batch_size=256, verbose=0)
+        print(model.chosen_micro_batch_size)  # None: whole batches fitted
+        ```
         """
         return self._auto_micro_batch.size
 
@@ -303,11 +356,30 @@ class AccumModel(keras.Model):
                 micro-batches of this many samples inside the step (one
                 update per batch when `accum_steps=1`), or "auto" (see
                 `AccumModel`). Validated before any training happens.
-            (others): as `keras.Model.fit`. `batch_size` is the batch each
-                step trains on (the micro-batch of an `accum_steps` window).
+            x: as `keras.Model.fit`: the input data.
+            y: as `keras.Model.fit`: the targets.
+            batch_size: as `keras.Model.fit`: the batch each step trains on
+                (the micro-batch of an `accum_steps` window).
+            epochs: as `keras.Model.fit`.
+            verbose: as `keras.Model.fit`.
+            callbacks: as `keras.Model.fit`; one callback without a list is
+                accepted too.
+            **kwargs: the other arguments of `keras.Model.fit`.
+
+        Returns:
+            The `History` object, as `keras.Model.fit` returns.
 
         A window left open when an epoch's data ends is applied before
         validation and before other callbacks' `on_epoch_end`.
+
+        Example:
+
+        ```python
+        model = keras_accum.AccumModel(inputs, outputs)
+        model.compile("adam", "sparse_categorical_crossentropy")
+        model.fit(x, y, batch_size=32, accum_steps=8, verbose=0)  # this call only
+        assert model.accum_steps == 1 and int(model.optimizer.iterations) == 1
+        ```
         """
         if isinstance(callbacks, keras.callbacks.Callback):
             callbacks = [callbacks]  # Keras accepts one callback too
@@ -689,6 +761,17 @@ class AccumModel(keras.Model):
 
         `fit` calls it when an epoch's data ends. Call it yourself after
         `train_on_batch` loops, or before reading weights mid-window.
+
+        Example:
+
+        ```python
+        model = keras_accum.AccumModel(inputs, outputs, accum_steps=4)
+        model.compile("adam", "sparse_categorical_crossentropy")
+        for start in range(0, 96, 32):  # 3 micro-batches: no update yet
+            model.train_on_batch(x[start:start + 32], y[start:start + 32])
+        model.flush()                   # one update of the 96 samples
+        assert int(model.optimizer.iterations) == 1
+        ```
         """
         acc = self._accumulator
         if not acc.pending():
@@ -730,6 +813,17 @@ class AccumModel(keras.Model):
         `keras.callbacks.TerminateOnNaN(raise_error=True)` stopped `fit` with a
         NaN gradient in it (`flush()` or the next `fit` would apply it). A
         no-op if no window is open.
+
+        Example:
+
+        ```python
+        model = keras_accum.AccumModel(inputs, outputs, accum_steps=4)
+        model.compile("adam", "sparse_categorical_crossentropy")
+        model.train_on_batch(x[:32], y[:32])  # a window of 1 micro-batch
+        model.reset_window()                  # dropped: no update
+        model.flush()                         # nothing left to apply
+        assert int(model.optimizer.iterations) == 0
+        ```
         """
         if self._accumulator.pending():
             self._discard_window()
@@ -742,6 +836,21 @@ class AccumModel(keras.Model):
         Restores the weights, the optimizer state and a pending window. If
         loading fails (a corrupted or mismatched file), the model is left as it
         was before the call and the error is raised.
+
+        Args:
+            filepath: as `keras.Model.load_weights`.
+            *args: as `keras.Model.load_weights`.
+            **kwargs: as `keras.Model.load_weights`.
+
+        Example:
+
+        ```python
+        model = keras_accum.AccumModel(inputs, outputs, accum_steps=4)
+        model.compile("adam", "sparse_categorical_crossentropy")
+        model.train_on_batch(x[:32], y[:32])  # a window left open
+        model.save_weights("mid-window.weights.h5")
+        model.load_weights("mid-window.weights.h5")  # the window comes back too
+        ```
         """
         variables = list(self.weights)
         if self.optimizer is not None:

@@ -63,8 +63,9 @@ class AccumOptimizer(keras.optimizers.Optimizer):
     Example:
 
     ```python
+    model = existing_model
     opt = keras_accum.AccumOptimizer(keras.optimizers.Adam(1e-3), accum_steps=4)
-    for x, y in micro_batches:
+    for x, y in dataset:  # micro-batches
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))
         grads = tape.gradient(loss, model.trainable_variables)
@@ -111,12 +112,28 @@ class AccumOptimizer(keras.optimizers.Optimizer):
 
     @property
     def skipped_windows(self):
-        """Windows skipped for a non-finite gradient (0 unless `skip_nonfinite`)."""
+        """Windows skipped for a non-finite gradient (0 unless `skip_nonfinite`).
+
+        Example:
+
+        ```python
+        opt = keras_accum.AccumOptimizer(keras.optimizers.SGD(), skip_nonfinite=True)
+        assert opt.skipped_windows == 0
+        ```
+        """
         return 0 if self._nonfinite is None else int(self._nonfinite.skipped.numpy())
 
     @property
     def accum_steps(self):
-        """Micro-batches per update (fixed at construction)."""
+        """Micro-batches per update (fixed at construction).
+
+        Example:
+
+        ```python
+        opt = keras_accum.AccumOptimizer(keras.optimizers.SGD(), accum_steps=4)
+        assert opt.accum_steps == 4
+        ```
+        """
         return self._accum_steps
 
     @internals.no_automatic_dependency_tracking
@@ -139,6 +156,17 @@ class AccumOptimizer(keras.optimizers.Optimizer):
             weight: optional scalar weight of this micro-batch (e.g. its
                 number of samples). The update uses the weighted mean of the
                 window's gradients. Default: 1 for every micro-batch.
+
+        Example:
+
+        ```python
+        variable = keras.Variable([1.0, 2.0])
+        opt = keras_accum.AccumOptimizer(keras.optimizers.SGD(0.1), accum_steps=2)
+        opt.apply([tf.constant([1.0, 1.0])], [variable], weight=3)
+        opt.apply([tf.constant([5.0, 5.0])], [variable], weight=1)  # updates
+        # the weighted mean gradient, (3 * 1 + 1 * 5) / 4 = 2: 1 - 0.1 * 2
+        np.testing.assert_allclose(variable.numpy(), [0.8, 1.8], rtol=1e-6)
+        ```
         """
         if trainable_variables is None:
             trainable_variables = self._trainable_variables
@@ -168,6 +196,16 @@ class AccumOptimizer(keras.optimizers.Optimizer):
         """Applies a pending partial window now; a no-op if none is pending.
 
         Works eagerly and inside `tf.function`.
+
+        Example:
+
+        ```python
+        variable = keras.Variable([1.0])
+        opt = keras_accum.AccumOptimizer(keras.optimizers.SGD(0.1), accum_steps=4)
+        opt.apply([tf.constant([1.0])], [variable])  # 1 of 4 micro-batches
+        opt.flush()                                   # applied now
+        assert int(opt.iterations) == 1
+        ```
         """
         if self.built:
             self._accumulator.flush(self.inner_optimizer)
@@ -177,6 +215,16 @@ class AccumOptimizer(keras.optimizers.Optimizer):
 
         For a window that must not be applied, e.g. one holding a NaN
         gradient. Works eagerly and inside `tf.function`.
+
+        Example:
+
+        ```python
+        variable = keras.Variable([1.0])
+        opt = keras_accum.AccumOptimizer(keras.optimizers.SGD(0.1), accum_steps=4)
+        opt.apply([tf.constant([float("nan")])], [variable])
+        opt.reset_window()                            # dropped, no update
+        assert int(opt.iterations) == 0 and float(variable.numpy()[0]) == 1.0
+        ```
         """
         if self.built:
             self._accumulator.reset()

@@ -27,7 +27,17 @@ class WrappedModel(AccumModel):
     Example:
 
     ```python
-    model = keras_accum.wrap(MySubclassedNet(), accum_steps=4)
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(10, activation="softmax")
+
+        def call(self, x):
+            return self.dense(x)
+
+    model = keras_accum.wrap(Net(), accum_steps=4)  # a WrappedModel
+    model.compile("adam", "sparse_categorical_crossentropy")
+    model.fit(x, y, batch_size=32, verbose=0)
     ```
     """
 

@@ -1,6 +1,31 @@
-"""The README's commands and code, and the examples, do what they say."""
+"""The README's and the documentation site's commands and code, and the
+examples, do what they say.
 
+Every code block of README.md and docs/**/*.md is covered (docs/development.md,
+"The documentation site", states these rules for contributors):
+
+* `python` blocks run, in order, in one fresh namespace per page, after the
+  block marked `<!-- docs-test: given -->` (docs/getting-started.md), in a
+  temporary directory; a page starting with `<!-- docs-test: two-devices -->`
+  runs in a process of its own with two logical CPU devices.
+* `bash` blocks are checked, not run: each command must name what the
+  project has (extras, nox sessions, test files, examples, benchmarks).
+* `<!-- docs-test: multi-worker -->` marks a block that needs a cluster; it is
+  not run here, and is allowed only on blocks that use
+  MultiWorkerMirroredStrategy or TF_CONFIG (the multi-worker harness in
+  tests/workers.py runs what they do).
+* `<!-- docs-test: kerashub -->` marks a block that uses keras_hub; it is run by
+  tests/test_kerashub.py (the `kerashub` nox session), not here.
+* `text` blocks are formulas.
+* The public docstrings' examples (the API reference) run too.
+"""
+
+import configparser
+import os
 import re
+import shlex
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -93,25 +118,280 @@ def test_readme_custom_loop_runs():
     assert int(namespace["opt"].iterations) == 2  # one full window, one flushed
 
 
-_SCALING_OUT = """
-import sys
-import numpy as np, tensorflow as tf
+# -- the documentation site ---------------------------------------------------
+
+DOCS = ROOT / "docs"
+PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+LANGUAGES = {"python", "bash", "text"}
+MARKERS = {"given", "multi-worker", "kerashub"}
+_BLOCK = re.compile(
+    r"^(?:<!-- docs-test: (?P<marker>[\w-]+) -->\n)?```(?P<lang>[^\n]*)\n(?P<code>.*?)^```",
+    flags=re.S | re.M,
+)
+
+
+class Block:
+    def __init__(self, match):
+        self.marker, self.lang, self.code = match["marker"], match["lang"].strip(), match["code"]
+
+
+def blocks(text):
+    return [Block(m) for m in _BLOCK.finditer(text)]
+
+
+def page_id(path):
+    return str(path.relative_to(ROOT))
+
+
+def given_block():
+    page = (DOCS / "getting-started.md").read_text()
+    (given,) = [b.code for b in blocks(page) if b.marker == "given"]
+    return given
+
+
+def runnable(path):
+    return [b.code for b in blocks(path.read_text()) if b.lang == "python" and b.marker is None]
+
+
+def test_every_code_block_is_of_a_kind_the_tests_cover():
+    for path in PAGES:
+        text = path.read_text()
+        assert text.count("```") == 2 * len(blocks(text)), f"{page_id(path)}: a fence the tests do not see"
+        for block in blocks(text):
+            where = f"{page_id(path)}: {block.code[:60]!r}"
+            assert block.lang in LANGUAGES, f"{where}: language {block.lang!r}"
+            assert block.marker in MARKERS | {None}, f"{where}: marker {block.marker!r}"
+            if block.marker == "multi-worker":
+                assert re.search(r"MultiWorkerMirroredStrategy|TF_CONFIG", block.code), (
+                    f"{where}: the multi-worker marker is for blocks that need a cluster"
+                )
+            if block.marker == "given":
+                assert path == DOCS / "getting-started.md", where
+            if block.marker == "kerashub":
+                assert "keras_hub" in block.code, f"{where}: the kerashub marker is for KerasHub blocks"
+            if block.lang == "text":  # formulas: Python code would have to run
+                with pytest.raises(SyntaxError):
+                    compile(block.code, where, "exec")
+    for path in PAGES:
+        for line in path.read_text().splitlines():
+            assert line.startswith("<!-- docs-test:") <= bool(
+                re.fullmatch(r"<!-- docs-test: (given|multi-worker|kerashub|two-devices) -->", line)
+            ), f"{page_id(path)}: unknown marker {line}"
+            if line == "<!-- docs-test: two-devices -->":
+                assert path.read_text().startswith(line), f"{page_id(path)}: two-devices is a page marker"
+
+
+_TWO_DEVICES = """
+import json, sys
+import tensorflow as tf
 cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import keras, keras_accum
-rng = np.random.default_rng(0)
-x = rng.normal(size=(256, 784)).astype("float32")
-y = rng.integers(0, 10, size=256)
-exec(sys.argv[1])
-assert strategy.num_replicas_in_sync == 2
-print("updates", int(model.optimizer.iterations.numpy()))
+namespace = {}
+for code in json.load(sys.stdin):
+    exec(compile(code, "<docs block>", "exec"), namespace)
+assert len(tf.config.list_logical_devices("CPU")) == 2
+if "strategy" in namespace:  # the page's MirroredStrategy ran on both devices
+    assert namespace["strategy"].num_replicas_in_sync == 2
+    # 256 samples at a global micro-batch of 64: 4 micro-batches, one
+    # partial window of accum_steps=8, applied at the epoch's end.
+    assert int(namespace["model"].optimizer.iterations.numpy()) == 1
+print("ran", flush=True)
 """
 
 
-def test_readme_scaling_out_snippet_runs_as_written():
-    block = next(b for b in code_blocks("python") if "MirroredStrategy()" in b)
-    result = run_python("-c", _SCALING_OUT, block)
+@pytest.mark.parametrize(
+    "path", [p for p in PAGES if runnable(p)], ids=page_id
+)
+def test_page_code_runs(path, tmp_path, monkeypatch):
+    import json
+
+    import keras
+
+    codes = [given_block(), *runnable(path)]
+    monkeypatch.chdir(tmp_path)  # files a page saves land here
+    if path.read_text().startswith("<!-- docs-test: two-devices -->"):
+        result = subprocess.run(
+            [sys.executable, "-c", _TWO_DEVICES], input=json.dumps(codes),
+            capture_output=True, text=True, timeout=600, cwd=tmp_path,
+            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT)},
+        )
+        assert result.returncode == 0 and "ran" in result.stdout, result.stderr[-3000:]
+        return
+    namespace = {"__name__": "docs_page"}
+    try:
+        for code in codes:
+            exec(compile(code, f"<{page_id(path)}>", "exec"), namespace)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def _extras():
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    return set(config["options.extras_require"])
+
+
+def _check_command(words, errors):
+    """Appends to `errors` what in one shell command the project does not have."""
+    import keras_accum
+
+    if words[:1] == ["pip"] or words[:1] == ["!pip"]:
+        words = ["python", "-m", "pip", *words[1:]]
+    if words[:2] != ["python", "-m"] and not (len(words) == 2 and words[0] == "python"):
+        errors.append(f"not a python command: {words}")
+        return
+    if words[0] == "python" and len(words) == 2:
+        if not (ROOT / words[1]).is_file():
+            errors.append(f"no file {words[1]}")
+        return
+    module, args = words[2], words[3:]
+    if module == "pip":
+        assert args[0] == "install", words
+        for arg in args[1:]:
+            if arg.startswith("-"):
+                continue
+            extras = re.fullmatch(r"(\.|keras_accum)(?:\[([\w,-]+)\])?", arg)
+            wheel = re.fullmatch(r"(?:dist/)?keras_accum-(.+)-py3-none-any\.whl", arg)
+            if extras:
+                missing = set(filter(None, (extras[2] or "").split(","))) - _extras()
+                if missing:
+                    errors.append(f"no extra {missing} in setup.cfg: {arg}")
+            elif wheel:
+                if wheel[1] != keras_accum.__version__:
+                    errors.append(f"wheel of version {wheel[1]}, not {keras_accum.__version__}")
+            elif not re.fullmatch(r"[A-Za-z][\w.-]*", arg):
+                errors.append(f"pip install of {arg}")
+    elif module == "nox":
+        from test_matrix import nox_pairs
+
+        sessions = {"tests", "kerashub", *(f"tests({pair})" for pair in nox_pairs())}
+        options, _, pytest_args = " ".join(args).partition(" -- ")
+        options = shlex.split(options)
+        for i, option in enumerate(options):
+            if option == "-s":
+                for name in options[i + 1:]:
+                    if name not in sessions:
+                        errors.append(f"no nox session {name}")
+        _check_test_paths(shlex.split(pytest_args), errors)
+    elif module == "pytest":
+        _check_test_paths(args, errors)
+    elif module.startswith("benchmarks."):
+        if not (ROOT / "benchmarks" / f"{module.split('.', 1)[1]}.py").is_file():
+            errors.append(f"no module {module}")
+    elif module == "mkdocs":
+        if args not in (["build", "--strict"], ["serve"]):
+            errors.append(f"mkdocs {args}")
+    elif module == "twine":
+        if args[:2] != ["check", "--strict"]:
+            errors.append(f"twine {args}")
+    elif module != "build":
+        errors.append(f"unknown command python -m {module}")
+
+
+def _check_test_paths(args, errors):
+    for arg in args:
+        if arg.startswith("tests/") and not (ROOT / arg.split("::")[0]).exists():
+            errors.append(f"no test file {arg}")
+
+
+def test_shell_commands_name_what_the_project_has():
+    errors = []
+    for path in PAGES:
+        for block in blocks(path.read_text()):
+            if block.lang != "bash" or block.marker == "multi-worker":
+                continue
+            for line in block.code.splitlines():
+                line = re.sub(r"\s+#.*", "", line).strip()
+                if not line or line.startswith("#"):
+                    continue
+                for command in line.split("&&"):
+                    _check_command(shlex.split(command.replace("dist/*", "dist")), errors)
+    assert not errors, errors
+
+
+def test_docs_page_has_the_readme_test_command_and_ci_builds_the_site():
+    page = (DOCS / "development.md").read_text()
+    assert code_blocks("bash")[-1].strip() in page
+    build = 'python -m pip install -e ".[docs]" && python -m mkdocs build --strict'
+    assert build in page and build in README
+    assert build in (ROOT / ".ci" / "run").read_text().splitlines()
+
+
+def test_docs_pictures_are_the_committed_results():
+    assert (DOCS / "assets" / "results.png").read_bytes() == (
+        ROOT / "benchmarks" / "results.png"
+    ).read_bytes(), "copy benchmarks/results.png to docs/assets/"
+
+
+def test_every_page_is_in_the_nav_and_every_public_name_in_the_api_reference():
+    import keras_accum
+
+    config = (ROOT / "mkdocs.yml").read_text()
+    for path in DOCS.rglob("*.md"):
+        assert f": {path.relative_to(DOCS).as_posix()}\n" in config, f"{path} not in nav"
+    api = (DOCS / "api.md").read_text()
+    for name in keras_accum.__all__:
+        if name != "__version__":
+            assert f"::: keras_accum.{name}\n" in api, name
+    assert "keras_accum.__version__" in api
+    readme = README.split("## The four ways in", 1)[1]
+    names = re.search(r"`__all__` is (.*?)\.\s", readme, flags=re.S)[1]
+    assert sorted(re.findall(r"`(\w+)`", names)) == sorted(keras_accum.__all__)
+
+
+def test_readme_stays_the_front_door():
+    assert len(README.splitlines()) <= 300
+    assert 'python -m pip install ".[tensorflow]"' in README.split("## Install", 1)[1][:300]
+    assert "once a release is published" in README.lower().replace("\n", " ")
+
+
+def test_docstring_examples_run(tmp_path, monkeypatch):
+    """The examples in the public docstrings, which the API reference shows."""
+    import inspect
+
+    import keras
+
+    import keras_accum
+
+    monkeypatch.chdir(tmp_path)
+    objects = [getattr(keras_accum, n) for n in keras_accum.__all__ if n != "__version__"]
+    objects.append(sys.modules["keras_accum.wrap"].WrappedModel)  # wrap's result
+    members = []
+    for obj in objects:
+        members.append(obj)
+        if inspect.isclass(obj):
+            members += [m for n, m in vars(obj).items() if not n.startswith("_")]
+    ran = 0
+    for member in members:
+        doc = inspect.getdoc(member.fget if isinstance(member, property) else member) or ""
+        for code in re.findall(r"```python\n(.*?)```", doc, flags=re.S):
+            namespace = {"__name__": "docstring"}
+            exec(given_block(), namespace)
+            try:
+                exec(compile(code, f"<docstring of {member}>", "exec"), namespace)
+            finally:
+                keras.mixed_precision.set_global_policy("float32")
+            ran += 1
+    assert ran >= len(objects)
+
+
+@pytest.mark.skipif(
+    not __import__("importlib").util.find_spec("mkdocs"),
+    reason='the docs extra is not installed: python -m pip install -e ".[docs]"',
+)
+def test_site_builds_strictly_without_warnings(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    # 256 samples at a global micro-batch of 64: 4 micro-batches, one
-    # partial window of accum_steps=8, applied at the epoch's end.
-    assert "updates 1" in result.stdout, result.stdout
+    assert "WARNING" not in result.stderr, result.stderr[-3000:]
+
+
+def test_the_site_and_the_readme_list_the_same_tested_pairs():
+    def rows(text):
+        install = text.split("## Install", 1)[1].split("\n## ", 1)[0]
+        return re.findall(r"^\| \d+\.\d+.*\|$", install, flags=re.M)
+
+    assert rows(README) == rows((DOCS / "getting-started.md").read_text())

@@ -134,9 +134,8 @@ import sys
 import numpy as np
 import tensorflow as tf
 data = dict(np.load(sys.argv[2]))
-served = tf.saved_model.load(sys.argv[1]).serve(
-    {k: tf.constant(v) for k, v in data.items()}
-)
+archive = tf.saved_model.load(sys.argv[1])  # held: its variables live in it
+served = archive.serve({k: tf.constant(v) for k, v in data.items()})
 assert "keras_accum" not in sys.modules and "keras_hub" not in sys.modules
 np.save(sys.argv[3], served.numpy())
 """
@@ -182,3 +181,16 @@ def test_plain_kerashub_file_and_wrapped_file_hold_the_same_weights(tmp_path):
     np.testing.assert_allclose(
         plain.predict(x, verbose=0), wrapped.predict(x, verbose=0), rtol=1e-6, atol=1e-6
     )
+
+
+def test_docs_kerashub_blocks_run(tmp_path, monkeypatch):
+    # The site's KerasHub examples (marked `docs-test: kerashub`), which
+    # tests/test_docs.py leaves to this file.
+    from test_docs import PAGES, blocks
+
+    codes = [b.code for p in PAGES for b in blocks(p.read_text()) if b.marker == "kerashub"]
+    assert codes
+    monkeypatch.chdir(tmp_path)
+    for code in codes:
+        exec(compile(code, "<docs kerashub block>", "exec"), {"__name__": "docs_page"})
+    assert (tmp_path / "lm.keras").exists()

@@ -22,7 +22,11 @@ def nox_pairs():
 
 def test_readme_install_table_lists_the_tested_pairs():
     install = (ROOT / "README.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| (\d+\.\d+\.\d+) \| (\d+\.\d+\.\d+) \|", install, flags=re.M)
+    rows = re.findall(
+        r"^\| (\d+\.\d+\.\d+) \| ((?:keras-nightly )?\d+\.\d+\.\d+(?:\.dev\d+)?) \|", install, flags=re.M
+    )
+    # noxfile.py names a nightly "nightly:VERSION"; the README "keras-nightly VERSION".
+    rows = [(tf, keras.replace("keras-nightly ", "nightly:")) for tf, keras in rows]
     assert sorted(rows) == sorted(nox_pairs().values())
 
 
@@ -38,13 +42,15 @@ def test_setup_cfg_admits_every_tested_pair_and_nothing_older():
         internals.check_versions(keras, tensorflow)  # raises if refused
 
 
-def test_ci_runs_the_whole_suite_on_the_floor_and_colab_pairs():
+def test_ci_runs_the_whole_suite_on_the_floor_colab_and_next_pairs_and_kerashub():
     run = (ROOT / ".ci" / "run").read_text()
     pairs = nox_pairs()
     assert pairs["floor"] == ("2.18.1", "3.8.0") and pairs["colab"] == ("2.20.0", "3.13.2")
-    nox_line = next(line for line in run.splitlines() if "-m nox" in line)
+    assert pairs["next"][1].startswith("nightly:3.16")
+    nox_lines = [line for line in run.splitlines() if "-m nox" in line]
     # No test files named: pytest collects every one (testpaths).
-    assert nox_line.endswith('-s "tests(floor)" "tests(colab)" -- -n 2'), nox_line
+    assert nox_lines[0].endswith('-s "tests(floor)" "tests(colab)" "tests(next)" -- -n 2'), nox_lines
+    assert nox_lines[1].endswith("-s kerashub"), nox_lines
 
 
 def test_import_on_an_older_keras_names_the_supported_range():
