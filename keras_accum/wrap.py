@@ -89,8 +89,13 @@ class RebuiltModel(AccumModel):
     Example:
 
     ```python
-    lm = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
-    model = keras_accum.wrap(lm, accum_steps=4)  # a RebuiltModel
+    class Classifier(keras.Model):  # functional, of a class of its own
+        def __init__(self, **kwargs):
+            inputs = keras.Input((4,))
+            super().__init__(inputs, keras.layers.Dense(2)(inputs), **kwargs)
+
+    model = keras_accum.wrap(Classifier(), accum_steps=4)
+    assert type(model).__name__ == "RebuiltModel"  # as for a KerasHub task
     ```
     """
 

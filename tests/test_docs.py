@@ -355,7 +355,8 @@ def test_docstring_examples_run(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     objects = [getattr(keras_accum, n) for n in keras_accum.__all__ if n != "__version__"]
-    objects.append(sys.modules["keras_accum.wrap"].WrappedModel)  # wrap's result
+    wrap_module = sys.modules["keras_accum.wrap"]
+    objects += [wrap_module.WrappedModel, wrap_module.RebuiltModel]  # wrap's results
     members = []
     for obj in objects:
         members.append(obj)
