@@ -67,6 +67,7 @@ def legacy_keras_hint(obj):
     )
 
 from keras import tree  # noqa: E402
+from tensorflow.python.distribute import distribute_lib  # noqa: E402
 from keras.src.backend.common.masking import get_keras_mask, set_keras_mask  # noqa: E402
 from keras.src.backend.tensorflow.trainer import (  # noqa: E402
     TensorFlowTrainer,
@@ -212,6 +213,7 @@ __all__ = [
     "optionals_to_none",
     "metrics_summed_over_replicas",
     "multi_worker",
+    "replicated",
     "set_initial_epoch",
     "reduce_outputs",
     "symbolic_build",
@@ -326,6 +328,22 @@ def metrics_summed_over_replicas():
     too) are not the one-device values; later releases sum them on read.
     """
     return "synchronization" in inspect.signature(keras.Variable).parameters
+
+
+def replicated(strategy):
+    """Whether steps under `strategy` run as replicas of a `tf.distribute`
+    strategy, one replica included (a one-GPU or CPU-only MirroredStrategy,
+    a MultiWorkerMirroredStrategy without TF_CONFIG).
+
+    Such a step runs in a replica context whose optimizer update is a
+    `merge_call`, which cannot sit inside a conditional traced in the
+    replica, whatever the number of replicas: the window is then applied in
+    cross-replica context, as for several replicas. False for None and the
+    default strategy (no `strategy.scope()`).
+    """
+    if strategy is None:
+        return False
+    return strategy is not distribute_lib._get_default_strategy()
 
 
 def multi_worker(strategy):

@@ -282,7 +282,7 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         `variables` need only `shape` and `dtype` (numpy arrays will do; the
         window is then bound to variables later, by `bind`). Variables are
         created outside any surrounding `tf.function`. Under a
-        `tf.distribute` strategy with several replicas, every variable is
+        `tf.distribute` strategy (one replica included), every variable is
         per-replica (sync-on-read): each replica sums its own micro-batches
         locally, and nothing crosses devices until the window is applied.
         Read across replicas, buffers and `window_weight` give their sum,
@@ -296,7 +296,9 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         local = {}
         strategy = strategy or self._strategy
         self._strategy = strategy
-        if strategy is not None and strategy.num_replicas_in_sync > 1:
+        if internals.replicated(strategy):
+            # One replica too: its window is applied in cross-replica
+            # context (AccumModel._apply_across_replicas), as for several.
             local = {"synchronization": tf.VariableSynchronization.ON_READ}
         total = dict(local, aggregation=tf.VariableAggregation.SUM) if local else {}
         first = (

@@ -384,7 +384,7 @@ class AccumModel(keras.Model):
             )
             return self.train_function
         if self._windowed():
-            if strategy.num_replicas_in_sync > 1:
+            if internals.replicated(strategy):
                 self.train_function = internals.make_replicated_function(
                     self, self._accumulate, self._apply_if_full_across_replicas
                 )
@@ -640,7 +640,9 @@ class AccumModel(keras.Model):
             return self.compute_metrics(x, y, batch.y_pred, sample_weight=sample_weight)
 
     def _apply_window(self):
-        if self.distribute_strategy.num_replicas_in_sync > 1:
+        if internals.replicated(self.distribute_strategy):
+            # One replica included: its update is a merge_call, which
+            # cannot run in a conditional traced inside the replica.
             self._apply_across_replicas()
         else:
             self._accumulator.apply(self.optimizer)
