@@ -469,7 +469,7 @@ class GradientAccumulator(tf.Module, internals.SavedState):
             storage.read_value,
         )
 
-    def apply(self, optimizer, total_weight=None, check_finite=True):
+    def apply(self, optimizer, total_weight=None, check_finite=True, grads=None):
         """Applies the window's gradient to its variables through `optimizer`;
         a new window starts.
 
@@ -478,8 +478,11 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         window's weight summed over replicas, and `check_finite` False: a
         conditional update inside a replica cannot be made, the caller
         decides across replicas (`NonFiniteWindows.across_replicas`).
+        `grads`: the window's gradients, if the caller has them already
+        (`window_gradients(loss_scale_of(optimizer))`).
         """
-        grads = self.window_gradients(loss_scale_of(optimizer), total_weight)
+        if grads is None:
+            grads = self.window_gradients(loss_scale_of(optimizer), total_weight)
         if self.nonfinite is None or not check_finite:
             optimizer.apply(grads, self._bound())
         else:

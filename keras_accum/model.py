@@ -644,9 +644,22 @@ class AccumModel(keras.Model):
             # One replica included: its update is a merge_call, which
             # cannot run in a conditional traced inside the replica.
             self._apply_across_replicas()
-        else:
-            self._accumulator.apply(self.optimizer)
+            return
+        acc = self._accumulator
+        if self._nonfinite is None:
+            acc.apply(self.optimizer)
             self._apply_batchnorm()
+            return
+        # One decision for all the window's state, as across replicas: a
+        # skipped window moves neither the weights nor BatchNormalization's
+        # moving statistics.
+        grads = acc.window_gradients(loss_scale_of(self.optimizer))
+
+        def apply():
+            acc.apply(self.optimizer, check_finite=False, grads=grads)
+            self._apply_batchnorm()
+
+        self._nonfinite.one_device(grads, self.optimizer, apply, self._discard_window)
 
     def _apply_batchnorm(self):
         # With skip_nonfinite, non-finite statistics (a NaN sample's) are
