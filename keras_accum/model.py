@@ -707,6 +707,7 @@ class AccumModel(keras.Model):
         acc = self._accumulator
         if not acc.pending():
             return
+        self._restore_batchnorm_window()
         if acc.window_variables is None:
             # Restored from a file and no step since: pair it with the
             # trainable variables by position, as Keras pairs weights.
@@ -728,7 +729,7 @@ class AccumModel(keras.Model):
             return
         # Traced for this optimizer and these buffers; again when either
         # changes (compile() with another optimizer, a rebuilt window).
-        key = (id(self.optimizer), acc.generation)
+        key = (id(self.optimizer), acc.generation, len(self._batchnorm.variables))
         if self._flush_key != key:
             function = tf.function(self._apply_window)
             # Held in a plain closure: a tf.function attribute would be
@@ -746,7 +747,17 @@ class AccumModel(keras.Model):
         no-op if no window is open.
         """
         if self._accumulator.pending():
+            self._restore_batchnorm_window()
             self._discard_window()
+
+    def _restore_batchnorm_window(self):
+        # BatchNormalization moments loaded from a file wait for their
+        # layers' windows, made with the next train function; flush() and
+        # reset_window() before that make them now, so that the restored
+        # moments are applied or discarded with the gradients they came
+        # with, and do not leak into the next window.
+        if self.built:
+            self._batchnorm.build(self.distribute_strategy)
 
     # -- saving -----------------------------------------------------------------
 
