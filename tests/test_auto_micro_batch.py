@@ -196,6 +196,17 @@ def test_auto_with_accum_steps():
     assert model.chosen_micro_batch_size == K
 
 
+def test_auto_halves_an_odd_batch_rounding_up():
+    # 3 samples over a limit of 2: halved to 2 (micro-batches of 2 and 1),
+    # not to 1, which would also fit but take a step per sample.
+    make_accum, make_plain = WAYS_IN["functional"](micro_batch_size="auto")
+    data = make_data(9)  # batches of 3, 3, 3
+    plain, h_plain = train_reference(make_plain, data, batch_size=3)
+    model, h_model = train_auto(make_accum, data, k=2, batch_size=3)
+    assert_same_training(plain, h_plain, model, h_model)
+    assert model.chosen_micro_batch_size == 2
+
+
 def test_auto_with_steps_per_execution():
     # The out-of-memory step is the first of an execution of 3 batches.
     make_accum, make_plain = WAYS_IN["functional"](micro_batch_size="auto")
