@@ -713,7 +713,10 @@ class AccumModel(keras.Model):
             # trainable variables by position, as Keras pairs weights.
             acc.bind(self.trainable_variables, accum_steps=acc.window_length())
         if not self.optimizer.built:
-            self.optimizer.build(acc.window_variables)
+            # In the model's strategy scope: under a strategy, the optimizer's
+            # variables must be made there (flush is called outside it).
+            with self.distribute_strategy.scope():
+                self.optimizer.build(acc.window_variables)
         unknown = internals.unknown_variables(self.optimizer, acc.window_variables)
         if unknown:
             raise ValueError(
