@@ -402,6 +402,16 @@ class AccumModel(keras.Model):
     def _make_step(self):
         # One step on a batch in hand, traced per batch shape: the split is
         # static and exact for every batch, the epoch's short last one too.
+        if self._windowed() and internals.replicated(self.distribute_strategy):
+            # Under a strategy (one replica: two or more are refused), the
+            # window is applied in cross-replica context, as by the
+            # replicated train function.
+            return internals.make_step_on_data(
+                self,
+                self._accumulate,
+                self._apply_if_full_across_replicas,
+                reduce_retracing=False,
+            )
         return internals.make_step_on_data(self, self.train_step, reduce_retracing=False)
 
     def _forward_state(self):

@@ -207,6 +207,28 @@ def test_auto_halves_an_odd_batch_rounding_up():
     assert model.chosen_micro_batch_size == 2
 
 
+@pytest.mark.parametrize("accum_steps", [1, 2])
+def test_auto_under_a_one_replica_strategy(accum_steps):
+    # MirroredStrategy() on a one-GPU or CPU-only machine: one replica,
+    # where 'auto' trains as on one device, out-of-memory retry included.
+    strategy = tf.distribute.MirroredStrategy()
+    assert strategy.num_replicas_in_sync == 1
+    make_accum, make_plain = WAYS_IN["functional"](
+        micro_batch_size="auto", accum_steps=accum_steps
+    )
+    data = make_data(2 * 2 * B + K)
+    plain, h_plain = train_reference(make_plain, data, batch_size=accum_steps * B)
+    with strategy.scope():
+        model = make_accum()
+        model.compile(adam(), LimitedLoss(K), metrics=["accuracy"])
+    h_model = model.fit(*data, batch_size=B, **fit_kwargs())
+    assert_weights_close(plain, model)
+    assert_history_close(h_plain, h_model)
+    iterations = [int(m.optimizer.iterations.numpy()) for m in (plain, model)]
+    assert iterations[0] == iterations[1]
+    assert model.chosen_micro_batch_size == K
+
+
 def test_auto_with_steps_per_execution():
     # The out-of-memory step is the first of an execution of 3 batches.
     make_accum, make_plain = WAYS_IN["functional"](micro_batch_size="auto")
