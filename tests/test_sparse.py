@@ -491,8 +491,9 @@ def test_nonfinite_slices_skip_the_window():
 # -- across replicas ------------------------------------------------------------
 
 
-def test_mirrored_strategy_matches_the_big_batch():
-    result = run_python("tests/mirrored_sparse_checks.py", timeout=900)
+@pytest.mark.parametrize("replicas", [1, 2], ids=["one_replica", "two_replicas"])
+def test_mirrored_strategy_matches_the_big_batch(replicas):
+    result = run_python("tests/mirrored_sparse_checks.py", str(replicas), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
 
     out = json.loads(result.stdout.strip().splitlines()[-1])
