@@ -113,7 +113,8 @@ class AccumModel(keras.Model):
             trained again on micro-batches half the size, as often as
             needed, and the size that fitted is kept
             (`chosen_micro_batch_size`); the failed attempt leaves no trace,
-            so the training is unchanged. One device only.
+            so the training is unchanged. One device (or a strategy with one
+            replica, e.g. `MirroredStrategy()` on one GPU) only.
         **kwargs: passed to `keras.Model`.
 
     Example:
