@@ -96,21 +96,25 @@ def test_readme_custom_loop_runs():
 _SCALING_OUT = """
 import sys
 import numpy as np, tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+replicas = int(sys.argv[2])
+if replicas > 1:
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * replicas)
 import keras, keras_accum
 rng = np.random.default_rng(0)
 x = rng.normal(size=(256, 784)).astype("float32")
 y = rng.integers(0, 10, size=256)
 exec(sys.argv[1])
-assert strategy.num_replicas_in_sync == 2
+assert strategy.num_replicas_in_sync == replicas
 print("updates", int(model.optimizer.iterations.numpy()))
 """
 
 
-def test_readme_scaling_out_snippet_runs_as_written():
+# One replica: the snippet as first run on a one-GPU or CPU-only machine.
+@pytest.mark.parametrize("replicas", [1, 2], ids=["one_replica", "two_replicas"])
+def test_readme_scaling_out_snippet_runs_as_written(replicas):
     block = next(b for b in code_blocks("python") if "MirroredStrategy()" in b)
-    result = run_python("-c", _SCALING_OUT, block)
+    result = run_python("-c", _SCALING_OUT, block, str(replicas))
     assert result.returncode == 0, result.stderr[-3000:]
     # 256 samples at a global micro-batch of 64: 4 micro-batches, one
     # partial window of accum_steps=8, applied at the epoch's end.
