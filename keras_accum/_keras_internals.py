@@ -69,6 +69,10 @@ Functional = reach("keras.src.models.functional", "Functional")
 functional_init_arguments = reach("keras.src.models.model", "functional_init_arguments")
 KerasSaveable = reach("keras.src.saving.keras_saveable", "KerasSaveable")
 _no_tracking = reach("keras.src.utils.tracking", "no_automatic_dependency_tracking")
+# TensorFlow has no public test for "no strategy.scope()" (see `replicated`).
+_default_strategy = reach(
+    "tensorflow.python.distribute.distribute_lib", "_get_default_strategy"
+)
 
 
 def no_automatic_dependency_tracking(method):
@@ -246,6 +250,7 @@ __all__ = [
     "optionals_to_none",
     "metrics_summed_over_replicas",
     "multi_worker",
+    "replicated",
     "set_initial_epoch",
     "reduce_outputs",
     "symbolic_build",
@@ -360,6 +365,22 @@ def metrics_summed_over_replicas():
     too) are not the one-device values; later releases sum them on read.
     """
     return "synchronization" in inspect.signature(keras.Variable).parameters
+
+
+def replicated(strategy):
+    """Whether steps under `strategy` run as replicas of a `tf.distribute`
+    strategy, one replica included (a one-GPU or CPU-only MirroredStrategy,
+    a MultiWorkerMirroredStrategy without TF_CONFIG).
+
+    Such a step runs in a replica context whose optimizer update is a
+    `merge_call`, which cannot sit inside a conditional traced in the
+    replica, whatever the number of replicas: the window is then applied in
+    cross-replica context, as for several replicas. False for None and the
+    default strategy (no `strategy.scope()`).
+    """
+    if strategy is None:
+        return False
+    return strategy is not _default_strategy()
 
 
 def multi_worker(strategy):

@@ -282,7 +282,7 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         `variables` need only `shape` and `dtype` (numpy arrays will do; the
         window is then bound to variables later, by `bind`). Variables are
         created outside any surrounding `tf.function`. Under a
-        `tf.distribute` strategy with several replicas, every variable is
+        `tf.distribute` strategy (one replica included), every variable is
         per-replica (sync-on-read): each replica sums its own micro-batches
         locally, and nothing crosses devices until the window is applied.
         Read across replicas, buffers and `window_weight` give their sum,
@@ -296,7 +296,9 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         local = {}
         strategy = strategy or self._strategy
         self._strategy = strategy
-        if strategy is not None and strategy.num_replicas_in_sync > 1:
+        if internals.replicated(strategy):
+            # One replica too: its window is applied in cross-replica
+            # context (AccumModel._apply_across_replicas), as for several.
             local = {"synchronization": tf.VariableSynchronization.ON_READ}
         total = dict(local, aggregation=tf.VariableAggregation.SUM) if local else {}
         first = (
@@ -467,7 +469,7 @@ class GradientAccumulator(tf.Module, internals.SavedState):
             storage.read_value,
         )
 
-    def apply(self, optimizer, total_weight=None, check_finite=True):
+    def apply(self, optimizer, total_weight=None, check_finite=True, grads=None):
         """Applies the window's gradient to its variables through `optimizer`;
         a new window starts.
 
@@ -476,8 +478,11 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         window's weight summed over replicas, and `check_finite` False: a
         conditional update inside a replica cannot be made, the caller
         decides across replicas (`NonFiniteWindows.across_replicas`).
+        `grads`: the window's gradients, if the caller has them already
+        (`window_gradients(loss_scale_of(optimizer))`).
         """
-        grads = self.window_gradients(loss_scale_of(optimizer), total_weight)
+        if grads is None:
+            grads = self.window_gradients(loss_scale_of(optimizer), total_weight)
         if self.nonfinite is None or not check_finite:
             optimizer.apply(grads, self._bound())
         else:

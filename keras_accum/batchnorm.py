@@ -46,7 +46,7 @@ class _LayerWindow(tf.Module):
     def __init__(self, shape, dtype, strategy, initial=None, name="bn_window"):
         super().__init__(name=name)
         kwargs = {}
-        if strategy is not None and strategy.num_replicas_in_sync > 1:
+        if internals.replicated(strategy):
             # Each replica pools its own micro-batches, as the gradient
             # buffers do. Read across replicas (saving), counts and m2 sum,
             # means average: exact for synchronized layers, whose replicas
@@ -153,7 +153,7 @@ class BatchNormWindow(tf.Module, internals.SavedState):
     def build(self, strategy=None):
         """Creates the windows of the layers already built, outside any trace.
 
-        Under a multi-replica strategy the model is built before training and
+        Under a strategy the model is built before training and
         this must run then: per-replica variables cannot be made from inside
         a replica's step. Otherwise windows are also made as layers are first
         traced.

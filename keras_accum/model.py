@@ -114,7 +114,8 @@ class AccumModel(keras.Model):
             trained again on micro-batches half the size, as often as
             needed, and the size that fitted is kept
             (`chosen_micro_batch_size`); the failed attempt leaves no trace,
-            so the training is unchanged. One device only.
+            so the training is unchanged. One device (or a strategy with one
+            replica, e.g. `MirroredStrategy()` on one GPU) only.
         **kwargs: passed to `keras.Model`.
 
     Example:
@@ -457,7 +458,7 @@ class AccumModel(keras.Model):
             )
             return self.train_function
         if self._windowed():
-            if strategy.num_replicas_in_sync > 1:
+            if internals.replicated(strategy):
                 self.train_function = internals.make_replicated_function(
                     self, self._accumulate, self._apply_if_full_across_replicas
                 )
@@ -475,6 +476,16 @@ class AccumModel(keras.Model):
     def _make_step(self):
         # One step on a batch in hand, traced per batch shape: the split is
         # static and exact for every batch, the epoch's short last one too.
+        if self._windowed() and internals.replicated(self.distribute_strategy):
+            # Under a strategy (one replica: two or more are refused), the
+            # window is applied in cross-replica context, as by the
+            # replicated train function.
+            return internals.make_step_on_data(
+                self,
+                self._accumulate,
+                self._apply_if_full_across_replicas,
+                reduce_retracing=False,
+            )
         return internals.make_step_on_data(self, self.train_step, reduce_retracing=False)
 
     def _forward_state(self):
@@ -713,11 +724,26 @@ class AccumModel(keras.Model):
             return self.compute_metrics(x, y, batch.y_pred, sample_weight=sample_weight)
 
     def _apply_window(self):
-        if self.distribute_strategy.num_replicas_in_sync > 1:
+        if internals.replicated(self.distribute_strategy):
+            # One replica included: its update is a merge_call, which
+            # cannot run in a conditional traced inside the replica.
             self._apply_across_replicas()
-        else:
-            self._accumulator.apply(self.optimizer)
+            return
+        acc = self._accumulator
+        if self._nonfinite is None:
+            acc.apply(self.optimizer)
             self._apply_batchnorm()
+            return
+        # One decision for all the window's state, as across replicas: a
+        # skipped window moves neither the weights nor BatchNormalization's
+        # moving statistics.
+        grads = acc.window_gradients(loss_scale_of(self.optimizer))
+
+        def apply():
+            acc.apply(self.optimizer, check_finite=False, grads=grads)
+            self._apply_batchnorm()
+
+        self._nonfinite.one_device(grads, self.optimizer, apply, self._discard_window)
 
     def _apply_batchnorm(self):
         # With skip_nonfinite, non-finite statistics (a NaN sample's) are
@@ -776,12 +802,16 @@ class AccumModel(keras.Model):
         acc = self._accumulator
         if not acc.pending():
             return
+        self._restore_batchnorm_window()
         if acc.window_variables is None:
             # Restored from a file and no step since: pair it with the
             # trainable variables by position, as Keras pairs weights.
             acc.bind(self.trainable_variables, accum_steps=acc.window_length())
         if not self.optimizer.built:
-            self.optimizer.build(acc.window_variables)
+            # In the model's strategy scope: under a strategy, the optimizer's
+            # variables must be made there (flush is called outside it).
+            with self.distribute_strategy.scope():
+                self.optimizer.build(acc.window_variables)
         unknown = internals.unknown_variables(self.optimizer, acc.window_variables)
         if unknown:
             raise ValueError(
@@ -797,7 +827,7 @@ class AccumModel(keras.Model):
             return
         # Traced for this optimizer and these buffers; again when either
         # changes (compile() with another optimizer, a rebuilt window).
-        key = (id(self.optimizer), acc.generation)
+        key = (id(self.optimizer), acc.generation, len(self._batchnorm.variables))
         if self._flush_key != key:
             function = tf.function(self._apply_window)
             # Held in a plain closure: a tf.function attribute would be
@@ -826,7 +856,17 @@ class AccumModel(keras.Model):
         ```
         """
         if self._accumulator.pending():
+            self._restore_batchnorm_window()
             self._discard_window()
+
+    def _restore_batchnorm_window(self):
+        # BatchNormalization moments loaded from a file wait for their
+        # layers' windows, made with the next train function; flush() and
+        # reset_window() before that make them now, so that the restored
+        # moments are applied or discarded with the gradients they came
+        # with, and do not leak into the next window.
+        if self.built:
+            self._batchnorm.build(self.distribute_strategy)
 
     # -- saving -----------------------------------------------------------------
 

@@ -70,12 +70,18 @@ class NonFiniteWindows(tf.Module, internals.SavedState):
         For one replica (or eagerly); under several replicas, see
         `across_replicas`.
         """
-        finite = all_finite(grads)
-        if _loss_scaled(optimizer):
-            optimizer.apply(grads, variables)
-        else:
-            tf.cond(finite, lambda: optimizer.apply(grads, variables), lambda: None)
-        self._count(finite)
+        self.one_device(
+            grads, optimizer, lambda: optimizer.apply(grads, variables), lambda: None
+        )
+
+    def one_device(self, grads, optimizer, apply, discard):
+        """`apply()` if every one of `grads` is finite, else `discard()`; counted.
+
+        The one-device twin of `across_replicas`: all the window state that
+        `apply` and `discard` touch (gradients, BatchNormalization moments)
+        follows the one decision.
+        """
+        self._decide(all_finite(grads), optimizer, apply, discard)
 
     def across_replicas(self, strategy, replica_gradients, optimizer, apply, discard):
         """Cross-replica context: `apply()` if every replica's window is finite.
@@ -89,6 +95,9 @@ class NonFiniteWindows(tf.Module, internals.SavedState):
             lambda: tf.cast(tf.logical_not(all_finite(replica_gradients())), tf.float32)
         )
         finite = tf.equal(strategy.reduce("SUM", flags, axis=None), 0.0)
+        self._decide(finite, optimizer, apply, discard)
+
+    def _decide(self, finite, optimizer, apply, discard):
         if _loss_scaled(optimizer):
             apply()
         else:

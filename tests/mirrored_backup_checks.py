@@ -12,15 +12,23 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import tensorflow as tf  # noqa: E402
 
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+# `python <this file> 1`: a one-replica MirroredStrategy() (no device split).
+REPLICAS = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+if REPLICAS > 1:
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * REPLICAS
+    )
 
 from reference import OPTIMIZERS, functional, loss, make_data  # noqa: E402
 from test_fault_tolerance import Interrupt  # noqa: E402
 
 import keras_accum  # noqa: E402
 
-strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+strategy = tf.distribute.MirroredStrategy(
+    [f"/cpu:{i}" for i in range(REPLICAS)] if REPLICAS > 1 else None
+)
+assert strategy.num_replicas_in_sync == REPLICAS
 x, y = make_data(92)  # global micro-batch 8 (4 per replica), N=4
 
 

@@ -1,6 +1,10 @@
 """Run by test_distributed.py in a fresh process: two logical CPU devices
 must be configured before TensorFlow initialises its runtime.
 
+`python tests/mirrored_checks.py 1` runs the same checks under a
+one-replica `MirroredStrategy()` (a CPU-only or one-GPU machine's: no
+device split), the commonest way multi-GPU code is first run.
+
 Prints one JSON object of measurements; the test makes the assertions.
 """
 
@@ -14,8 +18,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import tensorflow as tf  # noqa: E402
 
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+REPLICAS = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+if REPLICAS > 1:
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * REPLICAS
+    )
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -57,13 +65,15 @@ def history_diff(ha, hb):
 
 def main():
     reductions = CountingReductions()
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=reductions)
+    devices = [f"/cpu:{i}" for i in range(REPLICAS)] if REPLICAS > 1 else None
+    strategy = tf.distribute.MirroredStrategy(devices, cross_device_ops=reductions)
+    assert strategy.num_replicas_in_sync == REPLICAS
     # Global micro-batch 8 (4 per replica), N=4: windows of 4, 4 and 2
     # micro-batches, the last of 8 and 4 samples (2 per replica).
     x, y = make_data(76)
     val = make_data(20, seed=3)
     fit = dict(epochs=2, shuffle=False, verbose=0, validation_data=val)
-    out = {"weights": {}, "history": {}}
+    out = {"replicas": REPLICAS, "weights": {}, "history": {}}
 
     # Keras's own accumulation, for the README's claim that it fails here.
     with strategy.scope():
@@ -191,30 +201,36 @@ def main():
     out["schedule_iterations"] = [int(m.optimizer.iterations.numpy()) for m in (plain, acc)]
 
     # skip_nonfinite: one NaN sample in the second window of each epoch, in
-    # replica 0's half of its micro-batch only; both replicas must skip.
-    x_nan = x.copy()
-    x_nan[41, 0] = np.nan
+    # one replica's share of its micro-batch only (samples 40-43 go to
+    # replica 0, 44-47 to replica 1): every replica must skip, whichever
+    # holds the NaN.
     plain = functional()
     plain.compile(OPTIMIZERS["adam"](), loss())
     for _ in range(2):
         for batch in (slice(0, 32), slice(64, 76)):
             plain.train_on_batch(x[batch], y[batch])
-    with strategy.scope():
-        acc = functional(AccumModel, accum_steps=4, skip_nonfinite=True)
-        acc.compile(OPTIMIZERS["adam"](), loss())
-    history = acc.fit(x_nan, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-    # Each replica's own copy of every weight, read on that replica.
-    local = strategy.run(lambda: [tf.identity(w) for w in acc.weights])
-    replicas = [strategy.experimental_local_results(w) for w in local]
-    out["skip"] = {
-        "diff": max_diff(plain, acc),
-        "finite": bool(all(np.isfinite(w).all() for w in acc.get_weights())),
-        "replicas_differ": float(max(np.abs(r[0].numpy() - r[1].numpy()).max() for r in replicas)),
-        "replicas": len(replicas[0]),
-        "skipped": acc.skipped_windows,
-        "logged": history.history["skipped_windows"],
-        "iterations": int(acc.optimizer.iterations.numpy()),
-    }
+    out["skip"] = {}
+    for replica in range(REPLICAS):
+        x_nan = x.copy()
+        x_nan[41 + 4 * replica, 0] = np.nan
+        with strategy.scope():
+            acc = functional(AccumModel, accum_steps=4, skip_nonfinite=True)
+            acc.compile(OPTIMIZERS["adam"](), loss())
+        history = acc.fit(x_nan, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        # Each replica's own copy of every weight, read on that replica.
+        local = strategy.run(lambda: [tf.identity(w) for w in acc.weights])
+        replicas = [strategy.experimental_local_results(w) for w in local]
+        out["skip"][f"nan_on_replica_{replica}"] = {
+            "diff": max_diff(plain, acc),
+            "finite": bool(all(np.isfinite(w).all() for w in acc.get_weights())),
+            "replicas_differ": float(max(
+                np.abs(c.numpy() - r[0].numpy()).max() for r in replicas for c in r
+            )),
+            "replicas": len(replicas[0]),
+            "skipped": acc.skipped_windows,
+            "logged": history.history["skipped_windows"],
+            "iterations": int(acc.optimizer.iterations.numpy()),
+        }
 
     # BatchNormalization(synchronized=True) on the raw input: moving
     # statistics of the whole window over both replicas, once per update.
@@ -223,7 +239,7 @@ def main():
     from test_batchnorm import moving
 
     # 91 samples: the last micro-batch of each epoch (3) splits 2+1 across
-    # replicas, so replicas must count the moments they pool globally.
+    # two replicas, so replicas must count the moments they pool globally.
     bx, by = bn_data(91)
     plain = bn_net(bn_kwargs={"synchronized": True})
     plain.compile(keras.optimizers.SGD(0.1), loss())

@@ -13,8 +13,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import tensorflow as tf  # noqa: E402
 
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+# `python <this file> 1`: a one-replica MirroredStrategy() (no device split).
+REPLICAS = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+if REPLICAS > 1:
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * REPLICAS
+    )
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -29,7 +34,10 @@ def max_diff(a, b):
 
 
 def main():
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    strategy = tf.distribute.MirroredStrategy(
+        [f"/cpu:{i}" for i in range(REPLICAS)] if REPLICAS > 1 else None
+    )
+    assert strategy.num_replicas_in_sync == REPLICAS
     # Global micro-batch 8 (4 per replica), N=4: windows of 4, 4 and 2
     # micro-batches, the last of 8 and 4 samples.
     x, y = token_data(76)

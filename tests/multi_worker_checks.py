@@ -1,6 +1,8 @@
 """Run by test_distributed.py as each of two worker processes on localhost
 (TF_CONFIG set by the test): MultiWorkerMirroredStrategy needs one process
-per worker, and each must start its collectives with the other.
+per worker, and each must start its collectives with the other. Run
+without TF_CONFIG, it is the one worker of `MultiWorkerMirroredStrategy()`
+on its own (one replica).
 
 Prints one JSON object of results (weights as nested lists, histories); the
 test compares them with single-process references and between the workers.
@@ -19,6 +21,7 @@ import tensorflow as tf  # noqa: E402
 strategy = tf.distribute.MultiWorkerMirroredStrategy()
 
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
 from reference import OPTIMIZERS, functional, loss, make_data  # noqa: E402
 
 from keras_accum import AccumModel  # noqa: E402
@@ -49,7 +52,11 @@ def compiled(accum_steps, optimizer="adam", cls=AccumModel):
 
 
 def main():
-    out = {"task": int(json.loads(os.environ["TF_CONFIG"])["task"]["index"])}
+    config = os.environ.get("TF_CONFIG")
+    out = {
+        "task": int(json.loads(config)["task"]["index"]) if config else 0,
+        "replicas": strategy.num_replicas_in_sync,
+    }
     train, val = dataset(*make_data(76)), dataset(*make_data(20, seed=3))
 
     # Plain Keras fit, for the README's claim that it fails here.
@@ -79,6 +86,25 @@ def main():
     model = compiled(1)
     history = model.fit(train, epochs=2, verbose=0, validation_data=val)
     out["accum_1"] = {"weights": weights(model), "history": history.history}
+
+    # skip_nonfinite: a NaN in one worker's share of a micro-batch of the
+    # second window (samples 40-43 go to worker 0, 44-47 to worker 1), each
+    # worker's in turn: every worker skips the window.
+    out["skip"] = {}
+    x, y = make_data(76)
+    for k in range(strategy.num_replicas_in_sync):
+        x_nan = x.copy()
+        x_nan[41 + 4 * k, 0] = np.nan
+        with strategy.scope():
+            model = functional(AccumModel, accum_steps=4, skip_nonfinite=True)
+            model.compile(OPTIMIZERS["adam"](), loss())
+        history = model.fit(dataset(x_nan, y), epochs=2, verbose=0)
+        out["skip"][f"nan_on_worker_{k}"] = {
+            "weights": weights(model),
+            "skipped": model.skipped_windows,
+            "logged": history.history["skipped_windows"],
+            "iterations": int(model.optimizer.iterations.numpy()),
+        }
 
     # A checkpoint written after 6 micro-batches (a window half done) on every
     # worker; resumed by a fresh model, and flushed by another.

@@ -196,6 +196,39 @@ def test_auto_with_accum_steps():
     assert model.chosen_micro_batch_size == K
 
 
+def test_auto_halves_an_odd_batch_rounding_up():
+    # 3 samples over a limit of 2: halved to 2 (micro-batches of 2 and 1),
+    # not to 1, which would also fit but take a step per sample.
+    make_accum, make_plain = WAYS_IN["functional"](micro_batch_size="auto")
+    data = make_data(9)  # batches of 3, 3, 3
+    plain, h_plain = train_reference(make_plain, data, batch_size=3)
+    model, h_model = train_auto(make_accum, data, k=2, batch_size=3)
+    assert_same_training(plain, h_plain, model, h_model)
+    assert model.chosen_micro_batch_size == 2
+
+
+@pytest.mark.parametrize("accum_steps", [1, 2])
+def test_auto_under_a_one_replica_strategy(accum_steps):
+    # MirroredStrategy() on a one-GPU or CPU-only machine: one replica,
+    # where 'auto' trains as on one device, out-of-memory retry included.
+    strategy = tf.distribute.MirroredStrategy()
+    assert strategy.num_replicas_in_sync == 1
+    make_accum, make_plain = WAYS_IN["functional"](
+        micro_batch_size="auto", accum_steps=accum_steps
+    )
+    data = make_data(2 * 2 * B + K)
+    plain, h_plain = train_reference(make_plain, data, batch_size=accum_steps * B)
+    with strategy.scope():
+        model = make_accum()
+        model.compile(adam(), LimitedLoss(K), metrics=["accuracy"])
+    h_model = model.fit(*data, batch_size=B, **fit_kwargs())
+    assert_weights_close(plain, model)
+    assert_history_close(h_plain, h_model)
+    iterations = [int(m.optimizer.iterations.numpy()) for m in (plain, model)]
+    assert iterations[0] == iterations[1]
+    assert model.chosen_micro_batch_size == K
+
+
 def test_auto_with_steps_per_execution():
     # The out-of-memory step is the first of an execution of 3 batches.
     make_accum, make_plain = WAYS_IN["functional"](micro_batch_size="auto")

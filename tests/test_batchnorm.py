@@ -488,3 +488,122 @@ def test_a_discarded_or_skipped_window_leaves_the_moving_statistics():
         for a, b in zip(moving(model), moving(plain)):
             assert np.isfinite(a).all()
             np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+
+
+def _scope(strategy):
+    import contextlib
+
+    import tensorflow as tf
+
+    if strategy == "one_device":
+        return contextlib.nullcontext()
+    # A CPU-only machine's MirroredStrategy(): one replica, the strategy
+    # path of the step (issue 23).
+    strategy = tf.distribute.MirroredStrategy()
+    assert strategy.num_replicas_in_sync == 1
+    return strategy.scope()
+
+
+@pytest.mark.parametrize("strategy", ["one_device", "one_replica_mirrored"])
+def test_a_window_skipped_for_its_loss_leaves_the_moving_statistics(strategy):
+    # A NaN sample weight in the second window: its gradient is not finite,
+    # its moments are. The skip decides for the moments too: the moving
+    # statistics are those of the big batches without that window.
+    x, y = data(96)
+    weights = np.ones(96, "float32")
+    weights[40] = np.nan
+    plain = functional_net()
+    plain.compile(keras.optimizers.SGD(0.1), loss())
+    for start in (0, 64):
+        plain.train_on_batch(
+            x[start : start + 32], y[start : start + 32], sample_weight=weights[start : start + 32]
+        )
+    with _scope(strategy):
+        model = functional_net(AccumModel, accum_steps=N, skip_nonfinite=True)
+        model.compile(keras.optimizers.SGD(0.1), loss())
+    model.fit(x, y, sample_weight=weights, batch_size=MICRO, shuffle=False, verbose=0)
+    assert model.skipped_windows == 1
+    assert int(model.optimizer.iterations.numpy()) == 2
+    assert_moved(plain)
+    assert_moving_close(plain, model)
+
+
+def _mid_window_copy(interrupted, suffix, tmp_path):
+    path = str(tmp_path / f"m{suffix}")
+    if suffix == ".keras":
+        interrupted.save(path)
+        return keras.models.load_model(path)
+    interrupted.save_weights(path)
+    resumed = compiled(functional_net(AccumModel, accum_steps=N, seed=1))
+    resumed.load_weights(path)
+    return resumed
+
+
+@pytest.mark.parametrize("suffix", [".weights.h5", ".keras"])
+def test_flush_after_loading_a_mid_window_file_applies_its_statistics(suffix, tmp_path):
+    x, y = data(64)
+    interrupted = train(compiled(functional_net(AccumModel, accum_steps=N)), x, y, range(6))
+    loaded = _mid_window_copy(interrupted, suffix, tmp_path)
+    assert loaded._accumulator.pending() == 2
+    loaded.flush()
+    interrupted.flush()
+    expected = replay(x, [slice(0, 32), slice(32, 48)])
+    for model in (interrupted, loaded):
+        for got, want in zip(moving(model), expected):
+            np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+    # Nothing left over for the next window: two more micro-batches and a
+    # flush give the big batch of those 16 samples.
+    for model in (interrupted, loaded):
+        train(model, x, y, range(6, 8)).flush()
+    for u, v in zip(moving(interrupted), moving(loaded)):
+        np.testing.assert_array_equal(u, v)
+
+
+@pytest.mark.parametrize("suffix", [".weights.h5", ".keras"])
+def test_reset_window_after_loading_a_mid_window_file_discards_its_statistics(suffix, tmp_path):
+    x, y = data(64)
+    interrupted = train(compiled(functional_net(AccumModel, accum_steps=N)), x, y, range(6))
+    loaded = _mid_window_copy(interrupted, suffix, tmp_path)
+    loaded.reset_window()
+    assert loaded._accumulator.pending() == 0
+    for got, want in zip(moving(loaded), replay(x, [slice(0, 32)])):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+    # The discarded moments do not come back in the next window.
+    train(loaded, x, y, range(6, 8)).flush()
+    for got, want in zip(moving(loaded), replay(x, [slice(0, 32), slice(48, 64)])):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
+def shared_bn_net(cls=keras.Model, seed=0, **kwargs):
+    """One BatchNormalization called twice per forward pass, on the raw
+    input and on `2 * input + 1`."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input(SHAPES["rank2"])
+    bn = bn_layer()
+    h = keras.layers.Concatenate()([bn(inputs), bn(inputs * 2.0 + 1.0)])
+    h = keras.layers.Dense(4, activation="relu")(h)
+    return cls(inputs, keras.layers.Dense(3)(h), **kwargs)
+
+
+@pytest.mark.parametrize("mode", ["accum_steps", "micro_batch_size"])
+def test_a_layer_called_twice_pools_both_calls_once_per_window(mode):
+    # Every call's moments go to the layer's window; Keras's own update at
+    # each call is held off (momentum 1), the second call's too, so the
+    # moving statistics are one update per window from both calls' values.
+    x, y = data(92)
+    if mode == "accum_steps":
+        model = shared_bn_net(AccumModel, accum_steps=N)
+        batch = MICRO
+    else:
+        model = shared_bn_net(AccumModel, micro_batch_size=MICRO)
+        batch = MICRO * N
+    model.compile(keras.optimizers.SGD(0.1), loss())
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    both = np.concatenate([x, (x * np.float32(2.0) + np.float32(1.0))], axis=-1)
+    mean, variance = np.zeros(x.shape[-1]), np.ones(x.shape[-1])
+    for window in (slice(0, 32), slice(32, 64), slice(64, 92)):
+        values = np.concatenate(np.split(both[window].astype("float64"), 2, axis=-1))
+        mean = mean * MOMENTUM + values.mean(0) * (1 - MOMENTUM)
+        variance = variance * MOMENTUM + values.var(0) * (1 - MOMENTUM)
+    for got, want in zip(moving(model), (mean, variance)):
+        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)

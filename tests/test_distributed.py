@@ -3,7 +3,10 @@
 MirroredStrategy over two logical CPU devices runs in a fresh process
 (tests/mirrored_checks.py): logical devices must be set up before
 TensorFlow starts its runtime. MultiWorkerMirroredStrategy runs as two
-worker processes on localhost (tests/multi_worker_checks.py).
+worker processes on localhost (tests/multi_worker_checks.py). Each also
+runs with one replica (a CPU-only machine's `MirroredStrategy()`, a
+`MultiWorkerMirroredStrategy()` without TF_CONFIG): the strategy path of
+the step, where a one-replica bug would hide (issue 23).
 """
 
 import json
@@ -33,11 +36,15 @@ from keras_accum import _keras_internals as internals
 METRICS_EXACT = internals.metrics_summed_over_replicas()
 
 
-@pytest.fixture(scope="module")
-def mirrored():
-    result = run_python(str(ROOT / "tests" / "mirrored_checks.py"), timeout=900)
+@pytest.fixture(scope="module", params=[1, 2], ids=["one_replica", "two_replicas"])
+def mirrored(request):
+    result = run_python(
+        str(ROOT / "tests" / "mirrored_checks.py"), str(request.param), timeout=900
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["replicas"] == request.param
+    return out
 
 
 # Differences are max absolute weight differences; the weights are O(0.1-1),
@@ -85,6 +92,10 @@ def test_gradients_cross_devices_only_on_updates(mirrored):
     # Without accumulation every micro-batch's gradients are reduced across
     # replicas; with accum_steps=4 only each update's are, as many per update.
     assert mirrored["updates_4"] == 6 and mirrored["updates_1"] == 20
+    if mirrored["replicas"] == 1:
+        # One replica: nothing to reduce, with or without accumulation.
+        assert mirrored["reductions_1"] == mirrored["reductions_4"] == 0
+        return
     per_update = mirrored["reductions_1"] / mirrored["updates_1"]
     assert mirrored["reductions_4"] == per_update * mirrored["updates_4"]
     assert mirrored["reductions_4"] < mirrored["reductions_1"]
@@ -110,23 +121,33 @@ def test_accum_scheduler_across_replicas(mirrored):
 
 
 def test_skip_nonfinite_every_replica_agrees(mirrored):
-    # The NaN is in one replica's data only; both skip the window.
-    run = mirrored["skip"]
-    assert run["finite"] and run["replicas"] == 2 and run["replicas_differ"] == 0
-    assert run["diff"] < ATOL
-    assert run["skipped"] == 2 and run["logged"] == [1, 2]
-    assert run["iterations"] == 4  # 3 windows an epoch, one skipped
+    # The NaN is in one replica's data only, each replica's in turn; every
+    # replica skips the window.
+    replicas = mirrored["replicas"]
+    assert sorted(mirrored["skip"]) == [f"nan_on_replica_{i}" for i in range(replicas)]
+    for run in mirrored["skip"].values():
+        assert run["finite"] and run["replicas"] == replicas and run["replicas_differ"] == 0
+        assert run["diff"] < ATOL
+        assert run["skipped"] == 2 and run["logged"] == [1, 2]
+        assert run["iterations"] == 4  # 3 windows an epoch, one skipped
 
 
 # -- MultiWorkerMirroredStrategy: two worker processes -------------------------
 
 
-@pytest.fixture(scope="module")
-def workers():
-    results = run_workers(str(ROOT / "tests" / "multi_worker_checks.py"), timeout=900)
+@pytest.fixture(scope="module", params=[1, 2], ids=["one_worker", "two_workers"])
+def workers(request):
+    script = str(ROOT / "tests" / "multi_worker_checks.py")
+    if request.param == 1:
+        # MultiWorkerMirroredStrategy() with no TF_CONFIG: one worker.
+        results = [run_python(script, timeout=900)]
+    else:
+        results = run_workers(script, workers=request.param, timeout=900)
     for result in results:
         assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
+    out = [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
+    assert [w["replicas"] for w in out] == [request.param] * request.param
+    return out
 
 
 def assert_close_to(weights, model):
@@ -155,7 +176,11 @@ def test_plain_keras_fit_fails_across_workers(workers):
     # (tensorflow/tensorflow#72388). If this starts failing, Keras fixed it
     # and the workarounds in keras_accum/_keras_internals.py may be dropped.
     for worker in workers:
-        assert worker["plain_keras"].startswith("ValueError"), worker["plain_keras"]
+        if len(workers) == 1:
+            # One worker is not multi-worker mode: Keras's own fit works.
+            assert worker["plain_keras"] == "trained", worker["plain_keras"]
+        else:
+            assert worker["plain_keras"].startswith("ValueError"), worker["plain_keras"]
 
 
 @pytest.mark.parametrize(
@@ -166,12 +191,12 @@ def test_two_workers_match_one_process_big_batch(workers, optimizer, data):
     # 4, 4 and 2 micro-batches (8 and 4 samples) each epoch, the last applied by the
     # epoch-end flush. Both workers hold the same weights: the big batch's.
     runs = [w["fit"][optimizer] if data == "tf.data" else w["numpy"] for w in workers]
-    a, b = runs
-    assert a["weights"] == b["weights"]
+    a = runs[0]
+    assert all(run["weights"] == a["weights"] for run in runs)
     plain, history = reference_fit(optimizer, batch_size=32)
     assert_close_to(a["weights"], plain)
     # Logged loss, accuracy and val_* on every worker, as on one device.
-    for run in (a, b):
+    for run in runs:
         if METRICS_EXACT:
             assert_history_close(run["history"], history)
 
@@ -212,3 +237,22 @@ def test_mid_window_checkpoint_resumes_and_flushes_across_workers(workers):
     plain.train_on_batch(x[32:48], y[32:48])
     for worker in workers:
         assert_close_to(worker["flushed"], plain)
+
+
+def test_skip_nonfinite_every_worker_agrees(workers):
+    # The NaN is in one worker's data only, each worker's in turn; every
+    # worker skips the window: the big batches without it.
+    x, y = make_data(76)
+    plain = functional()
+    plain.compile(OPTIMIZERS["adam"](), loss())
+    for _ in range(2):
+        for batch in (slice(0, 32), slice(64, 76)):
+            plain.train_on_batch(x[batch], y[batch])
+    keys = [f"nan_on_worker_{k}" for k in range(len(workers))]
+    for worker in workers:
+        assert sorted(worker["skip"]) == keys
+        for key in keys:
+            run = worker["skip"][key]
+            assert run["skipped"] == 2 and run["logged"] == [1, 2]
+            assert run["iterations"] == 4  # 3 windows an epoch, one skipped
+            assert_close_to(run["weights"], plain)

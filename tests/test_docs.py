@@ -184,14 +184,16 @@ def test_every_code_block_is_of_a_kind_the_tests_cover():
 _TWO_DEVICES = """
 import json, sys
 import tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+devices = int(sys.argv[1])
+if devices > 1:
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * devices)
 namespace = {}
 for code in json.load(sys.stdin):
     exec(compile(code, "<docs block>", "exec"), namespace)
-assert len(tf.config.list_logical_devices("CPU")) == 2
-if "strategy" in namespace:  # the page's MirroredStrategy ran on both devices
-    assert namespace["strategy"].num_replicas_in_sync == 2
+assert len(tf.config.list_logical_devices("CPU")) == devices
+if "strategy" in namespace:  # the page's MirroredStrategy ran on every device
+    assert namespace["strategy"].num_replicas_in_sync == devices
     # 256 samples at a global micro-batch of 64: 4 micro-batches, one
     # partial window of accum_steps=8, applied at the epoch's end.
     assert int(namespace["model"].optimizer.iterations.numpy()) == 1
@@ -210,12 +212,15 @@ def test_page_code_runs(path, tmp_path, monkeypatch):
     codes = [given_block(), *runnable(path)]
     monkeypatch.chdir(tmp_path)  # files a page saves land here
     if path.read_text().startswith("<!-- docs-test: two-devices -->"):
-        result = subprocess.run(
-            [sys.executable, "-c", _TWO_DEVICES], input=json.dumps(codes),
-            capture_output=True, text=True, timeout=600, cwd=tmp_path,
-            env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT)},
-        )
-        assert result.returncode == 0 and "ran" in result.stdout, result.stderr[-3000:]
+        # Two devices, and one: the page's code as first run on a one-GPU or
+        # CPU-only machine (a one-replica MirroredStrategy).
+        for devices in (2, 1):
+            result = subprocess.run(
+                [sys.executable, "-c", _TWO_DEVICES, str(devices)], input=json.dumps(codes),
+                capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT)},
+            )
+            assert result.returncode == 0 and "ran" in result.stdout, (devices, result.stderr[-3000:])
         return
     namespace = {"__name__": "docs_page"}
     try:

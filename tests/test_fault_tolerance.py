@@ -415,8 +415,11 @@ def test_interrupted_while_skipping_then_resumed_again(tmp_path):
     assert_weights_close(model, plain_big_batch())
 
 
-def test_mirrored_strategy_backup_and_mid_window_save_are_exact():
-    result = run_python(str(ROOT / "tests" / "mirrored_backup_checks.py"), timeout=RUN)
+@pytest.mark.parametrize("replicas", [1, 2], ids=["one_replica", "two_replicas"])
+def test_mirrored_strategy_backup_and_mid_window_save_are_exact(replicas):
+    result = run_python(
+        str(ROOT / "tests" / "mirrored_backup_checks.py"), str(replicas), timeout=RUN
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     run = json.loads(result.stdout.strip().splitlines()[-1])
     assert run["epochs_resumed"] == run["epochs_resumed_batches"] == 2

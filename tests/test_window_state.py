@@ -1,0 +1,232 @@
+"""One rule for window state: every piece of it follows the same decisions.
+
+A window's state is its gradient buffers, the slices of a sparse variable,
+the BatchNormalization moments, the non-finite decision (the count of
+skipped windows) and the counters. Whatever ends a window (applied, skipped
+for a non-finite gradient, discarded by `reset_window()`, or, loaded from a
+mid-window file, flushed or discarded) must end all of it, and what it
+leaves behind must be the plain model's big batches of the applied windows.
+
+Table: {apply, skip, reset, flush after load, reset after load}
+x {step mode (accum_steps=4, batch 4), micro_batch_size (accum_steps=2,
+batch 8 split in 4s)} x {one device, MirroredStrategy}. Both modes make
+windows of the same 16 samples. MirroredStrategy runs in this process:
+here it has one replica (no logical-device split), the strategy path of
+the step (tests/test_distributed.py runs two replicas).
+"""
+
+import contextlib
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from reference import ATOL, RTOL, assert_trained, loss
+
+from keras_accum import AccumModel
+
+FEATURES, VOCAB, WINDOW = 6, 40, 16
+MOMENTUM = 0.6
+MODES = {
+    "step": dict(accum_steps=4, batch=4),
+    "micro_batch_size": dict(accum_steps=2, batch=8, micro_batch_size=4),
+}
+
+
+def make_data(n=48, seed=0):
+    rng = np.random.default_rng(seed)
+    x = (rng.normal(size=(n, FEATURES)) * np.arange(1, FEATURES + 1) + 2).astype("float32")
+    y = (x[:, 0] + x[:, 1] > 3).astype("int64") + (x[:, 2] > 3)
+    return x, y
+
+
+def net(cls=keras.Model, seed=0, **kwargs):
+    """An Embedding (slices), a BatchNormalization on the raw input (whose
+    moving statistics are the big batch's exactly) and Dense layers. The
+    normalised values enter the loss times 0: the gradients are the big
+    batch's too, though each micro-batch is normalised by its own moments."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((FEATURES,))
+    ids = keras.ops.cast(keras.ops.clip(keras.ops.abs(inputs[:, :2]) * 4, 0, VOCAB - 1), "int32")
+    embedded = keras.layers.Flatten()(keras.layers.Embedding(VOCAB, 4)(ids))
+    h = keras.layers.Dense(8, activation="tanh")(keras.layers.Concatenate()([inputs, embedded]))
+    normalised = keras.layers.BatchNormalization(momentum=MOMENTUM)(inputs)
+    outputs = keras.layers.Dense(3)(h) + 0.0 * keras.ops.sum(normalised, axis=-1, keepdims=True)
+    return cls(inputs, outputs, **kwargs)
+
+
+def scope(where):
+    if where == "one_device":
+        return contextlib.nullcontext()
+    strategy = tf.distribute.MirroredStrategy()
+    return strategy.scope()
+
+
+def accumulating(mode, where, seed=0):
+    settings = dict(MODES[mode])
+    settings.pop("batch")
+    with scope(where):
+        model = net(AccumModel, seed=seed, skip_nonfinite=True, **settings)
+        model.compile(keras.optimizers.Adam(0.01), loss())
+        # Built, so that `load_weights` restores its state (as in Keras, an
+        # unbuilt optimizer skips it).
+        model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def train(model, mode, data, start, stop):
+    x, y, w = data
+    batch = MODES[mode]["batch"]
+    for i in range(start, stop, batch):
+        model.train_on_batch(x[i : i + batch], y[i : i + batch], sample_weight=w[i : i + batch])
+
+
+def plain_big_batches(data, windows):
+    x, y, w = data
+    plain = net()
+    plain.compile(keras.optimizers.Adam(0.01), loss())
+    for a, b in windows:
+        plain.train_on_batch(x[a:b], y[a:b], sample_weight=w[a:b])
+    return plain
+
+
+def state(model):
+    """Every piece of window state, by name, as numpy."""
+    acc = model._accumulator
+    out = {
+        "micro_step": acc.micro_step.numpy(),
+        "window_weight": acc.window_weight.numpy(),
+        "skipped": model._nonfinite.skipped.numpy(),
+    }
+    for i, (buf, count) in enumerate(zip(acc.acc_grads, acc.slice_counts)):
+        out[f"slice_count_{i}"] = count.numpy()
+        if i not in acc._sparse:
+            # A sparse buffer's rows past its count are stale by design.
+            out[f"acc_grad_{i}"] = buf.numpy()
+    for key, window in model._batchnorm._windows.items():
+        for part, v in zip(("count", "mean", "m2"), window.state()):
+            out[f"bn_{part}_{key}"] = v.numpy()
+    out["bn_parked"] = len(model._batchnorm._restored)
+    return out
+
+
+def assert_window_closed(model, skipped):
+    closed = state(model)
+    assert closed.pop("skipped") == skipped
+    assert closed.pop("bn_parked") == 0
+    assert any(k.startswith("bn_count") for k in closed), sorted(closed)
+    assert model._accumulator._sparse, "the embedding's window is not slices"
+    for name, value in closed.items():
+        np.testing.assert_array_equal(value, np.zeros_like(value), err_msg=name)
+
+
+def assert_as_plain(model, plain):
+    for a, b in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL)
+    assert int(model.optimizer.iterations.numpy()) == int(plain.optimizer.iterations.numpy())
+
+
+def scenario_apply(mode, where, data, tmp_path):
+    model = accumulating(mode, where)
+    train(model, mode, data, 0, 2 * WINDOW)
+    return model, [(0, 16), (16, 32)], 0
+
+
+def scenario_skip(mode, where, data, tmp_path):
+    x, y, w = data
+    w = w.copy()
+    w[20] = np.nan  # the second window's gradient is not finite, its moments are
+    model = accumulating(mode, where)
+    train(model, mode, (x, y, w), 0, 3 * WINDOW)
+    return model, [(0, 16), (32, 48)], 1
+
+
+def scenario_reset(mode, where, data, tmp_path):
+    model = accumulating(mode, where)
+    train(model, mode, data, 0, WINDOW + 8)
+    model.reset_window()
+    train(model, mode, data, 2 * WINDOW, 3 * WINDOW)
+    return model, [(0, 16), (32, 48)], 0
+
+
+def _loaded_mid_window(mode, where, data, tmp_path):
+    saved = accumulating(mode, where)
+    train(saved, mode, data, 0, WINDOW + 8)
+    before = state(saved)
+    path = str(tmp_path / "mid.weights.h5")
+    saved.save_weights(path)
+    model = accumulating(mode, where, seed=1)
+    model.load_weights(path)
+    assert model._accumulator.pending() == saved._accumulator.pending() > 0
+    return model, before
+
+
+def scenario_flush_after_load(mode, where, data, tmp_path):
+    model, _ = _loaded_mid_window(mode, where, data, tmp_path)
+    model.flush()
+    return model, [(0, 16), (16, 24)], 0
+
+
+def scenario_reset_after_load(mode, where, data, tmp_path):
+    model, _ = _loaded_mid_window(mode, where, data, tmp_path)
+    model.reset_window()
+    # Nothing of the discarded window comes back in the next one.
+    train(model, mode, data, 2 * WINDOW, 3 * WINDOW)
+    return model, [(0, 16), (32, 48)], 0
+
+
+SCENARIOS = {
+    "apply": scenario_apply,
+    "skip": scenario_skip,
+    "reset": scenario_reset,
+    "flush_after_load": scenario_flush_after_load,
+    "reset_after_load": scenario_reset_after_load,
+}
+
+
+@pytest.mark.parametrize("where", ["one_device", "one_replica_mirrored"])
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("decision", list(SCENARIOS))
+def test_every_piece_of_window_state_follows_the_decision(decision, mode, where, tmp_path):
+    x, y = make_data()
+    data = (x, y, np.ones(len(x), "float32"))
+    model, windows, skipped = SCENARIOS[decision](mode, where, data, tmp_path)
+    assert_window_closed(model, skipped)
+    plain = plain_big_batches(data, windows)
+    assert_trained(plain, net().get_weights())
+    assert_as_plain(model, plain)
+
+
+@pytest.mark.parametrize("where", ["one_device", "one_replica_mirrored"])
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_a_mid_window_file_restores_every_piece_of_window_state(mode, where, tmp_path):
+    x, y = make_data()
+    data = (x, y, np.ones(len(x), "float32"))
+    model, before = _loaded_mid_window(mode, where, data, tmp_path)
+    # BatchNorm moments loaded before their windows exist wait, parked, for
+    # the next step (or flush / reset_window): made here to be read.
+    model._batchnorm.build(model.distribute_strategy)
+    after = state(model)
+    assert sorted(after) == sorted(before)
+    for name in before:
+        np.testing.assert_allclose(after[name], before[name], rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+@pytest.mark.parametrize("where", ["one_device", "one_replica_mirrored"])
+def test_flush_after_load_with_an_unbuilt_optimizer(where, tmp_path):
+    # The optimizer is built by flush(), outside the strategy's scope: its
+    # variables must still be the strategy's. (As in Keras, an unbuilt
+    # optimizer's state is not loaded: only the window is compared.)
+    x, y = make_data()
+    data = (x, y, np.ones(len(x), "float32"))
+    saved = accumulating("step", where)
+    train(saved, "step", data, 0, WINDOW + 8)
+    path = str(tmp_path / "mid.weights.h5")
+    saved.save_weights(path)
+    with scope(where):
+        model = net(AccumModel, seed=1, skip_nonfinite=True, accum_steps=4)
+        model.compile(keras.optimizers.Adam(0.01), loss())
+    model.load_weights(path)
+    model.flush()
+    assert int(model.optimizer.iterations.numpy()) == 1
+    assert_window_closed(model, skipped=0)
