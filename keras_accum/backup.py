@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_accum import _keras_internals as internals
+from keras_accum.train_functions import skip_batches, stop_skipping
 
 _COMMITTED = re.compile(r"^epoch-(\d+)(?:-batch-(\d+))?\.json$")
 # A restore point (epoch, batch) travels in the all-gather as one integer.
@@ -114,7 +115,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self._batches_seen_since_last_saving = 0
         self._last_batch_seen = 0
         self._restored = None
-        _stop_skipping(self.model)  # left by a `fit` interrupted while skipping
+        stop_skipping(self.model)  # left by a `fit` interrupted while skipping
         strategy = self.model.distribute_strategy
         own = self._restore_points()
         if internals.multi_worker(strategy):
@@ -141,7 +142,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         internals.set_initial_epoch(self.model, epoch)
         if batches:
             self._restored = point
-            _skip_batches(self.model, batches)
+            skip_batches(self.model, batches)
 
     def _restore_points(self):
         """(epoch, batch) of each committed backup here that opens, oldest first."""
@@ -254,34 +255,6 @@ def _describe(point):
     if not batch:
         return f"end of epoch {epoch}"
     return f"epoch {epoch + 1}, batch {batch}"
-
-
-def _skip_batches(model, batches):
-    """Makes `fit`'s first `batches` steps take their data without training.
-
-    The backup was made after that many batches of the epoch `fit` starts
-    in; Keras starts the epoch from its first batch, so the train function
-    takes those batches off the iterator and hands back to the real one.
-    """
-    train_function = model.train_function
-    remaining = [batches]
-
-    def skip(iterator):
-        for _ in range(min(model.steps_per_execution, remaining[0])):
-            next(iterator)
-            remaining[0] -= 1
-        if not remaining[0]:
-            model.train_function = train_function
-        return {}
-
-    skip.train_function = train_function
-    model.train_function = skip
-
-
-def _stop_skipping(model):
-    original = getattr(model.train_function, "train_function", None)
-    if original is not None:
-        model.train_function = original
 
 
 def check_callbacks(callbacks, strategy):
