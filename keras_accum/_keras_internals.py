@@ -520,6 +520,22 @@ def recording_moments(layer, record):
         del layer._moments
 
 
+def without_retracing_warning(function):
+    """`function` (a `tf.function`), exempt from TensorFlow's warning that
+    "N out of the last M calls to ... triggered tf.function retracing".
+
+    TensorFlow counts traces per Python code object, over every
+    `tf.function` made from it in the process, and warns when 5 of the last
+    10 calls traced. A function made anew per optimizer and window, and
+    called about once an epoch (the flush at an epoch's end), trips it after
+    a few models or compiles, though each of its traces is needed once.
+    TensorFlow's own flag for this is private (`Function.__call__` reads
+    it; tests/test_keras_internals.py checks that it still does).
+    """
+    function._omit_frequent_tracing_warning = True
+    return function
+
+
 def in_xla_context():
     """Whether the code being traced is compiled by XLA (`jit_compile=True`).
 

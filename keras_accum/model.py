@@ -739,7 +739,13 @@ class AccumModel(keras.Model):
         # changes (compile() with another optimizer, a rebuilt window).
         key = (id(self.optimizer), acc.generation)
         if self._flush_key != key:
-            function = tf.function(self._apply_window)
+            # One trace per compile (or rebuilt window), each called about
+            # once an epoch: TensorFlow's frequent-retracing warning, which
+            # counts traces of the same code over every model in the
+            # process, would call that excessive.
+            function = internals.without_retracing_warning(
+                tf.function(self._apply_window)
+            )
             # Held in a plain closure: a tf.function attribute would be
             # tracked and exported.
             self._flush_function = lambda: function()

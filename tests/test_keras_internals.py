@@ -153,3 +153,17 @@ def test_tf_keras_objects_are_refused_saying_why():
     with pytest.raises(TypeError) as plain:
         keras_accum.wrap(object())
     assert "tf_keras" not in str(plain.value)
+
+
+def test_tensorflow_still_reads_its_frequent_retracing_flag():
+    # internals.without_retracing_warning sets it on the flush functions.
+    import tensorflow as tf
+    from tensorflow.python.eager.polymorphic_function import polymorphic_function
+
+    source = inspect.getsource(polymorphic_function.Function.__call__)
+    if "_omit_frequent_tracing_warning" not in source:
+        pytest.fail(
+            f"TensorFlow {tf.__version__} no longer reads tf.function's "
+            "`_omit_frequent_tracing_warning`: adapt "
+            "_keras_internals.without_retracing_warning."
+        )

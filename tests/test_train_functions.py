@@ -118,3 +118,56 @@ def test_batch_backup_resumed_with_another_accum_steps_names_both(tmp_path):
     # Resumed as it began, it ends as the uninterrupted run.
     resumed.fit(X, Y, epochs=3, callbacks=[backup()], **FIT)
     assert_weights_close(resumed, plain_with_batches([32, 32, 32]))
+
+
+# -- no retracing warnings from keras_accum's own functions --------------------------
+
+
+class CountingSteps(AccumModel):
+    """Counts traces of its train step (its Python body runs once a trace)."""
+
+    traced = 0
+
+    def train_step(self, data):
+        CountingSteps.traced += 1
+        return super().train_step(data)
+
+
+def test_fine_tuning_recipe_raises_no_retracing_warning(monkeypatch):
+    import logging
+
+    from tensorflow.python.eager.polymorphic_function import polymorphic_function
+
+    # TensorFlow counts traces per code object for the whole process and
+    # warns at most twice per code: a fresh count, so that earlier tests'
+    # models neither trip nor use up the warning here.
+    monkeypatch.setattr(
+        polymorphic_function,
+        "_frequent_tracing_detector_manager",
+        polymorphic_function._FrequentTracingDetectorManager(),
+    )
+    warnings = []
+
+    class Record(logging.Handler):
+        def emit(self, record):
+            if "retracing" in record.getMessage():
+                warnings.append(record.getMessage()[:160])
+
+    handler = Record()
+    logging.getLogger("tensorflow").addHandler(handler)
+    x, y = make_data(76)  # windows 4, 4 and 2: an open window at each epoch's end
+    CountingSteps.traced = 0
+    try:
+        # As in a notebook: the recipe, for a few models in one process.
+        for _ in range(2):
+            model = functional(CountingSteps, accum_steps=4)
+            hidden = model.get_layer("hidden")
+            for trainable in (True, False, True):  # fit / freeze / fit / unfreeze / fit
+                hidden.trainable = trainable
+                model.compile(OPTIMIZERS["adam"](), loss(), metrics=["accuracy"])
+                model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
+    finally:
+        logging.getLogger("tensorflow").removeHandler(handler)
+    assert warnings == []
+    # One step traced per compile: nothing is traced again that need not be.
+    assert CountingSteps.traced == 2 * 3
