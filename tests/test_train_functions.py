@@ -11,6 +11,7 @@ window open, and must end as the uninterrupted run (and the plain big
 batch) does.
 """
 
+import functools
 import time
 
 import keras
@@ -55,8 +56,17 @@ def compiled(**kwargs):
     return model
 
 
+@functools.lru_cache(maxsize=None)
+def _plain_weights(batches):
+    model = _plain_with_batches(batches)
+    return model
+
 def plain_with_batches(batches):
     """A plain model trained one epoch per entry of `batches` (batch sizes)."""
+    return _plain_weights(tuple(batches))
+
+
+def _plain_with_batches(batches):
     model = functional()
     model.compile(OPTIMIZERS["adam"](), loss())
     for epoch, batch_size in enumerate(batches):
@@ -171,3 +181,103 @@ def test_fine_tuning_recipe_raises_no_retracing_warning(monkeypatch):
     assert warnings == []
     # One step traced per compile: nothing is traced again that need not be.
     assert CountingSteps.traced == 2 * 3
+
+
+# -- every pair of train-function changers, resumed mid-window ------------------------
+#
+# The model's own accum_steps is 2. Changers of the train function:
+#   schedule: AccumScheduler({1: 3})          (a callback; epoch 1 at 3)
+#   fit:      fit(accum_steps=4)              (both epochs at 4, unless scheduled)
+#   micro:    a callback setting micro_batch_size=4 at epoch 1
+#   auto:     fit(micro_batch_size="auto")    (its eager train function)
+# With a backup every 17 batches (12 an epoch), the one restored is 5 batches
+# into epoch 1, whatever the window length (2, 3 or 4), a window open; the
+# first run is interrupted 7 batches into epoch 1. A resumed model starts
+# fresh (accum_steps=2, micro_batch_size None), so each changer retraces
+# while the restored batches are being skipped, or after a load that
+# dropped the step.
+
+SAVE_FREQ = 17
+CHANGERS = ("schedule", "fit", "micro", "auto")
+PAIRS = [(a,) for a in CHANGERS] + [
+    (a, b) for i, a in enumerate(CHANGERS) for b in CHANGERS[i + 1:]
+]
+
+
+class MicroBatchFrom(keras.callbacks.Callback):
+    """Sets `micro_batch_size` at the start of each epoch from `epoch`."""
+
+    def __init__(self, epoch, size):
+        super().__init__()
+        self.epoch, self.size = epoch, size
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch >= self.epoch:
+            self.model.micro_batch_size = self.size
+
+
+def _setup(changers):
+    """(callbacks, fit kwargs, the accum_steps of epochs 0 and 1)."""
+    callbacks, kwargs, steps = [], {}, [2, 2]
+    if "fit" in changers:
+        kwargs["accum_steps"] = 4
+        steps = [4, 4]
+    if "schedule" in changers:
+        callbacks.append(AccumScheduler({1: 3}))
+        steps[1] = 3
+    if "micro" in changers:
+        callbacks.append(MicroBatchFrom(1, 4))
+    if "auto" in changers:
+        kwargs["micro_batch_size"] = "auto"
+    return callbacks, kwargs, steps
+
+
+_UNINTERRUPTED = {}
+
+
+def _uninterrupted(changers):
+    if changers not in _UNINTERRUPTED:
+        callbacks, kwargs, _ = _setup(changers)
+        model = compiled(accum_steps=2)
+        model.fit(X, Y, epochs=2, callbacks=callbacks, **kwargs, **FIT)
+        _UNINTERRUPTED[changers] = (
+            model.get_weights(), int(model.optimizer.iterations.numpy())
+        )
+    return _UNINTERRUPTED[changers]
+
+
+def _cases():
+    for changers in PAIRS:
+        orders = ["backup_first", "backup_last"]
+        if not {"schedule", "micro"} & set(changers):
+            orders = ["backup_only"]  # no other callback to order it against
+        for order in orders:
+            yield pytest.param(changers, order, id="+".join(changers) + "-" + order)
+
+
+@pytest.mark.parametrize("changers, order", list(_cases()))
+def test_changers_compose_when_resumed_from_a_batch_backup(tmp_path, changers, order):
+    start = time.monotonic()
+
+    def fit(model, *extra):
+        callbacks, kwargs, _ = _setup(changers)
+        backup = keras_accum.BackupAndRestore(tmp_path, save_freq=SAVE_FREQ)
+        # backup_last also reverses the other callbacks' order.
+        callbacks = [backup, *callbacks] if order != "backup_last" else [*callbacks[::-1], backup]
+        return model.fit(X, Y, epochs=2, callbacks=[*callbacks, *extra], **kwargs, **FIT)
+
+    with pytest.raises(KeyboardInterrupt):
+        fit(compiled(accum_steps=2), InterruptAt(1, 6))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "epoch-1-batch-5.json", "epoch-1-batch-5.weights.h5"
+    ]
+    resumed = compiled(accum_steps=2)
+    history = fit(resumed)
+    assert len(history.history["loss"]) == 1  # epoch 1 only
+    weights, iterations = _uninterrupted(changers)
+    assert int(resumed.optimizer.iterations.numpy()) == iterations
+    for w, v in zip(resumed.get_weights(), weights, strict=True):
+        np.testing.assert_allclose(w, v, rtol=1e-5, atol=1e-6)
+    _, _, steps = _setup(changers)
+    assert_weights_close(resumed, plain_with_batches(tuple(MICRO * s for s in steps)))
+    print(f"\n{changers} {order}: {time.monotonic() - start:.1f} s")
