@@ -67,7 +67,12 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             callback skips the batches the backup had already seen, so the
             resumed run makes exactly the updates of an uninterrupted one.
             The logged loss and metrics of the resumed epoch then cover the
-            batches after the backup only.
+            batches after the backup only. The skipping holds whatever else
+            changes the train function meanwhile (`AccumScheduler`,
+            `fit(accum_steps=...)`, `micro_batch_size`, in any callback
+            order); a resumed window that the step in force cannot continue
+            (another `accum_steps`) raises the error naming both values
+            when the skipping ends, before any batch is trained.
         double_checkpoint: keep the previous backup too (required across
             workers). Also used when the newest backup cannot be read.
         delete_checkpoint: delete `backup_dir` when training ends.
