@@ -120,6 +120,22 @@ def test_batchnorm_model_exports_what_it_predicts(tmp_path):
     )
 
 
+def test_auto_micro_batches_with_batchnorm_and_fit_accum_steps():
+    # auto + BN + fit(accum_steps=): "auto"'s eager train function, on
+    # whole batches (nothing runs out of memory), is step mode exactly.
+    x, y = bn_data(92)
+    auto = functional_net(AccumModel, micro_batch_size="auto")
+    auto.compile(keras.optimizers.SGD(0.1), loss())
+    auto.fit(x, y, batch_size=8, epochs=2, accum_steps=4, **FIT)
+    step = functional_net(AccumModel, accum_steps=4)
+    step.compile(keras.optimizers.SGD(0.1), loss())
+    step.fit(x, y, batch_size=8, epochs=2, **FIT)
+    plain = _plain_epochs(functional_net, x, y, [32, 32], lambda: keras.optimizers.SGD(0.1))
+    assert auto.accum_steps == 1 and auto.chosen_micro_batch_size is None
+    assert_weights_close(auto, step)
+    assert_moving_close(auto, plain)
+
+
 # -- sparse gradients ----------------------------------------------------------------
 
 
@@ -187,6 +203,32 @@ def test_sparse_accum_optimizer_saved_mid_window_and_exported(tmp_path):
     np.testing.assert_allclose(
         _serve(loaded, tmp_path / "text", x), plain.predict(x, verbose=0), rtol=1e-5, atol=1e-6
     )
+
+
+def test_accum_optimizer_on_a_plain_model_resumed_from_a_batch_backup(tmp_path):
+    # AccumOptimizer + backup: keras_accum.BackupAndRestore on a plain
+    # keras.Model skips the restored batches with its own wrapper; the
+    # optimizer's open window (2 of 4 micro-batches) comes back with it.
+    x, y = make_data(64)  # 8 batches an epoch: 2 windows, none across epochs
+
+    def model():
+        made = functional()
+        made.compile(AccumOptimizer(OPTIMIZERS["adam"](), accum_steps=4), loss())
+        return made
+
+    def fit(made, *extra):
+        backup = keras_accum.BackupAndRestore(tmp_path, save_freq=14)
+        return made.fit(x, y, batch_size=8, epochs=2, callbacks=[backup, *extra], **FIT)
+
+    with pytest.raises(KeyboardInterrupt):
+        fit(model(), InterruptAt(1, 6))  # backed up 6 batches into epoch 1
+    resumed = model()
+    fit(resumed)
+    plain = functional()
+    plain.compile(OPTIMIZERS["adam"](), loss())
+    plain.fit(x, y, batch_size=32, epochs=2, **FIT)
+    assert int(resumed.optimizer.iterations.numpy()) == 4
+    assert_weights_close(resumed, plain)
 
 
 # -- skipping non-finite windows -----------------------------------------------------
