@@ -112,13 +112,13 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             delete_checkpoint=delete_checkpoint,
         )
         self._epoch = 0
+        self._completed_epochs = 0
         self._restored = None
 
     # -- restoring ---------------------------------------------------------
 
     def on_train_begin(self, logs=None):
-        self._batches_seen_since_last_saving = 0
-        self._last_batch_seen = 0
+        internals.backup_counts_from_zero(self)
         self._restored = None
         stop_skipping(self.model)  # left by a `fit` interrupted while skipping
         strategy = self.model.distribute_strategy
@@ -188,8 +188,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self._epoch = epoch
 
     def on_epoch_end(self, epoch, logs=None):
-        self._current_epoch = epoch + 1
-        self._last_batch_seen = 0
+        self._completed_epochs = epoch + 1
+        internals.backup_epoch_ended(self)
         if self.save_freq == "epoch":
             self._save_model()
 
@@ -197,13 +197,15 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         point = (self._epoch, batch + 1)
         if self._restored is not None and point <= self._restored:
             # A skipped batch: the model holds the restored state.
-            self._last_batch_seen = batch
+            internals.backup_batch_seen(self, batch)
             return
-        if self._should_save_on_batch(batch):
+        if internals.backup_due_after_batch(self, batch):
             self._save(point)
 
     def _save_model(self):
-        self._save((self._current_epoch, 0))
+        # Keras's name for an epoch-end backup, kept so that no path of
+        # the base class writes a backup of its own.
+        self._save((self._completed_epochs, 0))
 
     def _save(self, point):
         os.makedirs(self.backup_dir, exist_ok=True)

@@ -167,3 +167,16 @@ def test_tensorflow_still_reads_its_frequent_retracing_flag():
             "`_omit_frequent_tracing_warning`: adapt "
             "_keras_internals.without_retracing_warning."
         )
+
+
+def test_backup_and_restore_batch_counting_is_still_keras_own(tmp_path):
+    # internals.backup_* set and call these on keras_accum.BackupAndRestore.
+    callback = keras.callbacks.BackupAndRestore(str(tmp_path), save_freq=2)
+    source = inspect.getsource(keras.callbacks.BackupAndRestore._should_save_on_batch)
+    for name in ("_last_batch_seen", "_batches_seen_since_last_saving"):
+        if name not in source or not hasattr(callback, name):
+            pytest.fail(MESSAGE.format(found=keras.__version__, what=f"BackupAndRestore.{name}"))
+    internals.backup_counts_from_zero(callback)
+    assert [internals.backup_due_after_batch(callback, b) for b in range(4)] == [
+        False, True, False, True
+    ]
