@@ -15,7 +15,32 @@ two CPU cores.
 
 import os
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # quiet TensorFlow start-up
+# TensorFlow's C++ log level, read when TensorFlow loads: set before anything
+# (keras included) imports it.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+
+def _import_tensorflow_quietly():
+    """Imports TensorFlow without its start-up lines on stderr.
+
+    TensorFlow 2.20 and later log a few lines while loading (e.g.
+    "Could not find cuda drivers") before their log level is applied, so
+    TF_CPP_MIN_LOG_LEVEL cannot hide them: the process's stderr is pointed
+    at /dev/null for the import alone. An import error is still raised
+    (and shown) as usual.
+    """
+    stderr = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        import tensorflow  # noqa: F401
+    finally:
+        os.dup2(stderr, 2)
+        os.close(stderr)
+        os.close(devnull)
+
+
+_import_tensorflow_quietly()
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402

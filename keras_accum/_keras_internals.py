@@ -393,6 +393,33 @@ def set_initial_epoch(model, epoch):
     model._initial_epoch = epoch
 
 
+# keras.callbacks.BackupAndRestore's batch counting, which
+# keras_accum.BackupAndRestore reuses: `_should_save_on_batch(batch)` counts
+# the batches since the last backup from `_last_batch_seen` (reset at each
+# epoch's end) and `_batches_seen_since_last_saving`.
+
+
+def backup_counts_from_zero(callback):
+    """A `BackupAndRestore` counts batches anew (at `fit`'s start)."""
+    callback._batches_seen_since_last_saving = 0
+    callback._last_batch_seen = 0
+
+
+def backup_epoch_ended(callback):
+    """The next batch a `BackupAndRestore` sees starts an epoch."""
+    callback._last_batch_seen = 0
+
+
+def backup_batch_seen(callback, batch):
+    """`batch` passed without counting towards the next backup (skipped)."""
+    callback._last_batch_seen = batch
+
+
+def backup_due_after_batch(callback, batch):
+    """Counts `batch`; whether a batch-level backup is due after it."""
+    return callback._should_save_on_batch(batch)
+
+
 def symbolic_build(model, iterator=None, data_batch=None, without_strategy=False):
     """`TensorFlowTrainer._maybe_symbolic_build`, without a cross-replica reduce.
 
@@ -573,6 +600,22 @@ def recording_moments(layer, record):
         yield
     finally:
         del layer._moments
+
+
+def without_retracing_warning(function):
+    """`function` (a `tf.function`), exempt from TensorFlow's warning that
+    "N out of the last M calls to ... triggered tf.function retracing".
+
+    TensorFlow counts traces per Python code object, over every
+    `tf.function` made from it in the process, and warns when 5 of the last
+    10 calls traced. A function made anew per optimizer and window, and
+    called about once an epoch (the flush at an epoch's end), trips it after
+    a few models or compiles, though each of its traces is needed once.
+    TensorFlow's own flag for this is private (`Function.__call__` reads
+    it; tests/test_keras_internals.py checks that it still does).
+    """
+    function._omit_frequent_tracing_warning = True
+    return function
 
 
 def in_xla_context():

@@ -23,6 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_accum import _keras_internals as internals
+from keras_accum.train_functions import skip_batches, stop_skipping
 
 _COMMITTED = re.compile(r"^epoch-(\d+)(?:-batch-(\d+))?\.json$")
 # A restore point (epoch, batch) travels in the all-gather as one integer.
@@ -66,7 +67,12 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             callback skips the batches the backup had already seen, so the
             resumed run makes exactly the updates of an uninterrupted one.
             The logged loss and metrics of the resumed epoch then cover the
-            batches after the backup only.
+            batches after the backup only. The skipping holds whatever else
+            changes the train function meanwhile (`AccumScheduler`,
+            `fit(accum_steps=...)`, `micro_batch_size`, in any callback
+            order); a resumed window that the step in force cannot continue
+            (another `accum_steps`) raises the error naming both values
+            when the skipping ends, before any batch is trained.
         double_checkpoint: keep the previous backup too (required across
             workers). Also used when the newest backup cannot be read.
         delete_checkpoint: delete `backup_dir` when training ends.
@@ -107,15 +113,15 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             delete_checkpoint=delete_checkpoint,
         )
         self._epoch = 0
+        self._completed_epochs = 0
         self._restored = None
 
     # -- restoring ---------------------------------------------------------
 
     def on_train_begin(self, logs=None):
-        self._batches_seen_since_last_saving = 0
-        self._last_batch_seen = 0
+        internals.backup_counts_from_zero(self)
         self._restored = None
-        _stop_skipping(self.model)  # left by a `fit` interrupted while skipping
+        stop_skipping(self.model)  # left by a `fit` interrupted while skipping
         strategy = self.model.distribute_strategy
         own = self._restore_points()
         if internals.multi_worker(strategy):
@@ -142,7 +148,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         internals.set_initial_epoch(self.model, epoch)
         if batches:
             self._restored = point
-            _skip_batches(self.model, batches)
+            skip_batches(self.model, batches)
 
     def _restore_points(self):
         """(epoch, batch) of each committed backup here that opens, oldest first."""
@@ -183,8 +189,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self._epoch = epoch
 
     def on_epoch_end(self, epoch, logs=None):
-        self._current_epoch = epoch + 1
-        self._last_batch_seen = 0
+        self._completed_epochs = epoch + 1
+        internals.backup_epoch_ended(self)
         if self.save_freq == "epoch":
             self._save_model()
 
@@ -192,13 +198,15 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         point = (self._epoch, batch + 1)
         if self._restored is not None and point <= self._restored:
             # A skipped batch: the model holds the restored state.
-            self._last_batch_seen = batch
+            internals.backup_batch_seen(self, batch)
             return
-        if self._should_save_on_batch(batch):
+        if internals.backup_due_after_batch(self, batch):
             self._save(point)
 
     def _save_model(self):
-        self._save((self._current_epoch, 0))
+        # Keras's name for an epoch-end backup, kept so that no path of
+        # the base class writes a backup of its own.
+        self._save((self._completed_epochs, 0))
 
     def _save(self, point):
         os.makedirs(self.backup_dir, exist_ok=True)
@@ -255,34 +263,6 @@ def _describe(point):
     if not batch:
         return f"end of epoch {epoch}"
     return f"epoch {epoch + 1}, batch {batch}"
-
-
-def _skip_batches(model, batches):
-    """Makes `fit`'s first `batches` steps take their data without training.
-
-    The backup was made after that many batches of the epoch `fit` starts
-    in; Keras starts the epoch from its first batch, so the train function
-    takes those batches off the iterator and hands back to the real one.
-    """
-    train_function = model.train_function
-    remaining = [batches]
-
-    def skip(iterator):
-        for _ in range(min(model.steps_per_execution, remaining[0])):
-            next(iterator)
-            remaining[0] -= 1
-        if not remaining[0]:
-            model.train_function = train_function
-        return {}
-
-    skip.train_function = train_function
-    model.train_function = skip
-
-
-def _stop_skipping(model):
-    original = getattr(model.train_function, "train_function", None)
-    if original is not None:
-        model.train_function = original
 
 
 def check_callbacks(callbacks, strategy):

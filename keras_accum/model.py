@@ -18,7 +18,7 @@ from keras_accum.nonfinite import NonFiniteWindows
 from keras_accum.normaliser import loss_normaliser, micro_batch_weight
 from keras_accum.optimizer import check_not_accumulating
 from keras_accum.saving import check_config_is_faithful
-from keras_accum.train_functions import TrainFunctionCache
+from keras_accum.train_functions import TrainFunctions
 
 
 class _WindowFlush(keras.callbacks.Callback):
@@ -183,9 +183,32 @@ class AccumModel(keras.Model):
         self._accumulator = accumulator
         self._flush_function = None
         self._flush_key = None
-        self._train_functions = TrainFunctionCache()
+        self._train_function_owner()
         self._set_skip_nonfinite(skip_nonfinite)
         self._batchnorm = BatchNormWindow(self, batchnorm)
+
+    # -- the train function: one owner (train_functions.py) --------------------
+
+    def _train_function_owner(self):
+        # Keras's constructor assigns `train_function` before ours runs.
+        owner = self.__dict__.get("_train_functions")
+        if owner is None:
+            owner = TrainFunctions()
+            self._train_functions = owner
+        return owner
+
+    @property
+    def train_function(self):
+        """What `fit` calls next: the step for the current settings, or a
+        resumed epoch's batch skipping over it (train_functions.py)."""
+        owner = self.__dict__.get("_train_functions")
+        return None if owner is None else owner.current()
+
+    @train_function.setter
+    def train_function(self, value):
+        # Replaces the step (None: made again when next needed); batches
+        # being skipped stay skipped.
+        self._train_function_owner().assign(value)
 
     def _set_skip_nonfinite(self, skip_nonfinite):
         if not isinstance(skip_nonfinite, bool):
@@ -327,7 +350,7 @@ class AccumModel(keras.Model):
         # than a variable read every micro-batch), so a new one needs its own
         # function: the cached one, else a new trace. Replaced now rather
         # than cleared: fit() reads the attribute before every step.
-        if self.train_function is not None:
+        if self._train_functions.function is not None:
             self.train_function = None
             self.make_train_function()
 
@@ -425,10 +448,15 @@ class AccumModel(keras.Model):
             if self._micro_batch_size != previous_micro:
                 self._micro_batch_size = previous_micro
                 self.train_function = None
+            # Skipping belongs to the fit that restored a backup.
+            self._train_functions.stop_skipping()
 
     def make_train_function(self, force=False):
-        if self.train_function is not None and not force:
-            return self.train_function
+        # The step for the current settings (the skipping, if any, stays
+        # over it: train_functions.py).
+        owner = self._train_functions
+        if owner.function is not None and not force:
+            return owner.function
         check_not_accumulating(self.optimizer, self._accum_steps)
         if self._windowed() and self.built:
             self._bind_window()
@@ -436,10 +464,10 @@ class AccumModel(keras.Model):
             # The batch's pooled moments are applied in the step: windows
             # made now, outside any replica.
             self._batchnorm.build(self.distribute_strategy)
-        function = None if force else self._train_functions.get(self)
+        function = None if force else owner.cache.get(self)
         if function is None:
             function = self._new_train_function()
-            self._train_functions.put(self, function)
+            owner.cache.put(self, function)
         self.train_function = function
         return function
 
@@ -453,25 +481,21 @@ class AccumModel(keras.Model):
                     "`micro_batch_size` (the micro-batch per replica). "
                     "Received: micro_batch_size='auto'."
                 )
-            self.train_function = self._auto_micro_batch.train_function(
+            return self._auto_micro_batch.train_function(
                 self, self._make_step, StepState(self._forward_state)
             )
-            return self.train_function
         if self._windowed():
             if internals.replicated(strategy):
-                self.train_function = internals.make_replicated_function(
+                return internals.make_replicated_function(
                     self, self._accumulate, self._apply_if_full_across_replicas
                 )
-                return self.train_function
         elif internals.multi_worker(strategy):
             # Keras's own train function fails across workers (its log
             # reduction, tensorflow/tensorflow#72388); same step, our function.
-            self.train_function = internals.make_replicated_function(
-                self, self.train_step
-            )
-            return self.train_function
+            return internals.make_replicated_function(self, self.train_step)
+        # Keras's own, made as Keras makes it (it assigns train_function).
         super().make_train_function(force=True)
-        return self.train_function
+        return self._train_functions.function
 
     def _make_step(self):
         # One step on a batch in hand, traced per batch shape: the split is
@@ -829,7 +853,13 @@ class AccumModel(keras.Model):
         # changes (compile() with another optimizer, a rebuilt window).
         key = (id(self.optimizer), acc.generation, len(self._batchnorm.variables))
         if self._flush_key != key:
-            function = tf.function(self._apply_window)
+            # One trace per compile (or rebuilt window), each called about
+            # once an epoch: TensorFlow's frequent-retracing warning, which
+            # counts traces of the same code over every model in the
+            # process, would call that excessive.
+            function = internals.without_retracing_warning(
+                tf.function(self._apply_window)
+            )
             # Held in a plain closure: a tf.function attribute would be
             # tracked and exported.
             self._flush_function = lambda: function()
@@ -908,7 +938,7 @@ class AccumModel(keras.Model):
             raise
         acc = self._accumulator
         if (
-            self.train_function is not None
+            self._train_functions.function is not None
             and acc.pending()
             and not acc.fits(self.trainable_variables, self._accum_steps)
         ):

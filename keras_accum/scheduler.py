@@ -1,5 +1,6 @@
 """`AccumScheduler`: change `accum_steps` at epoch boundaries (batch-size warm-up)."""
 
+import inspect
 import numbers
 
 import keras
@@ -30,8 +31,9 @@ class AccumScheduler(keras.callbacks.Callback):
             holds from its epoch until the next key; before the first key,
             the model's own `accum_steps`), or a callable
             `epoch -> accum_steps` (None keeps the current value). A dict is
-            checked here; a callable is checked for every epoch of the
-            `fit` before training starts.
+            checked here, and so is that a callable takes one argument; its
+            values are checked for every epoch of the `fit` before training
+            starts.
         verbose: 1 prints a message when the value changes.
 
     Example:
@@ -54,6 +56,7 @@ class AccumScheduler(keras.callbacks.Callback):
             self._table = _checked_table(schedule)
             self._schedule = self._lookup
         elif callable(schedule):
+            _check_takes_an_epoch(schedule)
             self._table = None
             self._schedule = schedule
         else:
@@ -111,6 +114,23 @@ class AccumScheduler(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
             logs["accum_steps"] = self.model.accum_steps
+
+
+def _check_takes_an_epoch(schedule):
+    """Refuses a callable that cannot be called with one argument (the epoch)."""
+    try:
+        signature = inspect.signature(schedule)
+    except (TypeError, ValueError):
+        return  # no signature to read (some builtins): checked when called
+    try:
+        signature.bind(0)
+    except TypeError as error:
+        raise TypeError(
+            "`schedule` must be a callable taking the epoch (0-based) and "
+            "returning accum_steps, e.g. `lambda epoch: min(2 ** epoch, 8)`, "
+            f"but it cannot be called with one argument ({error}). "
+            f"Received: schedule={schedule!r} with signature {signature}."
+        ) from None
 
 
 def _checked_table(schedule):

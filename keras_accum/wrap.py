@@ -188,6 +188,10 @@ def wrap(
             f"{model.accum_steps}). Set `model.accum_steps = {accum_steps}` "
             "instead of wrapping it again."
         )
+    # Checked for every kind of model: a functional subclass (`class
+    # M(keras.Model)` built as `M(inputs, outputs)`) is rebuilt from its
+    # graph below, which would drop its overrides as silently.
+    _check_no_step_overrides(model)
     settings = dict(
         accum_steps=accum_steps,
         skip_nonfinite=skip_nonfinite,
@@ -196,13 +200,11 @@ def wrap(
     )
     graph = _graph(model)
     if graph is not None and _has_own_class(model):
-        # A KerasHub task, a functional subclass: its methods would not run
-        # in the rebuilt model, and its own config is what saving needs.
-        _check_no_step_overrides(model)
+        # A KerasHub task, a functional subclass: its own config is what
+        # saving needs (see RebuiltModel).
         return RebuiltModel(model, **settings)
     if graph is not None:
         return AccumModel(*graph, name=model.name, **settings)
-    _check_no_step_overrides(model)
     return WrappedModel(model, **settings)
 
 
@@ -217,17 +219,32 @@ def _check_no_step_overrides(model):
         for name in _STEP_METHODS
         if getattr(type(model), name) is not getattr(keras.Model, name)
     ]
-    if overridden:
-        names = ", ".join(f"`{name}`" for name in overridden)
-        raise ValueError(
-            f"{type(model).__name__} overrides {names}, which wrap() cannot "
-            "honour: the wrapper runs its own training step around the "
-            "model's `call`. Make the class subclass `keras_accum.AccumModel` "
-            "instead of `keras.Model` (its `compute_loss`, `compute_metrics`, "
-            "`test_step` and `predict_step` overrides are honoured), or keep "
-            "a custom `train_step` and compile the plain model with "
-            "`optimizer=keras_accum.AccumOptimizer(...)`."
+    if not overridden:
+        return
+    cls = type(model).__name__
+    names = ", ".join(f"`{name}`" for name in overridden)
+    if isinstance(model, (internals.Functional, keras.Sequential)):
+        how = (
+            "wrap() rebuilds a functional model from its layer graph, with "
+            "the accumulating step"
         )
+        build = (
+            f" (built the same way, `{cls}(inputs, outputs)`)"
+            if isinstance(model, internals.Functional)
+            else ""
+        )
+    else:
+        how = "the wrapper runs its own training step around the model's `call`"
+        build = ""
+    raise ValueError(
+        f"`model` is a {cls}, which overrides {names}; wrap() cannot honour "
+        f"that: {how}, so the override would be silently ignored. Received: "
+        f"model={model!r}. Make the class subclass `keras_accum.AccumModel` "
+        f"instead of `keras.Model`{build} (its `compute_loss`, "
+        "`compute_metrics`, `test_step` and `predict_step` overrides are "
+        "honoured), or keep a custom `train_step` and compile the plain "
+        "model with `optimizer=keras_accum.AccumOptimizer(...)`."
+    )
 
 
 def _has_own_class(model):

@@ -67,6 +67,11 @@ def test_quickstart_example_matches_the_big_batch():
     assert len(accuracies) == 2 and accuracies[0] == accuracies[1], result.stdout
     diff = float(re.search(r"largest weight difference: (\S+)", result.stdout)[1])
     assert diff < 1e-4, result.stdout
+    # It sets TF_CPP_MIN_LOG_LEVEL: none of TensorFlow's start-up log lines
+    # ("I0000 ... cudart_stub.cc:31] Could not find cuda drivers", absl's
+    # "All log messages before absl::InitializeLog()") reach its output.
+    log_lines = re.findall(r"(?m)^(?:[IWEF]\d{4} .*|.*absl::InitializeLog.*)$", result.stderr)
+    assert log_lines == [], result.stderr[-3000:]
 
 
 @pytest.mark.skipif(

@@ -219,3 +219,30 @@ def test_tf_keras_objects_are_refused_saying_why():
     with pytest.raises(TypeError) as plain:
         keras_accum.wrap(object())
     assert "tf_keras" not in str(plain.value)
+
+
+def test_tensorflow_still_reads_its_frequent_retracing_flag():
+    # internals.without_retracing_warning sets it on the flush functions.
+    import tensorflow as tf
+    from tensorflow.python.eager.polymorphic_function import polymorphic_function
+
+    source = inspect.getsource(polymorphic_function.Function.__call__)
+    if "_omit_frequent_tracing_warning" not in source:
+        pytest.fail(
+            f"TensorFlow {tf.__version__} no longer reads tf.function's "
+            "`_omit_frequent_tracing_warning`: adapt "
+            "_keras_internals.without_retracing_warning."
+        )
+
+
+def test_backup_and_restore_batch_counting_is_still_keras_own(tmp_path):
+    # internals.backup_* set and call these on keras_accum.BackupAndRestore.
+    callback = keras.callbacks.BackupAndRestore(str(tmp_path), save_freq=2)
+    source = inspect.getsource(keras.callbacks.BackupAndRestore._should_save_on_batch)
+    for name in ("_last_batch_seen", "_batches_seen_since_last_saving"):
+        if name not in source or not hasattr(callback, name):
+            pytest.fail(MESSAGE.format(found=keras.__version__, what=f"BackupAndRestore.{name}"))
+    internals.backup_counts_from_zero(callback)
+    assert [internals.backup_due_after_batch(callback, b) for b in range(4)] == [
+        False, True, False, True
+    ]

@@ -210,6 +210,22 @@ def test_bad_callable_schedule_is_refused_before_training(value, error):
     assert model.accum_steps == 1
 
 
+@pytest.mark.parametrize(
+    "schedule", [lambda: 2, lambda epoch, logs: 2, lambda *, epoch: 2], ids=["none", "two", "keyword"]
+)
+def test_a_callable_of_the_wrong_arity_is_refused_at_construction(schedule):
+    with pytest.raises(
+        TypeError, match=r"(?s)`schedule` must be a callable taking the epoch.*Received: schedule=<function"
+    ):
+        AccumScheduler(schedule)
+
+
+def test_callables_taking_the_epoch_are_accepted():
+    AccumScheduler(lambda epoch, logs=None: 2)
+    AccumScheduler(lambda *args: 2)
+    AccumScheduler(max)  # a builtin: no signature to read, checked when called
+
+
 def test_a_plain_model_is_refused_before_training():
     model = functional()
     model.compile(OPTIMIZERS["adam"](), loss())

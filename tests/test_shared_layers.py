@@ -193,5 +193,5 @@ def test_wrap_refuses_a_functional_subclass_that_overrides_train_step():
             return super().train_step(data)
 
     tokens, logits = _tied_graph()
-    with pytest.raises(ValueError, match=r"Custom overrides `train_step`, which wrap\(\) cannot honour"):
+    with pytest.raises(ValueError, match=r"`model` is a Custom, which overrides `train_step`; wrap\(\) cannot honour"):
         keras_accum.wrap(Custom(tokens, logits), accum_steps=2)

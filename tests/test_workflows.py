@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from reference import (
+    CLASSES,
     FEATURES,
     WAYS_IN,
     assert_history_close,
@@ -320,6 +321,46 @@ class _CustomStep(keras.Model):
 def test_wrap_refuses_a_model_whose_overrides_it_would_ignore(cls, method):
     with pytest.raises(ValueError, match=rf"(?s)_{cls.__name__[1:]}.*`{method}`.*AccumModel"):
         keras_accum.wrap(cls(), accum_steps=2)
+
+
+class _FunctionalCustomStep(keras.Model):
+    """Built functionally, `_FunctionalCustomStep(inputs, outputs)`."""
+
+    def train_step(self, data):
+        return super().train_step(data)
+
+
+class _FunctionalCustomLoss(keras.Model):
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return keras.ops.mean(keras.ops.square(y_pred))
+
+
+@pytest.mark.parametrize(
+    "cls,method", [(_FunctionalCustomStep, "train_step"), (_FunctionalCustomLoss, "compute_loss")]
+)
+def test_wrap_refuses_a_functional_subclass_whose_overrides_it_would_drop(cls, method):
+    # wrap() rebuilds a functional model from its graph: the override would
+    # be dropped silently (issue 23: 0 calls of the custom train_step).
+    inputs = keras.Input((FEATURES,))
+    model = cls(inputs, keras.layers.Dense(CLASSES)(inputs))
+    with pytest.raises(
+        ValueError,
+        match=rf"(?s)`model` is a {cls.__name__}, which overrides `{method}`.*"
+        rf"Received: model=.*keras_accum.AccumModel.*{cls.__name__}\(inputs, outputs\)",
+    ):
+        keras_accum.wrap(model, accum_steps=2)
+
+
+def test_wrap_of_a_functional_subclass_without_step_overrides_trains():
+    class Plain(keras.Model):
+        pass
+
+    inputs = keras.Input((FEATURES,))
+    model = keras_accum.wrap(Plain(inputs, keras.layers.Dense(CLASSES)(inputs)), accum_steps=2)
+    model.compile("sgd", "sparse_categorical_crossentropy")
+    x, y = make_data(16)
+    model.fit(x, y, batch_size=8, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 1
 
 
 _SERVE = """

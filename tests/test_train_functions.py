@@ -1,0 +1,283 @@
+"""Whatever changes the train function composes with whatever else does.
+
+BackupAndRestore's batch skipping, AccumScheduler, `fit(accum_steps=)`,
+`micro_batch_size` changes and "auto" each swap or retrace the function
+`fit` calls; the model's `train_function` has one owner
+(keras_accum/train_functions.py) where the skipping is a layer over
+whichever step is current, so a retrace while skipping keeps skipping.
+
+Every resumed run here restarts from a batch-level backup taken with a
+window open, and must end as the uninterrupted run (and the plain big
+batch) does.
+"""
+
+import functools
+import time
+
+import keras
+import numpy as np
+import pytest
+from reference import (
+    OPTIMIZERS,
+    assert_weights_close,
+    functional,
+    loss,
+    make_data,
+)
+
+import keras_accum
+from keras_accum import AccumModel, AccumScheduler
+
+# 92 samples at 8: 12 batches an epoch, the last one of 4.
+X, Y = make_data(92)
+MICRO = 8
+FIT = dict(batch_size=MICRO, shuffle=False, verbose=0)
+
+
+class InterruptAt(keras.callbacks.Callback):
+    """Ctrl-C after batch `batch` of epoch `epoch` (0-based) ends."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at = (epoch, batch)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self._epoch, batch) == self.at:
+            raise KeyboardInterrupt
+
+
+def compiled(**kwargs):
+    # Never built before fit: fit builds it from the first batch.
+    model = functional(AccumModel, **kwargs)
+    model.compile(OPTIMIZERS["adam"](), loss())
+    return model
+
+
+@functools.lru_cache(maxsize=None)
+def _plain_weights(batches):
+    model = _plain_with_batches(batches)
+    return model
+
+def plain_with_batches(batches):
+    """A plain model trained one epoch per entry of `batches` (batch sizes)."""
+    return _plain_weights(tuple(batches))
+
+
+def _plain_with_batches(batches):
+    model = functional()
+    model.compile(OPTIMIZERS["adam"](), loss())
+    for epoch, batch_size in enumerate(batches):
+        model.fit(X, Y, batch_size=batch_size, epochs=epoch + 1, initial_epoch=epoch,
+                  shuffle=False, verbose=0)
+    return model
+
+
+# -- issue 23, item 4: a schedule and a batch-level backup ---------------------------
+
+
+@pytest.mark.parametrize("order", ["scheduler_first", "backup_first"])
+def test_schedule_and_batch_backup_resume_exactly(tmp_path, order):
+    # Epoch 1 runs at accum_steps=4, the model's own is 1: the resumed
+    # epoch's value differs from the model's, so the scheduler retraces
+    # while the batches already seen are being skipped.
+    schedule = {0: 1, 1: 4}
+
+    def callbacks(*extra):
+        backup = keras_accum.BackupAndRestore(tmp_path, save_freq=5)
+        scheduler = AccumScheduler(schedule)
+        pair = [scheduler, backup] if order == "scheduler_first" else [backup, scheduler]
+        return [*pair, *extra]
+
+    uninterrupted = compiled()
+    uninterrupted.fit(X, Y, epochs=3, callbacks=[AccumScheduler(schedule)], **FIT)
+    with pytest.raises(KeyboardInterrupt):
+        # Backups at 5 and 10 batches of epoch 0, then 3 into epoch 1 (a
+        # window 3/4 full); interrupted after 6.
+        compiled().fit(X, Y, epochs=3, callbacks=callbacks(InterruptAt(1, 5)), **FIT)
+    resumed = compiled()
+    resumed.fit(X, Y, epochs=3, callbacks=callbacks(), **FIT)
+    iterations = int(uninterrupted.optimizer.iterations.numpy())
+    assert iterations == 12 + 3 + 3
+    assert int(resumed.optimizer.iterations.numpy()) == iterations
+    assert_weights_close(resumed, uninterrupted)
+    assert_weights_close(resumed, plain_with_batches([8, 32, 32]))
+
+
+# -- issue 23, item 5: resumed with another accum_steps ------------------------------
+
+
+def test_batch_backup_resumed_with_another_accum_steps_names_both(tmp_path):
+    def backup():
+        return keras_accum.BackupAndRestore(tmp_path, save_freq=5)
+
+    with pytest.raises(KeyboardInterrupt):
+        # Backed up 3 batches into epoch 1, a window of 4 open.
+        compiled(accum_steps=4).fit(
+            X, Y, epochs=3, callbacks=[backup(), InterruptAt(1, 5)], **FIT
+        )
+    resumed = compiled(accum_steps=4)
+    with pytest.raises(
+        ValueError, match=r"accumulated with accum_steps=4, but the model now has accum_steps=2"
+    ):
+        resumed.fit(X, Y, epochs=3, accum_steps=2, callbacks=[backup()], **FIT)
+    # Nothing was trained on top of the restored window.
+    assert resumed._accumulator.pending() == 3
+    # Resumed as it began, it ends as the uninterrupted run.
+    resumed.fit(X, Y, epochs=3, callbacks=[backup()], **FIT)
+    assert_weights_close(resumed, plain_with_batches([32, 32, 32]))
+
+
+# -- no retracing warnings from keras_accum's own functions --------------------------
+
+
+class CountingSteps(AccumModel):
+    """Counts traces of its train step (its Python body runs once a trace)."""
+
+    traced = 0
+
+    def train_step(self, data):
+        CountingSteps.traced += 1
+        return super().train_step(data)
+
+
+def test_fine_tuning_recipe_raises_no_retracing_warning(monkeypatch):
+    import logging
+
+    from tensorflow.python.eager.polymorphic_function import polymorphic_function
+
+    # TensorFlow counts traces per code object for the whole process and
+    # warns at most twice per code: a fresh count, so that earlier tests'
+    # models neither trip nor use up the warning here.
+    monkeypatch.setattr(
+        polymorphic_function,
+        "_frequent_tracing_detector_manager",
+        polymorphic_function._FrequentTracingDetectorManager(),
+    )
+    warnings = []
+
+    class Record(logging.Handler):
+        def emit(self, record):
+            if "retracing" in record.getMessage():
+                warnings.append(record.getMessage()[:160])
+
+    handler = Record()
+    logging.getLogger("tensorflow").addHandler(handler)
+    x, y = make_data(76)  # windows 4, 4 and 2: an open window at each epoch's end
+    CountingSteps.traced = 0
+    try:
+        # As in a notebook: the recipe, for a few models in one process.
+        for _ in range(2):
+            model = functional(CountingSteps, accum_steps=4)
+            hidden = model.get_layer("hidden")
+            for trainable in (True, False, True):  # fit / freeze / fit / unfreeze / fit
+                hidden.trainable = trainable
+                model.compile(OPTIMIZERS["adam"](), loss(), metrics=["accuracy"])
+                model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
+    finally:
+        logging.getLogger("tensorflow").removeHandler(handler)
+    assert warnings == []
+    # One step traced per compile: nothing is traced again that need not be.
+    assert CountingSteps.traced == 2 * 3
+
+
+# -- every pair of train-function changers, resumed mid-window ------------------------
+#
+# The model's own accum_steps is 2. Changers of the train function:
+#   schedule: AccumScheduler({1: 3})          (a callback; epoch 1 at 3)
+#   fit:      fit(accum_steps=4)              (both epochs at 4, unless scheduled)
+#   micro:    a callback setting micro_batch_size=4 at epoch 1
+#   auto:     fit(micro_batch_size="auto")    (its eager train function)
+# With a backup every 17 batches (12 an epoch), the one restored is 5 batches
+# into epoch 1, whatever the window length (2, 3 or 4), a window open; the
+# first run is interrupted 7 batches into epoch 1. A resumed model starts
+# fresh (accum_steps=2, micro_batch_size None), so each changer retraces
+# while the restored batches are being skipped, or after a load that
+# dropped the step.
+
+SAVE_FREQ = 17
+CHANGERS = ("schedule", "fit", "micro", "auto")
+PAIRS = [(a,) for a in CHANGERS] + [
+    (a, b) for i, a in enumerate(CHANGERS) for b in CHANGERS[i + 1:]
+]
+
+
+class MicroBatchFrom(keras.callbacks.Callback):
+    """Sets `micro_batch_size` at the start of each epoch from `epoch`."""
+
+    def __init__(self, epoch, size):
+        super().__init__()
+        self.epoch, self.size = epoch, size
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch >= self.epoch:
+            self.model.micro_batch_size = self.size
+
+
+def _setup(changers):
+    """(callbacks, fit kwargs, the accum_steps of epochs 0 and 1)."""
+    callbacks, kwargs, steps = [], {}, [2, 2]
+    if "fit" in changers:
+        kwargs["accum_steps"] = 4
+        steps = [4, 4]
+    if "schedule" in changers:
+        callbacks.append(AccumScheduler({1: 3}))
+        steps[1] = 3
+    if "micro" in changers:
+        callbacks.append(MicroBatchFrom(1, 4))
+    if "auto" in changers:
+        kwargs["micro_batch_size"] = "auto"
+    return callbacks, kwargs, steps
+
+
+_UNINTERRUPTED = {}
+
+
+def _uninterrupted(changers):
+    if changers not in _UNINTERRUPTED:
+        callbacks, kwargs, _ = _setup(changers)
+        model = compiled(accum_steps=2)
+        model.fit(X, Y, epochs=2, callbacks=callbacks, **kwargs, **FIT)
+        _UNINTERRUPTED[changers] = (
+            model.get_weights(), int(model.optimizer.iterations.numpy())
+        )
+    return _UNINTERRUPTED[changers]
+
+
+def _cases():
+    for changers in PAIRS:
+        orders = ["backup_first", "backup_last"]
+        if not {"schedule", "micro"} & set(changers):
+            orders = ["backup_only"]  # no other callback to order it against
+        for order in orders:
+            yield pytest.param(changers, order, id="+".join(changers) + "-" + order)
+
+
+@pytest.mark.parametrize("changers, order", list(_cases()))
+def test_changers_compose_when_resumed_from_a_batch_backup(tmp_path, changers, order):
+    start = time.monotonic()
+
+    def fit(model, *extra):
+        callbacks, kwargs, _ = _setup(changers)
+        backup = keras_accum.BackupAndRestore(tmp_path, save_freq=SAVE_FREQ)
+        # backup_last also reverses the other callbacks' order.
+        callbacks = [backup, *callbacks] if order != "backup_last" else [*callbacks[::-1], backup]
+        return model.fit(X, Y, epochs=2, callbacks=[*callbacks, *extra], **kwargs, **FIT)
+
+    with pytest.raises(KeyboardInterrupt):
+        fit(compiled(accum_steps=2), InterruptAt(1, 6))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "epoch-1-batch-5.json", "epoch-1-batch-5.weights.h5"
+    ]
+    resumed = compiled(accum_steps=2)
+    history = fit(resumed)
+    assert len(history.history["loss"]) == 1  # epoch 1 only
+    weights, iterations = _uninterrupted(changers)
+    assert int(resumed.optimizer.iterations.numpy()) == iterations
+    for w, v in zip(resumed.get_weights(), weights, strict=True):
+        np.testing.assert_allclose(w, v, rtol=1e-5, atol=1e-6)
+    _, _, steps = _setup(changers)
+    assert_weights_close(resumed, plain_with_batches(tuple(MICRO * s for s in steps)))
+    print(f"\n{changers} {order}: {time.monotonic() - start:.1f} s")
