@@ -18,8 +18,9 @@ try:
 except ImportError as error:
     raise ImportError(
         "keras_accum needs TensorFlow >= 2.18, which is not installed. "
-        "Install it with `pip install 'keras_accum[tensorflow]'` (or your "
-        "platform's TensorFlow build, e.g. tensorflow-cpu)."
+        "Install it with `pip install 'tensorflow>=2.18'` (or your "
+        "platform's TensorFlow build, e.g. tensorflow-cpu), or from a clone "
+        "of keras_accum with `python -m pip install '.[tensorflow]'`."
     ) from error
 
 import keras  # noqa: E402

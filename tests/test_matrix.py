@@ -66,3 +66,11 @@ def test_import_on_an_older_keras_names_the_supported_range():
         "ImportError: keras_accum supports Keras >= 3.8, < 4 with TensorFlow >= 2.18; "
         "found Keras 3.4.1" in result.stderr
     ), result.stderr[-2000:]
+
+
+def test_import_without_tensorflow_says_what_to_install():
+    # sys.modules[name] = None makes `import tensorflow` raise ImportError.
+    result = run_python("-c", "import sys; sys.modules['tensorflow'] = None; import keras_accum")
+    assert result.returncode != 0
+    assert "keras_accum needs TensorFlow >= 2.18, which is not installed" in result.stderr
+    assert "pip install 'tensorflow>=2.18'" in result.stderr, result.stderr[-2000:]
