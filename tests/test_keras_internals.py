@@ -5,6 +5,7 @@ against keras_accum/_keras_internals.py and the code that mirrors it (named
 there), adapt, then update the fingerprint.
 """
 
+import inspect
 import subprocess
 import sys
 import textwrap
