@@ -61,11 +61,7 @@ class WrappedModel(AccumModel):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        model = keras.saving.deserialize_keras_object(
-            config.pop("model"), custom_objects=custom_objects
-        )
-        return cls(model, **config)
+        return _from_config(cls, config, custom_objects)
 
 
 @keras.saving.register_keras_serializable(package="keras_accum")
@@ -129,11 +125,16 @@ class RebuiltModel(AccumModel):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        model = keras.saving.deserialize_keras_object(
-            config.pop("model"), custom_objects=custom_objects
-        )
-        return cls(model, **config)
+        return _from_config(cls, config, custom_objects)
+
+
+def _from_config(cls, config, custom_objects):
+    """A wrapper class's model from `config["model"]`, wrapped as saved."""
+    config = dict(config)
+    model = keras.saving.deserialize_keras_object(
+        config.pop("model"), custom_objects=custom_objects
+    )
+    return cls(model, **config)
 
 
 def wrap(

@@ -195,3 +195,18 @@ def run_python(*args, timeout=600, **env):
         timeout=timeout,
         env=environment(**env),
     )
+
+
+class InterruptAt(keras.callbacks.Callback):
+    """Ctrl-C after batch `batch` (0-based) of epoch `epoch` ends."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at = (epoch, batch)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self._epoch, batch) == self.at:
+            raise KeyboardInterrupt

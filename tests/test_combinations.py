@@ -16,7 +16,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from reference import OPTIMIZERS, assert_trained, assert_weights_close, functional, loss, make_data
+from reference import InterruptAt, OPTIMIZERS, assert_trained, assert_weights_close, functional, loss, make_data
 from test_batchnorm import assert_moved, assert_moving_close, data as bn_data, functional_net
 from test_nonfinite import WINDOWS, X_NAN, Y, big_batches
 from test_sparse import net as text_net, token_data
@@ -25,21 +25,6 @@ import keras_accum
 from keras_accum import AccumModel, AccumOptimizer, AccumScheduler
 
 FIT = dict(shuffle=False, verbose=0)
-
-
-class InterruptAt(keras.callbacks.Callback):
-    """Ctrl-C after batch `batch` (0-based) of epoch `epoch` ends."""
-
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.at = (epoch, batch)
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if (self._epoch, batch) == self.at:
-            raise KeyboardInterrupt
 
 
 def _plain_epochs(make, x, y, batches, optimizer):

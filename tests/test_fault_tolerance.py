@@ -18,6 +18,7 @@ import keras
 import numpy as np
 import pytest
 from reference import (
+    InterruptAt,
     ATOL,
     AccumNet,
     PlainNet,
@@ -388,19 +389,6 @@ def _batch_end_is_the_executions_last():
     from keras_accum import _keras_internals as internals
 
     return "end_step" in inspect.getsource(internals.TensorFlowTrainer.fit)
-
-
-class InterruptAt(keras.callbacks.Callback):
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.at = (epoch, batch)
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if (self._epoch, batch) == self.at:
-            raise KeyboardInterrupt
 
 
 def test_interrupted_while_skipping_then_resumed_again(tmp_path):

@@ -18,6 +18,7 @@ import keras
 import numpy as np
 import pytest
 from reference import (
+    InterruptAt,
     OPTIMIZERS,
     assert_weights_close,
     functional,
@@ -32,21 +33,6 @@ from keras_accum import AccumModel, AccumScheduler
 X, Y = make_data(92)
 MICRO = 8
 FIT = dict(batch_size=MICRO, shuffle=False, verbose=0)
-
-
-class InterruptAt(keras.callbacks.Callback):
-    """Ctrl-C after batch `batch` of epoch `epoch` (0-based) ends."""
-
-    def __init__(self, epoch, batch):
-        super().__init__()
-        self.at = (epoch, batch)
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if (self._epoch, batch) == self.at:
-            raise KeyboardInterrupt
 
 
 def compiled(**kwargs):
