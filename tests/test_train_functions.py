@@ -129,6 +129,27 @@ class CountingSteps(AccumModel):
         return super().train_step(data)
 
 
+class CountingPlainSteps(keras.Model):
+    """The same count for a plain model: what Keras itself traces."""
+
+    traced = 0
+
+    def train_step(self, data):
+        CountingPlainSteps.traced += 1
+        return super().train_step(data)
+
+
+def _recipe(cls, x, y, **kwargs):
+    # As in a notebook: the recipe, for a few models in one process.
+    for _ in range(2):
+        model = functional(cls, **kwargs)
+        hidden = model.get_layer("hidden")
+        for trainable in (True, False, True):  # fit / freeze / fit / unfreeze / fit
+            hidden.trainable = trainable
+            model.compile(OPTIMIZERS["adam"](), loss(), metrics=["accuracy"])
+            model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
+
+
 def test_fine_tuning_recipe_raises_no_retracing_warning(monkeypatch):
     import logging
 
@@ -152,21 +173,19 @@ def test_fine_tuning_recipe_raises_no_retracing_warning(monkeypatch):
     handler = Record()
     logging.getLogger("tensorflow").addHandler(handler)
     x, y = make_data(76)  # windows 4, 4 and 2: an open window at each epoch's end
-    CountingSteps.traced = 0
+    CountingSteps.traced = CountingPlainSteps.traced = 0
     try:
-        # As in a notebook: the recipe, for a few models in one process.
-        for _ in range(2):
-            model = functional(CountingSteps, accum_steps=4)
-            hidden = model.get_layer("hidden")
-            for trainable in (True, False, True):  # fit / freeze / fit / unfreeze / fit
-                hidden.trainable = trainable
-                model.compile(OPTIMIZERS["adam"](), loss(), metrics=["accuracy"])
-                model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
+        _recipe(CountingSteps, x, y, accum_steps=4)
     finally:
         logging.getLogger("tensorflow").removeHandler(handler)
     assert warnings == []
-    # One step traced per compile: nothing is traced again that need not be.
-    assert CountingSteps.traced == 2 * 3
+    # Nothing is traced that Keras itself would not trace: the same recipe on
+    # plain models. Ours is one step per compile up to Keras 3.15 (plain
+    # Keras two); Keras 3.16 takes a one-step batch outside its traced loop,
+    # so both trace again, relaxed, at the epoch's short last batch.
+    _recipe(CountingPlainSteps, x, y)
+    assert CountingSteps.traced <= CountingPlainSteps.traced
+    assert CountingSteps.traced <= 2 * 3 * 2  # at most twice per compile
 
 
 # -- every pair of train-function changers, resumed mid-window ------------------------
