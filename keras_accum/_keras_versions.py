@@ -46,6 +46,11 @@ def newest_reviewed():
     return REVIEWED_KERAS[-1]
 
 
+def newest_reviewed_release():
+    """The newest reviewed version published as `keras` (not a nightly)."""
+    return next(v for v in reversed(REVIEWED_KERAS) if "dev" not in v)
+
+
 def check_versions(keras_version, tensorflow_version):
     """Raises ImportError naming the supported range if these are outside it."""
     found = f"Keras {keras_version} with TensorFlow {tensorflow_version}"
@@ -86,7 +91,7 @@ def changed_message(what, detail):
         f"Keras {_keras_version()} changed what keras_accum relies on: "
         f"{what} ({detail}). keras_accum was reviewed against Keras "
         f"{', '.join(REVIEWED_KERAS)}; the newest supported is {newest}. "
-        f"Install it (`pip install 'keras=={newest}'`) or a keras_accum "
+        f"Install `pip install 'keras=={newest_reviewed_release()}'` or a keras_accum "
         f"release that supports Keras {_keras_version()}."
     )
 
@@ -201,7 +206,7 @@ def warn_if_unreviewed(mirrored, known):
             f"(newest {newest_reviewed()}); this Keras {version} changed "
             f"functions it mirrors or names it uses ({names}). Training may "
             "fail with KerasInternalsChanged, or differ from the big batch: "
-            f"install `keras=={newest_reviewed()}` for reviewed behaviour.",
+            f"install `keras=={newest_reviewed_release()}` for reviewed behaviour.",
             RuntimeWarning,
             stacklevel=3,
         )
