@@ -31,7 +31,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from keras_accum.accumulator import GradientAccumulator  # noqa: E402
+from keras_accum.window.buffers import GradientAccumulator  # noqa: E402
 
 ROWS, WIDTH, MICRO, LENGTH, N = 200_000, 64, 32, 32, 8
 

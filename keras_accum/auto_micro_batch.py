@@ -21,14 +21,9 @@ import logging
 import tensorflow as tf
 from keras import tree
 
-from keras_accum import _keras_internals as internals
+from keras_accum import _internals as internals
 
 _log = logging.getLogger("keras_accum")
-
-# The micro-batch size of a step on whole batches: more samples than any
-# batch holds, and an int32 still, as the split step's slicing needs.
-WHOLE_BATCH = 2**31 - 1
-
 
 class AutoMicroBatch:
     """The micro-batch size chosen by `micro_batch_size="auto"`.
@@ -128,12 +123,12 @@ class StepState:
     """
 
     def __init__(self, variables):
-        self._variables = variables
+        self._guarded = variables
         self._copy = None
         self._copied_for = None
 
     def snapshot(self):
-        variables = tuple(self._variables())
+        variables = tuple(self._guarded())
         if self._copied_for != tuple(map(id, variables)):
             # Traced once per set of variables: one call per step, not one
             # read per variable.
@@ -150,6 +145,20 @@ class StepState:
         variables, values = snapshot
         for variable, value in zip(variables, values):
             variable.assign(value)
+
+
+def written_before_gradients(model):
+    """The variables a step of `model` may write before its gradients
+    exist (see `StepState`): layers' state, metrics, the window's moments
+    and counters."""
+    buffers = model._window.buffers
+    scalars = [buffers.micro_step, buffers.window_weight] if buffers.built else []
+    return [
+        *model.non_trainable_variables,
+        *model.metrics_variables,
+        *model._window.moments.variables,
+        *scalars,
+    ]
 
 
 def _batch_size(data):

@@ -22,7 +22,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from keras_accum import _keras_internals as internals
+from keras_accum import _internals as internals
 from keras_accum.train_functions import skip_batches, stop_skipping
 
 _COMMITTED = re.compile(r"^epoch-(\d+)(?:-batch-(\d+))?\.json$")
@@ -33,6 +33,7 @@ _PATH_BYTES = 1024
 _KEPT = 2
 
 
+@internals.backups_made_by("_save_epoch_end")
 class BackupAndRestore(keras.callbacks.BackupAndRestore):
     """Backs up training as it goes; restores it exactly when `fit` restarts.
 
@@ -192,7 +193,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self._completed_epochs = epoch + 1
         internals.backup_epoch_ended(self)
         if self.save_freq == "epoch":
-            self._save_model()
+            self._save_epoch_end()
 
     def on_train_batch_end(self, batch, logs=None):
         point = (self._epoch, batch + 1)
@@ -203,9 +204,9 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         if internals.backup_due_after_batch(self, batch):
             self._save(point)
 
-    def _save_model(self):
-        # Keras's name for an epoch-end backup, kept so that no path of
-        # the base class writes a backup of its own.
+    def _save_epoch_end(self):
+        # Also what Keras's own backup method runs (`backups_made_by`), so
+        # that no path of the base class writes a backup of its own.
         self._save((self._completed_epochs, 0))
 
     def _save(self, point):

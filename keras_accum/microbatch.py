@@ -10,7 +10,7 @@ activations are alive at a time (each micro-batch waits for the previous
 one's gradients), so memory is the micro-batch's; the update, the logged
 loss and the metrics are the whole batch's.
 
-Everything is computed into tensors first; `AccumModel` makes every state
+Everything is computed into tensors first; the step (step.py) makes every state
 write of the step (BatchNormalization's pooled moments, the loss tracker,
 the metrics, the window or the optimizer) wait for all micro-batches'
 gradients, so a step that fails part-way (out of memory) writes nothing.
@@ -20,51 +20,18 @@ Example (inside a traced train step, as `AccumModel` does it):
 ```python
 parts = [gradients_of(*part) for part, live in split(data, 32, 256)]
 batch = combine(parts)
-optimizer.apply(batch_gradients(batch), variables)
+optimizer.apply([scaled(g, 1 / batch.weight) for g in batch.grads], variables)
 ```
 """
 
 import math
-import numbers
 from typing import NamedTuple
 
 import tensorflow as tf
 from keras import tree
 
-from keras_accum import _keras_internals as internals
-
-AUTO = "auto"
-
-
-def check_micro_batch_size(micro_batch_size):
-    """Returns `micro_batch_size` (a Python int, None or "auto"), or raises
-    naming what was received.
-
-    Rejects bools, floats and other strings, even integral floats, as
-    `check_accum_steps` does.
-    """
-    if micro_batch_size is None or (
-        isinstance(micro_batch_size, str) and micro_batch_size == AUTO
-    ):
-        return micro_batch_size
-    if isinstance(micro_batch_size, bool) or not isinstance(
-        micro_batch_size, numbers.Integral
-    ):
-        raise TypeError(
-            "`micro_batch_size` must be an integer >= 1, 'auto' or None. "
-            f"Received: micro_batch_size={micro_batch_size!r} "
-            f"(of type {type(micro_batch_size).__name__}). "
-            "Pass a whole number such as micro_batch_size=32, or None to "
-            "train on whole batches."
-        )
-    if micro_batch_size < 1:
-        raise ValueError(
-            "`micro_batch_size` must be an integer >= 1, 'auto' or None. "
-            f"Received: micro_batch_size={micro_batch_size!r}. "
-            "Use None to train on whole batches."
-        )
-    return int(micro_batch_size)
-
+from keras_accum import _internals as internals
+from keras_accum.window.buffers import buffer_dtype
 
 def static_batch_size(data):
     """The batch dimension of `data` as a Python int, or None if unknown."""
@@ -124,6 +91,11 @@ def split(data, micro_batch_size, batch_size_seen):
     A longer batch is cut into as many longer micro-batches, never dropping
     a sample.
     """
+    if micro_batch_size is None:
+        # One micro-batch of the whole batch ("auto" before it has had to
+        # split): the split step's all-or-nothing writes, no cut.
+        yield data, None
+        return
     static = static_batch_size(data)
     if static is not None:
         size = micro_batch_size
@@ -181,8 +153,11 @@ def combine(parts):
     """
     grads = None
     for part in parts:
-        scaled = [_scaled(g, part.grad_scale) for g in part.grads]
-        grads = scaled if grads is None else [add_gradients(a, b) for a, b in zip(grads, scaled)]
+        weighted = [scaled(g, part.grad_scale) for g in part.grads]
+        grads = (
+            weighted if grads is None
+            else [add_gradients(a, b) for a, b in zip(grads, weighted)]
+        )
     weights = [tf.cast(p.weight, tf.float32) for p in parts]
     weight = tf.add_n(weights)
     losses = [tf.cast(p.loss, tf.float32) for p in parts]
@@ -198,18 +173,6 @@ def combine(parts):
     num_samples = tf.add_n([p.num_samples for p in parts])
     y_pred = tree.map_structure(_concat, *[p.y_pred for p in parts])
     return Gradients(grads, None, weight, normalise, loss, num_samples, y_pred)
-
-
-def batch_gradients(batch, loss_scale=None, total_weight=None):
-    """The update's gradients from a combined batch, in each gradient's dtype
-    for the optimizer: divided by the total weight (unless a sum), times the
-    loss scale a loss-scaling optimizer expects."""
-    if total_weight is None:
-        total_weight = batch.weight
-    inv = tf.math.divide_no_nan(1.0, total_weight) if batch.normalise else None
-    if loss_scale is not None:
-        inv = tf.cast(loss_scale, tf.float32) * (1.0 if inv is None else inv)
-    return [None if g is None else _scaled(g, inv) for g in batch.grads]
 
 
 def control_after(batch):
@@ -237,20 +200,15 @@ def after(previous, part):
         return tree.map_structure(lambda t: None if t is None else tf.identity(t), part)
 
 
-def _sum_dtype(dtype):
-    # As the accumulator's buffers: half-precision gradients are summed in
-    # float32.
-    dtype = tf.as_dtype(dtype)
-    return tf.float32 if dtype in (tf.float16, tf.bfloat16) else dtype
-
-
-def _scaled(g, scale):
+def scaled(g, scale):
+    """`g * scale` in its sum dtype (float32 for half precision, as the
+    buffers); sparse gradients stay sparse; `scale` None: only the cast."""
     if g is None:
         return None
     if isinstance(g, tf.IndexedSlices):
-        values = _scaled(g.values, scale)
+        values = scaled(g.values, scale)
         return tf.IndexedSlices(values, g.indices, g.dense_shape)
-    g = tf.cast(g, _sum_dtype(g.dtype))
+    g = tf.cast(g, buffer_dtype(g.dtype))
     return g if scale is None else g * tf.cast(scale, g.dtype)
 
 

@@ -14,7 +14,7 @@ count as much as one of long ones.
 import tensorflow as tf
 from keras import losses, ops, tree
 
-from keras_accum import _keras_internals as internals
+from keras_accum import _internals as internals
 
 SUM = "sum"  # the loss is not normalised: the window's gradient is a sum
 

@@ -1,15 +1,13 @@
 """`AccumOptimizer`: the same accumulation as an optimizer wrapper, for custom loops."""
 
 import keras
-import tensorflow as tf
 
-from keras_accum import _keras_internals as internals
-from keras_accum.accumulator import (
-    GradientAccumulator,
-    check_accum_steps,
-    loss_scale_of,
-)
-from keras_accum.nonfinite import NonFiniteWindows
+from keras_accum import _internals as internals
+from keras_accum import scaling
+from keras_accum.arguments import check_accum_steps, check_skip_nonfinite
+from keras_accum.window import Window
+from keras_accum.window.buffers import GradientAccumulator
+from keras_accum.window.nonfinite import NonFiniteWindows
 
 
 def check_not_accumulating(optimizer, accum_steps):
@@ -43,7 +41,8 @@ class AccumOptimizer(keras.optimizers.Optimizer):
     count equally. Sparse gradients (an `Embedding`'s `tf.IndexedSlices`)
     are kept as slices and reach `optimizer` as the window's occurrences,
     so its occurrence-wise sparse update is the big batch's (see
-    keras_accum/sparse.py for when a window is summed densely instead). `flush()` applies a partial window; `reset_window()`
+    keras_accum/window/slices.py for when a window is summed densely
+    instead). `flush()` applies a partial window; `reset_window()`
     discards it.
 
     For `model.fit`, prefer `AccumModel`: it weights by samples on its own and
@@ -92,11 +91,7 @@ class AccumOptimizer(keras.optimizers.Optimizer):
                 + internals.legacy_keras_hint(optimizer)
             )
         check_not_accumulating(optimizer, accum_steps)
-        if not isinstance(skip_nonfinite, bool):
-            raise TypeError(
-                "`skip_nonfinite` must be True or False. "
-                f"Received: skip_nonfinite={skip_nonfinite!r}."
-            )
+        check_skip_nonfinite(skip_nonfinite)
         if kwargs:
             raise ValueError(
                 "AccumOptimizer takes no optimizer arguments of its own; set "
@@ -108,7 +103,7 @@ class AccumOptimizer(keras.optimizers.Optimizer):
         self._accum_steps = accum_steps
         self._accumulator = GradientAccumulator(dtype=accum_dtype)
         self._nonfinite = NonFiniteWindows() if skip_nonfinite else None
-        self._accumulator.nonfinite = self._nonfinite
+        self._window = Window(self._accumulator, skip=self._nonfinite)
 
     @property
     def skipped_windows(self):
@@ -144,7 +139,7 @@ class AccumOptimizer(keras.optimizers.Optimizer):
 
     @property
     def variables(self):
-        return self._variables + self.inner_optimizer.variables
+        return internals.own_variables(self) + self.inner_optimizer.variables
 
     def apply(self, grads, trainable_variables=None, weight=None):
         """Adds one micro-batch; applies the window when it is full.
@@ -169,23 +164,23 @@ class AccumOptimizer(keras.optimizers.Optimizer):
         ```
         """
         if trainable_variables is None:
-            trainable_variables = self._trainable_variables
+            trainable_variables = internals.built_variables(self)
         trainable_variables = list(trainable_variables)
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
         # Buffers follow the build order; put each gradient in its place.
-        ordered = [None] * len(self._trainable_variables)
+        ordered = [None] * len(internals.built_variables(self))
         for g, v in zip(grads, trainable_variables):
-            ordered[self._get_variable_index(v)] = g
-        loss_scale = loss_scale_of(self.inner_optimizer)
-        factor = weight
-        if loss_scale is not None:
-            factor = (1.0 if weight is None else weight) / loss_scale
+            ordered[internals.build_position(self, v)] = g
+        factor = scaling.into_window(weight, scaling.loss_scale_of(self.inner_optimizer))
         self._accumulator.add(
             ordered, 1.0 if weight is None else weight, grad_scale=factor
         )
-        self._accumulator.apply_if_full(self.inner_optimizer, self._accum_steps)
+        self._window.when_full(self._accum_steps, self._apply_window)
+
+    def _apply_window(self):
+        self._window.apply(self.inner_optimizer)
 
     def apply_gradients(self, grads_and_vars, weight=None):
         grads, variables = zip(*grads_and_vars)
@@ -208,7 +203,7 @@ class AccumOptimizer(keras.optimizers.Optimizer):
         ```
         """
         if self.built:
-            self._accumulator.flush(self.inner_optimizer)
+            self._accumulator.when_open(self._apply_window)
 
     def reset_window(self):
         """Discards the open window: its gradients are dropped, no update is made.

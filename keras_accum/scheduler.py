@@ -5,7 +5,7 @@ import numbers
 
 import keras
 
-from keras_accum.accumulator import check_accum_steps
+from keras_accum.arguments import check_accum_steps
 
 
 class AccumScheduler(keras.callbacks.Callback):

@@ -1,116 +1,57 @@
-"""The one owner of a model's `train_function`, and one traced function per
-step setting (`accum_steps`, micro-batch size), reused while it is valid.
+"""The one owner of a model's traced functions: the train function `fit`
+calls, one per step plan, and the function that flushes a window.
 
-Several things change the function `fit` calls: a new `accum_steps` (the
-setter, `fit(accum_steps=)`, `AccumScheduler`), a new `micro_batch_size`,
-`compile()`, a load that leaves a window the traced step cannot continue,
-and BackupAndRestore, which makes the first steps of a resumed epoch take
-their batches without training. Each used to swap the attribute itself,
-so the last one won: a scheduler's retrace replaced the skipping and the
-skipped batches were trained again. Here they compose: `TrainFunctions`
-holds the step made for the current settings (`function`, None until it
-is made) and, apart from it, the batches still to skip. The model's
-`train_function` reads `current()`: the skipping while batches remain to
-skip, then the step current at that moment, made then if a change left
-none. Assigning `train_function` (Keras does, `compile()` sets None)
-replaces the step and leaves the skipping alone.
+Everything that changes what `fit` calls goes through `TrainFunctions`: a
+new `accum_steps` (the setter, `fit(accum_steps=)`, `AccumScheduler`), a new
+`micro_batch_size`, `compile()` (Keras assigns `train_function = None`), a
+load that leaves a window the traced step cannot continue, and
+BackupAndRestore, whose resumed epoch takes its first batches without
+training. They compose: the owner holds the step made for the current plan
+(`function`, None until made) and, apart from it, the batches still to skip;
+the model's `train_function` is `current()`: the skipping while batches
+remain, then the step current at that moment, made then if none is.
+
+Choosing: a function is made for the step plan (plan.py) and kept under
+its key, with the objects its trace captured (optimizer, loss tracker,
+trainable variables, window buffers): switching back to a plan reuses its
+function while those are the same objects; new buffers or a new compile
+make it stale, without anyone having to say so.
+
+Example:
+
+```python
+owner = TrainFunctions()
+owner.make(model)          # model.make_train_function()
+owner.skip(3, model)       # the next 3 batches are taken, not trained
+owner.current()            # what fit calls: the skipping, then the step
+```
 """
 
+import keras
+import tensorflow as tf
 
-class TrainFunctionCache:
-    """Keeps a model's train functions by `accum_steps` (and micro-batch split).
-
-    The window length and the micro-batch split are Python constants in the
-    traced step, so each setting needs its own function; keeping them means a schedule of k distinct
-    values, or repeated `fit(accum_steps=k)`, traces k functions in all.
-    An entry is reused only while what its trace captured is unchanged: the
-    compiled state (`compile()` makes a new optimizer and loss tracker) and
-    the trainable variables. `clear()` when the gradient buffers are rebuilt.
-
-    Example:
-
-    ```python
-    cache = TrainFunctionCache()
-    function = cache.get(model)
-    if function is None:
-        function = make(model)
-        cache.put(model, function)
-    ```
-    """
-
-    def __init__(self):
-        self._functions = {}
-
-    def get(self, model):
-        entry = self._functions.get(_key(model))
-        if entry is None or not _same(entry[0], _captured(model)):
-            return None
-        return entry[1]
-
-    def put(self, model, function):
-        captured = _captured(model)
-        # Entries of an earlier compile would never be used again, yet hold
-        # on to its optimizer and traced graphs.
-        self._functions = {
-            steps: entry
-            for steps, entry in self._functions.items()
-            if _same(entry[0], captured)
-        }
-        self._functions[_key(model)] = (captured, function)
-
-    def clear(self):
-        self._functions.clear()
-
-    def __len__(self):
-        return len(self._functions)
-
-
-def _key(model):
-    # What the step reads as Python constants when traced.
-    settings = getattr(model, "_step_settings", None)
-    return settings() if settings is not None else model.accum_steps
-
-
-def _captured(model):
-    # Objects compared by identity (kept alive here, so ids are not reused),
-    # then plain settings compared by value.
-    objects = (
-        model.optimizer,
-        getattr(model, "_loss_tracker", None),
-        *model.trainable_variables,
-    )
-    settings = (model.jit_compile, model.run_eagerly, model.steps_per_execution)
-    return objects, settings
-
-
-def _same(a, b):
-    (objects_a, settings_a), (objects_b, settings_b) = a, b
-    return (
-        settings_a == settings_b
-        and len(objects_a) == len(objects_b)
-        and all(x is y for x, y in zip(objects_a, objects_b))
-    )
+from keras_accum import _internals as internals
+from keras_accum import step
+from keras_accum.auto_micro_batch import StepState, written_before_gradients
+from keras_accum.optimizer import check_not_accumulating
+from keras_accum.plan import plan_of
 
 
 class TrainFunctions:
-    """What a model's `train_function` is: the current step, under any skipping.
+    """What a model's `train_function` is: the current step, under any
+    skipping; and the cached steps and flush function behind it.
 
-    `cache` keeps the steps traced for each setting.
-
-    Example:
-
-    ```python
-    owner = TrainFunctions()
-    owner.assign(step)        # model.train_function = step
-    owner.skip(3, model)      # the next 3 batches are taken, not trained
-    owner.current()           # what fit calls: the skipping, then the step
-    ```
+    Attributes:
+        function: the step for the current plan, None until made.
     """
 
     def __init__(self):
-        self.cache = TrainFunctionCache()
         self.function = None
         self._skipping = None
+        self._cache = {}
+        self._flush = (None, None)
+
+    # -- what fit calls ----------------------------------------------------
 
     def current(self):
         """The function `fit` calls next (None: none made yet)."""
@@ -122,14 +63,107 @@ class TrainFunctions:
             return  # put back by whoever read it (Keras's export does)
         self.function = value
 
+    def invalidate(self):
+        """The step is made again when next needed (settings changed)."""
+        self.function = None
+
+    def retrace(self, model):
+        """A setting the trace reads changed: the step for the new plan now
+        (its cached function, else a new trace), if one was made before.
+        Now rather than later: fit reads `train_function` before every step."""
+        if self.function is not None:
+            self.function = None
+            self.make(model)
+
+    def make(self, model, force=False):
+        """`model.make_train_function(force)`: the step for the current plan."""
+        if self.function is not None and not force:
+            return self.function
+        window = model._window
+        plan = plan_of(model)
+        if model.optimizer is not None:
+            check_not_accumulating(model.optimizer, plan.accum_steps)
+        if plan.uses_buffers and model.built:
+            window.bind(
+                model.trainable_variables,
+                plan.accum_steps,
+                model.distribute_strategy,
+                model.optimizer,
+            )
+        elif plan.splits and model.built:
+            # The batch's pooled moments are applied in the step: their
+            # variables are made now, outside any replica.
+            window.moments.build(model.distribute_strategy)
+        captured = _captured(model, plan)
+        entry = None if force else self._cache.get(plan.cache_key)
+        if entry is not None and _same_capture(entry[0], captured):
+            function = entry[1]
+        else:
+            function = self._new(model, plan)
+            # Entries of an earlier compile or of replaced buffers would
+            # never be used again, yet hold on to their traced graphs.
+            buffers = (tuple(window.buffers.acc_grads), ())
+            self._cache = {
+                key: kept
+                for key, kept in self._cache.items()
+                if _same(kept[0][0], captured[0])
+                and (not kept[0][1][0] or _same(kept[0][1], buffers))
+            }
+            self._cache[plan.cache_key] = (captured, function)
+        self.function = function
+        return function
+
+    def _new(self, model, plan):
+        strategy = model.distribute_strategy
+        if plan.micro_batch_size == "auto":
+            if strategy.num_replicas_in_sync > 1 or internals.multi_worker(strategy):
+                raise ValueError(
+                    "`micro_batch_size='auto'` trains on one device; under "
+                    f"{type(strategy).__name__} set an integer "
+                    "`micro_batch_size` (the micro-batch per replica). "
+                    "Received: micro_batch_size='auto'."
+                )
+            return model._auto_micro_batch.train_function(
+                model, lambda: self._step_on_data(model),
+                StepState(lambda: written_before_gradients(model)),
+            )
+        if plan.uses_buffers:
+            if internals.replicated(strategy):
+                return internals.make_replicated_function(
+                    model, *_replica_step(model)
+                )
+        elif internals.multi_worker(strategy):
+            # Keras's own train function fails across workers (its log
+            # reduction, tensorflow/tensorflow#72388); same step, our function.
+            return internals.make_replicated_function(model, model.train_step)
+        # Keras's own, made as Keras makes it (it assigns train_function,
+        # which is `assign` here).
+        keras.Model.make_train_function(model, force=True)
+        return self.function
+
+    def _step_on_data(self, model):
+        # One step on a batch in hand ("auto"), traced per batch shape: the
+        # split is static and exact for every batch, the short last one too.
+        plan = plan_of(model)
+        if plan.uses_buffers and internals.replicated(model.distribute_strategy):
+            # Under a strategy (one replica: two or more are refused), the
+            # window is applied in cross-replica context, as by the
+            # replicated train function.
+            return internals.make_step_on_data(
+                model, *_replica_step(model), reduce_retracing=False
+            )
+        return internals.make_step_on_data(model, model.train_step, reduce_retracing=False)
+
+    # -- skipping (BackupAndRestore) ---------------------------------------
+
     def skip(self, batches, model):
         """Makes the next `batches` batches be taken from `fit`'s iterator
         without training, whatever step is made or assigned meanwhile.
 
         After the last of them, the step for the settings in force then is
-        the one `fit` calls (made at once by `model.make_train_function()`
-        if there is none, so a setting that cannot go on with a restored
-        window raises its error here, before any batch trains).
+        the one `fit` calls (made at once if there is none, so a setting
+        that cannot go on with a restored window raises its error here,
+        before any batch trains).
         """
         remaining = [batches]
 
@@ -151,12 +185,125 @@ class TrainFunctions:
     def stop_skipping(self):
         self._skipping = None
 
+    # -- flushing ----------------------------------------------------------
+
+    def flush_function(self, model):
+        """The traced function that applies `model`'s open window: one per
+        optimizer and window variables, each called about once an epoch."""
+        window = model._window
+        captured = (
+            (model.optimizer, *window.buffers.acc_grads, *window.moments.variables),
+            (),
+        )
+        kept, function = self._flush
+        if kept is None or not _same(kept, captured):
+            # TensorFlow's frequent-retracing warning counts traces of the
+            # same code over every model in the process: one per compile is
+            # not excessive.
+            traced = internals.without_retracing_warning(
+                tf.function(
+                    lambda: window.apply(model.optimizer, model.distribute_strategy)
+                )
+            )
+            # Held in a plain closure: a tf.function attribute would be
+            # tracked and exported.
+            function = lambda: traced()  # noqa: E731
+            self._flush = (captured, function)
+        return function
+
     def clear(self):
-        """Forgets every traced step (they hold gradient buffers now gone)."""
-        self.cache.clear()
+        """Forgets every traced step: the next is traced anew."""
+        self._cache.clear()
+        self.function = None
 
     def __len__(self):
-        return len(self.cache)
+        return len(self._cache)
+
+
+def _replica_step(model):
+    # The replica's part (accumulate) and the cross-replica part (apply the
+    # window once full: replica 0's micro-step decides for all).
+    window = model._window
+
+    def replica_step(data):
+        return step.accumulate(model, plan_of(model), data)
+
+    def after_step():
+        window.when_full(
+            plan_of(model).accum_steps,
+            lambda: window.apply(model.optimizer, model.distribute_strategy),
+        )
+
+    return replica_step, after_step
+
+
+def _captured(model, plan):
+    """What a traced step captured: `(compiled, buffers)`.
+
+    `compiled`: the optimizer, the loss tracker and the trainable variables
+    (compared by identity, kept alive here so ids are not reused) with the
+    plain settings (compared by value): a new compile makes every entry
+    stale. `buffers`: the window's buffers, only where the step adds into
+    them (the first window's buffers leave Keras's own step as it was).
+    """
+    compiled = (
+        (model.optimizer, internals.loss_tracker(model), *model.trainable_variables),
+        (model.jit_compile, model.run_eagerly, model.steps_per_execution),
+    )
+    buffers = (tuple(model._window.buffers.acc_grads) if plan.uses_buffers else (), ())
+    return compiled, buffers
+
+
+def _same_capture(a, b):
+    return all(_same(x, y) for x, y in zip(a, b))
+
+
+def _same(a, b):
+    (objects_a, settings_a), (objects_b, settings_b) = a, b
+    return (
+        settings_a == settings_b
+        and len(objects_a) == len(objects_b)
+        and all(x is y for x, y in zip(objects_a, objects_b))
+    )
+
+
+class TrainFunctionSlot:
+    """`model.train_function`, held by the model's `TrainFunctions`.
+
+    Reading gives `current()`; assigning (Keras does: `compile()` sets
+    None, its `make_train_function` the function it made) replaces the
+    step and leaves any skipping alone.
+
+    Example:
+
+    ```python
+    model = keras_accum.AccumModel(inputs, outputs, accum_steps=4)
+    model.compile("adam", "sparse_categorical_crossentropy")
+    assert model.train_function is None  # until fit or make_train_function()
+    model.make_train_function()
+    assert model.train_function is model._train_functions.function
+    ```
+    """
+
+    def __get__(self, model, owner=None):
+        if model is None:
+            return self
+        functions = model.__dict__.get("_train_functions")
+        return None if functions is None else functions.current()
+
+    def __set__(self, model, value):
+        self.owner(model).assign(value)
+
+    @staticmethod
+    def owner(model):
+        """The model's `TrainFunctions`, made at first need: Keras's
+        constructor may assign `train_function` before the model's own
+        `__init__` runs."""
+        functions = model.__dict__.get("_train_functions")
+        if functions is None:
+            functions = TrainFunctions()
+            model._train_functions = functions
+        return functions
 
 
 def owner_of(model):

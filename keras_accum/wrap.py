@@ -4,10 +4,8 @@ import types
 
 import keras
 
-from keras_accum import _keras_internals as internals
-from keras_accum.accumulator import check_accum_steps
-from keras_accum.batchnorm import check_batchnorm
-from keras_accum.microbatch import check_micro_batch_size
+from keras_accum import _internals as internals
+from keras_accum.arguments import accum_settings
 from keras_accum.model import AccumModel
 from keras_accum.saving import check_config_is_faithful
 
@@ -174,9 +172,13 @@ def wrap(
     model.compile("adam", "sparse_categorical_crossentropy")
     ```
     """
-    accum_steps = check_accum_steps(accum_steps)
-    check_batchnorm(batchnorm)
-    micro_batch_size = check_micro_batch_size(micro_batch_size)
+    checked = accum_settings(
+        accum_steps=accum_steps,
+        skip_nonfinite=skip_nonfinite,
+        batchnorm=batchnorm,
+        micro_batch_size=micro_batch_size,
+    )
+    accum_steps = checked.accum_steps
     if not isinstance(model, keras.Model):
         raise TypeError(
             "`model` must be a keras.Model. "
@@ -193,12 +195,8 @@ def wrap(
     # M(keras.Model)` built as `M(inputs, outputs)`) is rebuilt from its
     # graph below, which would drop its overrides as silently.
     _check_no_step_overrides(model)
-    settings = dict(
-        accum_steps=accum_steps,
-        skip_nonfinite=skip_nonfinite,
-        batchnorm=batchnorm,
-        micro_batch_size=micro_batch_size,
-    )
+    settings = checked._asdict()
+    del settings["accum_dtype"]  # not an argument of wrap
     graph = _graph(model)
     if graph is not None and _has_own_class(model):
         # A KerasHub task, a functional subclass: its own config is what

@@ -1,4 +1,5 @@
-"""The ways in, the accum_steps argument, flush(), weights and serialisation."""
+"""The public surface, the accum_steps argument, subclassing AccumModel,
+flush(), weights and serialisation (wrap(): test_wrap.py)."""
 
 import io
 import contextlib
@@ -6,17 +7,10 @@ import contextlib
 import keras
 import numpy as np
 import pytest
-from reference import (
-    FEATURES,
-    AccumNet,
-    _Net,
-    assert_trained,
-    assert_weights_close,
-    functional,
-    loss,
-    make_data,
-    subclassed,
-)
+from helpers import internals
+from helpers.assertions import assert_weights_close
+from helpers.data import make_data
+from helpers.models import AccumNet, NetBody, functional, loss, subclassed
 
 import keras_accum
 from keras_accum import AccumModel
@@ -99,13 +93,6 @@ def test_numpy_integer_accum_steps():
     assert model.accum_steps == 2
 
 
-def test_wrap_rejects_non_models():
-    with pytest.raises(TypeError, match=r"`model` must be a keras.Model. Received: model="):
-        keras_accum.wrap(keras.layers.Dense(3), accum_steps=2)
-    with pytest.raises(ValueError, match=r"already an AccumModel"):
-        keras_accum.wrap(functional(AccumModel, accum_steps=2), accum_steps=4)
-
-
 def test_optimizer_with_builtin_accumulation_is_rejected_before_training():
     x, y = make_data(32)
     model = functional(AccumModel, accum_steps=4)
@@ -117,16 +104,16 @@ def test_optimizer_with_builtin_accumulation_is_rejected_before_training():
         np.testing.assert_array_equal(a, b)
 
 
-# -- the ways in --------------------------------------------------------------
+# -- subclassing AccumModel ------------------------------------------------------
 
 
 def test_subclass_keeps_working_after_functional_instances():
     functional(AccumModel, accum_steps=2)  # Keras would re-base the class here
-    assert AccumModel.__bases__ == (keras.Model,)
-    assert AccumNet.__mro__[1:3] == (_Net, AccumModel)
+    assert internals.Functional not in AccumModel.__mro__  # not re-based
+    assert AccumNet.__mro__[1:3] == (NetBody, AccumModel)
     x, y = make_data(64)
     model = subclassed(AccumModel, accum_steps=4)
-    assert not isinstance(model, keras_accum._keras_internals.Functional)
+    assert not isinstance(model, internals.Functional)
     model.compile(keras.optimizers.Adam(0.01), loss())
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     plain = subclassed()
@@ -137,54 +124,7 @@ def test_subclass_keeps_working_after_functional_instances():
     assert isinstance(functional(AccumModel, accum_steps=2), AccumModel)
 
 
-def _sequential():
-    keras.utils.set_random_seed(0)
-    return keras.Sequential(
-        [
-            keras.Input((FEATURES,)),
-            keras.layers.Dense(16, activation="tanh", name="hidden"),
-            keras.layers.Dense(3, name="logits"),
-        ],
-        name="net",
-    )
-
-
-def _unbuilt_sequential():
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)]
-    )
-    return model
-
-
-@pytest.mark.parametrize(
-    "make",
-    [_sequential, _unbuilt_sequential, functional, subclassed],
-    ids=["sequential", "unbuilt_sequential", "functional", "subclassed"],
-)
-def test_wrap_trains_the_original_model(make):
-    x, y = make_data(100)
-    original = make()
-    original(x[:1])  # build, so weights exist to compare
-    reference = make()
-    reference(x[:1])
-    reference.set_weights(original.get_weights())
-    initial = original.get_weights()
-
-    wrapped = keras_accum.wrap(original, accum_steps=4)
-    assert isinstance(wrapped, AccumModel) and wrapped.accum_steps == 4
-    assert [id(v) for v in wrapped.weights] == [id(v) for v in original.weights]
-    assert wrapped.count_params() == original.count_params()
-    wrapped.compile(keras.optimizers.Adam(0.01), loss())
-    wrapped.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
-
-    reference.compile(keras.optimizers.Adam(0.01), loss())
-    reference.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
-    assert_trained(original, initial)
-    assert_weights_close(reference, original)
-    np.testing.assert_allclose(
-        original.predict(x, verbose=0), wrapped.predict(x, verbose=0), rtol=1e-6
-    )
+# -- accum_steps for one fit, and the open window ---------------------------------
 
 
 def test_fit_accum_steps_applies_to_that_call_only():
@@ -210,11 +150,11 @@ def test_fit_interrupted_with_its_own_accum_steps_leaves_the_window_to_choose():
     with pytest.raises(RuntimeError):
         model.fit(x, y, batch_size=8, verbose=0, shuffle=False, accum_steps=8,
                   callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=interrupt)])
-    assert model.accum_steps == 2 and model._accumulator.pending() == 5
+    assert model.accum_steps == 2 and internals.pending(model) == 5
     with pytest.raises(ValueError, match=r"accumulated with accum_steps=8"):
         model.train_on_batch(x[:8], y[:8])
     model.accum_steps = 8  # finish it as it began
-    assert model._accumulator.pending() == 5
+    assert internals.pending(model) == 5
 
 
 def test_setting_accum_steps_applies_the_pending_window_first():
@@ -276,7 +216,7 @@ def test_weights_and_summary_are_the_plain_models(build):
     acc = build(AccumModel, accum_steps=4)
     acc.compile("adam", loss())
     acc.fit(x, y, batch_size=8, epochs=1, verbose=0)  # buffers now exist
-    assert acc._accumulator.built
+    assert internals.accumulator(acc).built
     assert [v.path for v in acc.weights] == [v.path for v in plain.weights]
     assert acc.count_params() == plain.count_params()
     assert len(acc.non_trainable_weights) == len(plain.non_trainable_weights)

@@ -2,12 +2,12 @@
 retrying the same batch on smaller micro-batches, and the training is that
 of the big batch.
 
-The out-of-memory errors are real: `Limit` and `LimitedLoss` ask TensorFlow
-for an impossible tensor (2**40 floats per sample) whenever they see more
+The out-of-memory errors are real (tests/helpers/oom.py): `Limit` and
+`LimitedLoss` ask TensorFlow for an impossible tensor whenever they see more
 than `k` samples at once, so the allocator raises a genuine
-`ResourceExhaustedError` on any machine, without allocating anything. Each
-costs about 10 s of waiting (TensorFlow's CPU allocator retries a failed
-allocation for 10 s before giving up), so these tests keep their count low.
+`ResourceExhaustedError` on any machine. Each costs about 10 s of waiting
+(TensorFlow's CPU allocator retries a failed allocation for 10 s before
+giving up), so these tests keep their count low.
 """
 
 import logging
@@ -16,66 +16,18 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from reference import (
-    CLASSES,
-    FEATURES,
-    WAYS_IN,
-    assert_history_close,
-    assert_trained,
-    assert_weights_close,
-    functional,
-    initial_weights,
-    make_data,
-)
+from helpers import internals
+from helpers.assertions import assert_history_close, assert_trained, assert_weights_close
+from helpers.data import CLASSES, FEATURES, make_data
+from helpers.models import WAYS_IN, functional, initial_weights
+from helpers.oom import Limit, LimitedLoss
+from helpers.processes import run_python
+from helpers.project import ROOT
 
 import keras_accum
 
 B = 16  # the batch fit draws
 K = 8  # the most samples the limited model holds at once
-
-
-def _impossible(n, like):
-    # n x 2**40 floats. The width is made from the data so that no graph
-    # optimisation can evaluate (and fail on) the allocation ahead of time.
-    width = tf.constant(2**40, tf.int64) + tf.cast(
-        tf.reduce_min(tf.abs(tf.sign(like))) * 0, tf.int64
-    )
-    huge = tf.zeros(tf.stack([n, width]), like.dtype)
-    return tf.reduce_sum(huge[:1, :1]) * 0  # kept in the graph, adds 0
-
-
-def _limited(x, k):
-    """`x`, plus an impossible allocation if `x` holds more than `k` samples."""
-    n = tf.shape(x, out_type=tf.int64)[0]
-    return x + tf.cond(
-        n > k, lambda: _impossible(n, x), lambda: tf.zeros((), x.dtype)
-    )
-
-
-class Limit(keras.layers.Layer):
-    """The identity, out of memory above `k` samples at once; no weights."""
-
-    def __init__(self, k, **kwargs):
-        super().__init__(**kwargs)
-        self.k = k
-
-    def call(self, x):
-        return _limited(x, self.k)
-
-
-class LimitedLoss(keras.losses.SparseCategoricalCrossentropy):
-    """The test loss, out of memory above `k` samples at once: puts a limit on
-    every way in without touching its model."""
-
-    def __init__(self, k):
-        super().__init__(from_logits=True)
-        self.k = k
-
-    def call(self, y_true, y_pred):
-        return _limited(super().call(y_true, y_pred), self.k)
-
-    def get_config(self):
-        return {"k": self.k}
 
 
 def plain_loss():
@@ -257,17 +209,13 @@ def test_micro_batch_of_one_still_out_of_memory_raises_the_error_saying_so():
 def _state(model):
     """Every value training can change: weights, optimizer, metrics, the open
     window, the BatchNormalization windows."""
-    acc = model._accumulator
     variables = [
         *model.variables,
         *model.optimizer.variables,
         *model.metrics_variables,
-        *model._batchnorm.variables,
-        acc.micro_step,
-        acc.window_weight,
-        *acc.acc_grads,
+        *internals.window_variables(model),
     ]
-    return [v.numpy() for v in variables if v is not None]  # no window at N=1
+    return [v.numpy() for v in variables]
 
 
 @pytest.mark.parametrize(
@@ -297,10 +245,9 @@ def test_a_failed_attempt_changes_no_state(batchnorm, accum_steps):
     model.train_on_batch(x[:1], y[:1])  # an update, or opens a window
     assert int(model.optimizer.iterations) == (accum_steps == 1)
     model.reset_metrics()  # as train_on_batch does before its step
-    before = _state(model)
     limit.k = 0  # now even one sample is too many
-    model._train_functions.clear()
-    model.train_function = None
+    model.make_train_function(force=True)  # traced again, with the new limit
+    before = _state(model)
     with pytest.raises(tf.errors.ResourceExhaustedError):
         # Would update (or complete the window): the update is part of the
         # attempt.
@@ -336,11 +283,11 @@ def test_save_resume_and_flush_in_auto_mode(tmp_path):
     first.save(path)
     resumed = keras.models.load_model(path, custom_objects={"LimitedLoss": LimitedLoss})
     assert resumed.micro_batch_size == "auto"
-    assert resumed._accumulator.pending() == 1
+    assert internals.pending(resumed) == 1
     resumed.train_on_batch(x[B : 2 * B], y[B : 2 * B])
     assert int(resumed.optimizer.iterations) == 1
     resumed.train_on_batch(x[2 * B :], y[2 * B :])
-    assert resumed._accumulator.pending() == 1
+    assert internals.pending(resumed) == 1
     resumed.flush()
     assert int(resumed.optimizer.iterations) == 2
     assert_weights_close(plain, resumed)
@@ -357,8 +304,6 @@ def test_auto_config_round_trip():
 
 def test_readme_auto_snippet_runs():
     import re
-
-    from reference import ROOT
 
     readme = (ROOT / "README.md").read_text()
     block = next(
@@ -396,8 +341,6 @@ print("iterations:", int(model.optimizer.iterations.numpy()))
 
 
 def test_auto_is_refused_under_a_multi_replica_strategy():
-    from reference import run_python
-
     result = run_python("-c", _UNDER_MIRRORED)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "refused: `micro_batch_size='auto'` trains on one device" in result.stdout

@@ -8,50 +8,25 @@ forward pass is normalised with its own moments, "ghost batch norm").
 """
 
 import inspect
+
 import keras
 import numpy as np
 import pytest
-from reference import ATOL, RTOL, loss
+from helpers import internals
+from helpers.assertions import (
+    ATOL,
+    RTOL,
+    assert_moved,
+    assert_moving_close,
+    assert_no_open_window,
+)
+from helpers.data import BN_SHAPES, bn_data
+from helpers.models import BN_MOMENTUM, bn_layer, bn_net, bn_of, loss, moving
 
 import keras_accum
 from keras_accum import AccumModel
 
-MOMENTUM = 0.6  # large steps: every update's weight in the result is visible
 MICRO, N = 8, 4
-SHAPES = {"rank2": (6,), "rank4": (4, 3, 5), "masked": (5, 3)}
-
-
-def data(n, kind="rank2", seed=0):
-    rng = np.random.default_rng(seed)
-    # Channels with their own means and spreads, far from the initial
-    # moving statistics (0 and 1).
-    shape = SHAPES[kind]
-    x = (rng.normal(size=(n, *shape)) * np.arange(1, shape[-1] + 1) + 3).astype("float32")
-    if kind == "masked":
-        lengths = rng.integers(1, shape[0] + 1, size=n)
-        x[np.arange(shape[0])[None, :] >= lengths[:, None]] = 0.0
-    y = rng.integers(0, 3, size=n)
-    return x, y
-
-
-def bn_layer(**kwargs):
-    return keras.layers.BatchNormalization(momentum=MOMENTUM, name="bn", **kwargs)
-
-
-def body(inputs, kind, bn):
-    h = inputs
-    if kind == "masked":
-        h = keras.layers.Masking(0.0)(h)
-    h = bn(h)
-    h = keras.layers.Dense(4, activation="relu")(h)
-    h = keras.layers.GlobalAveragePooling1D()(h) if kind == "masked" else keras.layers.Flatten()(h)
-    return keras.layers.Dense(3)(h)
-
-
-def functional_net(cls=keras.Model, kind="rank2", seed=0, bn_kwargs=None, **kwargs):
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input(SHAPES[kind])
-    return cls(inputs, body(inputs, kind, bn_layer(**(bn_kwargs or {}))), **kwargs)
 
 
 class _Net:
@@ -93,25 +68,11 @@ def wrapped(make):
 
 
 MAKERS = {
-    "functional": functional_net,
+    "functional": bn_net,
     "subclass": subclassed_net,
-    "wrap_functional": wrapped(functional_net),
+    "wrap_functional": wrapped(bn_net),
     "wrap_subclass": wrapped(subclassed_net),
 }
-
-
-def bn_of(model):
-    (layer,) = [
-        layer
-        for layer in model._flatten_layers()
-        if isinstance(layer, keras.layers.BatchNormalization)
-    ]
-    return layer
-
-
-def moving(model):
-    layer = bn_of(model)
-    return layer.moving_mean.numpy(), layer.moving_variance.numpy()
 
 
 def fit_pair(make, x, y, epochs=2, compile_kwargs=None, **kwargs):
@@ -128,17 +89,7 @@ def fit_pair(make, x, y, epochs=2, compile_kwargs=None, **kwargs):
     return models
 
 
-def assert_moving_close(a, b, rtol=RTOL, atol=ATOL):
-    for u, v in zip(moving(a), moving(b)):
-        np.testing.assert_allclose(u, v, rtol=rtol, atol=atol)
-
-
-def assert_moved(model):
-    mean, variance = moving(model)
-    assert np.abs(mean).min() > 0.5 and np.abs(variance - 1).max() > 0.5, (mean, variance)
-
-
-def replay(x, updates, momentum=MOMENTUM):
+def replay(x, updates, momentum=BN_MOMENTUM):
     """Keras's moving-statistics update in numpy (rank-2 `x`), once per batch
     of `updates`, a list of sample slices."""
     x = x.astype("float64")
@@ -157,7 +108,7 @@ def replay(x, updates, momentum=MOMENTUM):
 def test_moving_statistics_are_the_big_batch(kind, n):
     # 92 samples: windows of 8+8+8+8 and 8+8+8+4 (the last applied at the
     # epoch's end), so micro-batch moments must be weighted by their counts.
-    x, y = data(n)
+    x, y = bn_data(n)
     plain, acc = fit_pair(MAKERS[kind], x, y)
     assert_moved(plain)
     assert_moving_close(plain, acc)
@@ -175,22 +126,22 @@ def test_moving_statistics_are_the_big_batch(kind, n):
     ids=["rank2_no_center_scale", "rank4_last_axis", "rank4_axis1", "rank4_axis2", "masked"],
 )
 def test_axes_ranks_and_masks(kind, bn_kwargs):
-    x, y = data(92, kind)
-    plain, acc = fit_pair(functional_net, x, y, kind=kind, bn_kwargs=bn_kwargs)
+    x, y = bn_data(92, kind)
+    plain, acc = fit_pair(bn_net, x, y, kind=kind, bn_kwargs=bn_kwargs)
     assert_moved(plain)
     assert_moving_close(plain, acc)
 
 
 def test_opt_out_is_keras_per_micro_batch_update():
-    x, y = data(92)
-    model = functional_net(AccumModel, accum_steps=N, batchnorm="micro_batch")
+    x, y = bn_data(92)
+    model = bn_net(AccumModel, accum_steps=N, batchnorm="micro_batch")
     model.compile(keras.optimizers.SGD(0.1), loss())
     model.fit(x, y, batch_size=MICRO, epochs=1, shuffle=False, verbose=0)
     micro = [slice(i, min(i + MICRO, 92)) for i in range(0, 92, MICRO)]
     for got, expected in zip(moving(model), replay(x, micro)):
         np.testing.assert_allclose(got, expected, rtol=RTOL, atol=ATOL)
     # ... and the default is once per window.
-    model = functional_net(AccumModel, accum_steps=N)
+    model = bn_net(AccumModel, accum_steps=N)
     model.compile(keras.optimizers.SGD(0.1), loss())
     model.fit(x, y, batch_size=MICRO, epochs=1, shuffle=False, verbose=0)
     windows = [slice(0, 32), slice(32, 64), slice(64, 92)]
@@ -221,7 +172,7 @@ def moving_distance(a, b):
 
 
 def test_several_layers_much_closer_than_per_micro_batch_updates():
-    x, y = data(256)
+    x, y = bn_data(256)
     distances = {}
     plain = deep_net()
     plain.compile(keras.optimizers.SGD(0.05), loss())
@@ -245,7 +196,7 @@ def test_nested_model_layers_are_handled():
         inputs = keras.Input((6,))
         return cls(inputs, keras.layers.Dense(3)(inner(inputs)), **kwargs)
 
-    x, y = data(92)
+    x, y = bn_data(92)
     plain, acc = fit_pair(make, x, y)
     assert_moved(plain)
     assert_moving_close(plain, acc)
@@ -277,7 +228,7 @@ def test_frozen_layers_are_untouched(frozen):
         model(np.zeros((1, 6), "float32"))
     before = moving(model)
     model.compile(keras.optimizers.SGD(0.1), loss())
-    x, y = data(92)
+    x, y = bn_data(92)
     model.fit(x, y, batch_size=MICRO, epochs=1, shuffle=False, verbose=0)
     for u, v in zip(moving(model), before):
         np.testing.assert_array_equal(u, v)
@@ -285,8 +236,8 @@ def test_frozen_layers_are_untouched(frozen):
 
 
 def test_train_on_batch_then_flush():
-    x, y = data(64)
-    model = functional_net(AccumModel, accum_steps=N)
+    x, y = bn_data(64)
+    model = bn_net(AccumModel, accum_steps=N)
     model.compile(keras.optimizers.SGD(0.1), loss())
     for i in range(6):
         model.train_on_batch(x[MICRO * i : MICRO * (i + 1)], y[MICRO * i : MICRO * (i + 1)])
@@ -305,16 +256,16 @@ def test_train_on_batch_then_flush():
 def test_renorm_layers_keep_the_per_micro_batch_update():
     # Batch renormalisation's extra statistics also steer training; such
     # layers are left to Keras, as with batchnorm="micro_batch".
-    x, y = data(92)
+    x, y = bn_data(92)
     moving_stats = []
     for mode in ("window", "micro_batch"):
-        model = functional_net(
+        model = bn_net(
             AccumModel, accum_steps=N, batchnorm=mode, bn_kwargs={"renorm": True}
         )
         model.compile(keras.optimizers.SGD(0.1), loss())
         model.fit(x, y, batch_size=MICRO, epochs=1, shuffle=False, verbose=0)
         moving_stats.append(moving(model))
-        assert not model._batchnorm._windows
+        assert not internals.batchnorm_windows(model)
     for u, v in zip(*moving_stats):
         np.testing.assert_array_equal(u, v)
 
@@ -322,19 +273,19 @@ def test_renorm_layers_keep_the_per_micro_batch_update():
 @pytest.mark.parametrize("value", ["windows", None, True, "MICRO_BATCH"])
 def test_bad_batchnorm_argument(value):
     with pytest.raises(ValueError, match=rf"`batchnorm` must be .*Received: batchnorm={value!r}"):
-        functional_net(AccumModel, accum_steps=N, batchnorm=value)
+        bn_net(AccumModel, accum_steps=N, batchnorm=value)
     with pytest.raises(ValueError, match="`batchnorm` must be"):
-        keras_accum.wrap(functional_net(), accum_steps=N, batchnorm=value)
+        keras_accum.wrap(bn_net(), accum_steps=N, batchnorm=value)
 
 
 @pytest.mark.parametrize("mode", ["window", "micro_batch"])
 def test_config_round_trip(mode):
-    model = functional_net(AccumModel, accum_steps=N, batchnorm=mode)
+    model = bn_net(AccumModel, accum_steps=N, batchnorm=mode)
     config = model.get_config()
     assert config["batchnorm"] == mode
     clone = AccumModel.from_config(config)
+    # The clone's config reads back the mode its BatchNormalization window has.
     assert clone.get_config()["batchnorm"] == mode
-    assert clone._batchnorm.mode == mode
 
 
 # -- saving and resuming a pending window -------------------------------------------
@@ -353,18 +304,18 @@ def compiled(model):
 
 @pytest.mark.parametrize("suffix", [".weights.h5", ".keras"])
 def test_resume_mid_window_restores_pending_statistics(suffix, tmp_path):
-    x, y = data(64)
-    uninterrupted = train(compiled(functional_net(AccumModel, accum_steps=N)), x, y, range(8))
-    interrupted = train(compiled(functional_net(AccumModel, accum_steps=N)), x, y, range(6))
+    x, y = bn_data(64)
+    uninterrupted = train(compiled(bn_net(AccumModel, accum_steps=N)), x, y, range(8))
+    interrupted = train(compiled(bn_net(AccumModel, accum_steps=N)), x, y, range(6))
     path = str(tmp_path / f"m{suffix}")
     if suffix == ".keras":
         interrupted.save(path)
         resumed = keras.models.load_model(path)
     else:
         interrupted.save_weights(path)
-        resumed = compiled(functional_net(AccumModel, accum_steps=N, seed=1))
+        resumed = compiled(bn_net(AccumModel, accum_steps=N, seed=1))
         resumed.load_weights(path)
-    assert resumed._accumulator.pending() == 2
+    assert internals.pending(resumed) == 2
     train(resumed, x, y, range(6, 8))
     for u, v in zip(moving(uninterrupted), moving(resumed)):
         np.testing.assert_array_equal(u, v)
@@ -374,16 +325,16 @@ def test_resume_mid_window_restores_pending_statistics(suffix, tmp_path):
 def test_tf_train_checkpoint_restores_pending_statistics(built, tmp_path):
     import tensorflow as tf
 
-    x, y = data(64)
-    uninterrupted = train(compiled(functional_net(AccumModel, accum_steps=N)), x, y, range(8))
-    interrupted = train(compiled(functional_net(AccumModel, accum_steps=N)), x, y, range(6))
+    x, y = bn_data(64)
+    uninterrupted = train(compiled(bn_net(AccumModel, accum_steps=N)), x, y, range(8))
+    interrupted = train(compiled(bn_net(AccumModel, accum_steps=N)), x, y, range(6))
     prefix = tf.train.Checkpoint(model=interrupted, optimizer=interrupted.optimizer).save(
         str(tmp_path / "ckpt")
     )
-    resumed = compiled(functional_net(AccumModel, accum_steps=N, seed=1))
+    resumed = compiled(bn_net(AccumModel, accum_steps=N, seed=1))
     if built:
         resumed.optimizer.build(resumed.trainable_variables)
-        resumed._batchnorm.build()
+        internals.batchnorm(resumed).build()
     tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).restore(prefix)
     train(resumed, x, y, range(6, 8))
     for u, v in zip(moving(uninterrupted), moving(resumed)):
@@ -391,7 +342,7 @@ def test_tf_train_checkpoint_restores_pending_statistics(built, tmp_path):
 
 
 def test_resume_a_subclassed_model(tmp_path):
-    x, y = data(64)
+    x, y = bn_data(64)
 
     def make(seed=0):
         model = compiled(subclassed_net(AccumModel, accum_steps=N, seed=seed))
@@ -412,19 +363,19 @@ def test_resume_a_subclassed_model(tmp_path):
 def test_a_failed_load_leaves_the_pending_statistics_unchanged(tmp_path):
     import h5py
 
-    x, y = data(64)
-    saved = train(compiled(functional_net(AccumModel, accum_steps=N)), x, y, range(2))
+    x, y = bn_data(64)
+    saved = train(compiled(bn_net(AccumModel, accum_steps=N)), x, y, range(2))
     path = str(tmp_path / "m.weights.h5")
     saved.save_weights(path)
     # Corrupt what Keras loads after the pending window: the optimizer's state.
     with h5py.File(path, "a") as f:
         del f["optimizer/vars/0"]
         f["optimizer/vars/0"] = np.zeros((7, 7))
-    model = train(compiled(functional_net(AccumModel, accum_steps=N)), x, y, range(3))
-    window, _ = model._batchnorm.snapshot()
+    model = train(compiled(bn_net(AccumModel, accum_steps=N)), x, y, range(3))
+    window, _ = internals.batchnorm(model).snapshot()
     with pytest.raises(ValueError):
         model.load_weights(path)
-    after, _ = model._batchnorm.snapshot()
+    after, _ = internals.batchnorm(model).snapshot()
     assert sorted(after) == sorted(window) == ["0"]
     for u, v in zip(window["0"], after["0"]):
         np.testing.assert_array_equal(u, v)
@@ -441,7 +392,7 @@ def test_a_failed_load_leaves_the_pending_statistics_unchanged(tmp_path):
 )
 def test_xla_and_steps_per_execution(compile_kwargs, kind):
     # The subclassed model is built inside the first (XLA) trace.
-    x, y = data(92)
+    x, y = bn_data(92)
     plain, acc = fit_pair(MAKERS[kind], x, y, compile_kwargs=compile_kwargs)
     assert_moved(plain)
     assert_moving_close(plain, acc)
@@ -450,8 +401,8 @@ def test_xla_and_steps_per_execution(compile_kwargs, kind):
 def test_mixed_float16():
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
-        x, y = data(92)
-        plain, acc = fit_pair(functional_net, x, y)
+        x, y = bn_data(92)
+        plain, acc = fit_pair(bn_net, x, y)
     finally:
         keras.mixed_precision.set_global_policy("float32")
     assert bn_of(acc).moving_mean.dtype == "float32"
@@ -465,17 +416,17 @@ def test_a_discarded_or_skipped_window_leaves_the_moving_statistics():
     # reset_window() and skip_nonfinite drop the window's statistics with its
     # gradients: the moving statistics are those of the big batches without
     # that window (on the raw input, exactly).
-    x, y = data(96)
+    x, y = bn_data(96)
     x_nan = x.copy()
     x_nan[40, 0] = np.nan  # the second window
-    plain = functional_net()
+    plain = bn_net()
     plain.compile(keras.optimizers.SGD(0.1), loss())
     for start in (0, 64):
         plain.train_on_batch(x[start : start + 32], y[start : start + 32])
-    skipping = functional_net(AccumModel, accum_steps=N, skip_nonfinite=True)
+    skipping = bn_net(AccumModel, accum_steps=N, skip_nonfinite=True)
     skipping.compile(keras.optimizers.SGD(0.1), loss())
     skipping.fit(x_nan, y, batch_size=MICRO, shuffle=False, verbose=0)
-    resetting = functional_net(AccumModel, accum_steps=N)
+    resetting = bn_net(AccumModel, accum_steps=N)
     resetting.compile(keras.optimizers.SGD(0.1), loss())
     for start in range(0, 96, MICRO):
         if start == 56:
@@ -509,17 +460,17 @@ def test_a_window_skipped_for_its_loss_leaves_the_moving_statistics(strategy):
     # A NaN sample weight in the second window: its gradient is not finite,
     # its moments are. The skip decides for the moments too: the moving
     # statistics are those of the big batches without that window.
-    x, y = data(96)
+    x, y = bn_data(96)
     weights = np.ones(96, "float32")
     weights[40] = np.nan
-    plain = functional_net()
+    plain = bn_net()
     plain.compile(keras.optimizers.SGD(0.1), loss())
     for start in (0, 64):
         plain.train_on_batch(
             x[start : start + 32], y[start : start + 32], sample_weight=weights[start : start + 32]
         )
     with _scope(strategy):
-        model = functional_net(AccumModel, accum_steps=N, skip_nonfinite=True)
+        model = bn_net(AccumModel, accum_steps=N, skip_nonfinite=True)
         model.compile(keras.optimizers.SGD(0.1), loss())
     model.fit(x, y, sample_weight=weights, batch_size=MICRO, shuffle=False, verbose=0)
     assert model.skipped_windows == 1
@@ -534,17 +485,17 @@ def _mid_window_copy(interrupted, suffix, tmp_path):
         interrupted.save(path)
         return keras.models.load_model(path)
     interrupted.save_weights(path)
-    resumed = compiled(functional_net(AccumModel, accum_steps=N, seed=1))
+    resumed = compiled(bn_net(AccumModel, accum_steps=N, seed=1))
     resumed.load_weights(path)
     return resumed
 
 
 @pytest.mark.parametrize("suffix", [".weights.h5", ".keras"])
 def test_flush_after_loading_a_mid_window_file_applies_its_statistics(suffix, tmp_path):
-    x, y = data(64)
-    interrupted = train(compiled(functional_net(AccumModel, accum_steps=N)), x, y, range(6))
+    x, y = bn_data(64)
+    interrupted = train(compiled(bn_net(AccumModel, accum_steps=N)), x, y, range(6))
     loaded = _mid_window_copy(interrupted, suffix, tmp_path)
-    assert loaded._accumulator.pending() == 2
+    assert internals.pending(loaded) == 2
     loaded.flush()
     interrupted.flush()
     expected = replay(x, [slice(0, 32), slice(32, 48)])
@@ -561,11 +512,11 @@ def test_flush_after_loading_a_mid_window_file_applies_its_statistics(suffix, tm
 
 @pytest.mark.parametrize("suffix", [".weights.h5", ".keras"])
 def test_reset_window_after_loading_a_mid_window_file_discards_its_statistics(suffix, tmp_path):
-    x, y = data(64)
-    interrupted = train(compiled(functional_net(AccumModel, accum_steps=N)), x, y, range(6))
+    x, y = bn_data(64)
+    interrupted = train(compiled(bn_net(AccumModel, accum_steps=N)), x, y, range(6))
     loaded = _mid_window_copy(interrupted, suffix, tmp_path)
     loaded.reset_window()
-    assert loaded._accumulator.pending() == 0
+    assert_no_open_window(loaded)
     for got, want in zip(moving(loaded), replay(x, [slice(0, 32)])):
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
     # The discarded moments do not come back in the next window.
@@ -578,7 +529,7 @@ def shared_bn_net(cls=keras.Model, seed=0, **kwargs):
     """One BatchNormalization called twice per forward pass, on the raw
     input and on `2 * input + 1`."""
     keras.utils.set_random_seed(seed)
-    inputs = keras.Input(SHAPES["rank2"])
+    inputs = keras.Input(BN_SHAPES["rank2"])
     bn = bn_layer()
     h = keras.layers.Concatenate()([bn(inputs), bn(inputs * 2.0 + 1.0)])
     h = keras.layers.Dense(4, activation="relu")(h)
@@ -590,7 +541,7 @@ def test_a_layer_called_twice_pools_both_calls_once_per_window(mode):
     # Every call's moments go to the layer's window; Keras's own update at
     # each call is held off (momentum 1), the second call's too, so the
     # moving statistics are one update per window from both calls' values.
-    x, y = data(92)
+    x, y = bn_data(92)
     if mode == "accum_steps":
         model = shared_bn_net(AccumModel, accum_steps=N)
         batch = MICRO
@@ -603,7 +554,7 @@ def test_a_layer_called_twice_pools_both_calls_once_per_window(mode):
     mean, variance = np.zeros(x.shape[-1]), np.ones(x.shape[-1])
     for window in (slice(0, 32), slice(32, 64), slice(64, 92)):
         values = np.concatenate(np.split(both[window].astype("float64"), 2, axis=-1))
-        mean = mean * MOMENTUM + values.mean(0) * (1 - MOMENTUM)
-        variance = variance * MOMENTUM + values.var(0) * (1 - MOMENTUM)
+        mean = mean * BN_MOMENTUM + values.mean(0) * (1 - BN_MOMENTUM)
+        variance = variance * BN_MOMENTUM + values.var(0) * (1 - BN_MOMENTUM)
     for got, want in zip(moving(model), (mean, variance)):
         np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)

@@ -4,7 +4,8 @@ Only that it runs and what it writes are checked, never timings or memory
 numbers: those depend on the machine and on its load.
 """
 
-from reference import run_python
+import pytest
+from helpers.processes import run_python
 
 IMPLEMENTATIONS = ("plain", "builtin", "gradient-accumulator", "AccumModel")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -44,3 +45,24 @@ def test_micro_batch_split_timing_runs():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for label in ("big batch", "micro_batch_size=32", "step mode", "summed"):
         assert label in result.stdout, label
+
+
+@pytest.mark.parametrize("unit", ["epoch", "window"])
+def test_before_after_runs_and_writes_its_json(tmp_path, unit):
+    out = tmp_path / "before_after.json"
+    result = run_python(
+        "-m", "benchmarks.before_after", "--before", "HEAD", "--quick",
+        "--rounds", "1", "--workloads", "mlp", "--unit", unit, "--out", str(out),
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    import json
+
+    mlp = json.loads(out.read_text())["workloads"]["mlp"]
+    assert mlp["unit"] == unit
+    for key in ("ratios", "cpu_ratios"):
+        for mode in ("step", "micro"):
+            for pair in ("after / builtin", "before / builtin", "after / before"):
+                assert mlp[key][mode][pair]["rounds"] == 1, (key, mode, pair)
+    # Both versions were really trained, side by side.
+    assert set(mlp["max_weight_difference_after_vs_before"]) == {"step", "micro"}

@@ -7,7 +7,9 @@ built-in departs from the reference while AccumModel does not.
 
 import keras
 import numpy as np
-from reference import assert_weights_close, functional, loss, make_data
+from helpers.assertions import assert_weights_close
+from helpers.data import make_data
+from helpers.models import functional, loss
 
 from keras_accum import AccumModel
 

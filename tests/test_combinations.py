@@ -16,15 +16,27 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from reference import InterruptAt, OPTIMIZERS, assert_trained, assert_weights_close, functional, loss, make_data
-from test_batchnorm import assert_moved, assert_moving_close, data as bn_data, functional_net
-from test_nonfinite import WINDOWS, X_NAN, Y, big_batches
-from test_sparse import net as text_net, token_data
+from helpers import internals
+from helpers.assertions import (
+    assert_moved,
+    assert_moving_close,
+    assert_trained,
+    assert_weights_close,
+)
+from helpers.data import bn_data, make_data, token_data
+from helpers.models import OPTIMIZERS, bn_net, functional, initial_weights, loss, text_net
+from helpers.training import InterruptAt, plain_on_batches
 
 import keras_accum
 from keras_accum import AccumModel, AccumOptimizer, AccumScheduler
 
 FIT = dict(shuffle=False, verbose=0)
+# As in test_nonfinite.py: 92 samples, windows of 32, 32 and 28 at batch 8
+# and accum_steps=4, one NaN sample in the second window.
+X, Y = make_data(92)
+X_NAN = X.copy()
+X_NAN[40, 1] = np.nan
+WINDOWS = [slice(0, 32), slice(32, 64), slice(64, 92)]
 
 
 def _plain_epochs(make, x, y, batches, optimizer):
@@ -54,13 +66,13 @@ def test_micro_batches_with_batchnorm_and_a_schedule():
     x, y = bn_data(92)
     sgd = lambda: keras.optimizers.SGD(0.1)  # noqa: E731
     schedule = AccumScheduler({1: 2})
-    micro = functional_net(AccumModel, micro_batch_size=8)
+    micro = bn_net(AccumModel, micro_batch_size=8)
     micro.compile(sgd(), loss())
     micro.fit(x, y, batch_size=32, epochs=2, callbacks=[schedule], **FIT)
-    step = functional_net(AccumModel, accum_steps=4)
+    step = bn_net(AccumModel, accum_steps=4)
     step.compile(sgd(), loss())
     step.fit(x, y, batch_size=8, epochs=2, callbacks=[AccumScheduler({1: 8})], **FIT)
-    plain = _plain_epochs(functional_net, x, y, [32, 64], sgd)
+    plain = _plain_epochs(bn_net, x, y, [32, 64], sgd)
     assert_weights_close(micro, step)
     assert_moving_close(micro, plain)
     assert_moved(micro)
@@ -73,7 +85,7 @@ def test_micro_batches_with_batchnorm_resumed_from_a_batch_backup(tmp_path):
     x, y = bn_data(92)
 
     def model():
-        made = functional_net(AccumModel, accum_steps=4, micro_batch_size=4)
+        made = bn_net(AccumModel, accum_steps=4, micro_batch_size=4)
         made.compile(keras.optimizers.SGD(0.1), loss())
         return made
 
@@ -89,14 +101,14 @@ def test_micro_batches_with_batchnorm_resumed_from_a_batch_backup(tmp_path):
     fit(resumed)
     assert_weights_close(resumed, uninterrupted)
     assert_moving_close(resumed, uninterrupted)
-    plain = _plain_epochs(functional_net, x, y, [32, 32], lambda: keras.optimizers.SGD(0.1))
+    plain = _plain_epochs(bn_net, x, y, [32, 32], lambda: keras.optimizers.SGD(0.1))
     assert_moving_close(resumed, plain)
 
 
 def test_batchnorm_model_exports_what_it_predicts(tmp_path):
     # BN + micro + export: the export serves the trained moving statistics.
     x, y = bn_data(40)
-    model = functional_net(AccumModel, accum_steps=2, micro_batch_size=4)
+    model = bn_net(AccumModel, accum_steps=2, micro_batch_size=4)
     model.compile(keras.optimizers.SGD(0.1), loss())
     model.fit(x, y, batch_size=8, epochs=2, **FIT)
     assert_moved(model)
@@ -109,13 +121,13 @@ def test_auto_micro_batches_with_batchnorm_and_fit_accum_steps():
     # auto + BN + fit(accum_steps=): "auto"'s eager train function, on
     # whole batches (nothing runs out of memory), is step mode exactly.
     x, y = bn_data(92)
-    auto = functional_net(AccumModel, micro_batch_size="auto")
+    auto = bn_net(AccumModel, micro_batch_size="auto")
     auto.compile(keras.optimizers.SGD(0.1), loss())
     auto.fit(x, y, batch_size=8, epochs=2, accum_steps=4, **FIT)
-    step = functional_net(AccumModel, accum_steps=4)
+    step = bn_net(AccumModel, accum_steps=4)
     step.compile(keras.optimizers.SGD(0.1), loss())
     step.fit(x, y, batch_size=8, epochs=2, **FIT)
-    plain = _plain_epochs(functional_net, x, y, [32, 32], lambda: keras.optimizers.SGD(0.1))
+    plain = _plain_epochs(bn_net, x, y, [32, 32], lambda: keras.optimizers.SGD(0.1))
     assert auto.accum_steps == 1 and auto.chosen_micro_batch_size is None
     assert_weights_close(auto, step)
     assert_moving_close(auto, plain)
@@ -134,13 +146,7 @@ def test_sparse_with_micro_batches_and_a_schedule():
     model.fit(x, y, batch_size=16, epochs=2, callbacks=[AccumScheduler({1: 2})], **FIT)
     plain = _plain_epochs(text_net, x, y, [16, 32], adam)
     assert_weights_close(model, plain)
-    assert_trained(model, _initial(text_net, x))
-
-
-def _initial(make, x):
-    model = make()
-    model(x[:1])
-    return model.get_weights()
+    assert_trained(model, initial_weights(text_net, x))
 
 
 def test_sparse_with_a_schedule_resumed_from_a_batch_backup(tmp_path):
@@ -236,7 +242,7 @@ def test_skipping_with_micro_batches_and_a_backup(tmp_path):
         fit(model(), InterruptAt(1, 6))  # backed up 5 batches in: the NaN window
     resumed = model()
     fit(resumed)
-    plain = big_batches([WINDOWS[0], WINDOWS[2]])
+    plain = plain_on_batches(X, Y, [WINDOWS[0], WINDOWS[2]], epochs=2)
     assert int(resumed.optimizer.iterations.numpy()) == 4
     assert resumed.skipped_windows == 2  # epoch 0's, restored, and epoch 1's
     assert_weights_close(resumed, plain)
@@ -279,7 +285,7 @@ def test_micro_batches_saved_mid_window_then_flushed(tmp_path):
         model.fit(x, y, batch_size=8, epochs=2, callbacks=[InterruptAt(0, 5)], **FIT)
     model.save(tmp_path / "open.keras")
     loaded = keras.models.load_model(tmp_path / "open.keras")
-    assert loaded.micro_batch_size == 3 and loaded._accumulator.pending() == 2
+    assert loaded.micro_batch_size == 3 and internals.pending(loaded) == 2
     model.flush()
     loaded.flush()
     assert_weights_close(loaded, model)
@@ -315,11 +321,11 @@ def test_skipping_with_batchnorm_leaves_the_moving_statistics():
     x, y = bn_data(92)
     weights = np.ones(92, "float32")
     weights[40] = np.nan
-    model = functional_net(AccumModel, accum_steps=4, micro_batch_size=4, skip_nonfinite=True)
+    model = bn_net(AccumModel, accum_steps=4, micro_batch_size=4, skip_nonfinite=True)
     model.compile(keras.optimizers.SGD(0.1), loss())
     model.fit(x, y, sample_weight=weights, batch_size=8, epochs=1, **FIT)
     assert model.skipped_windows == 1
-    plain = functional_net()
+    plain = bn_net()
     plain.compile(keras.optimizers.SGD(0.1), loss())
     for window in (WINDOWS[0], WINDOWS[2]):
         plain.train_on_batch(x[window], y[window])

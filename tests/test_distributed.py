@@ -1,9 +1,9 @@
 """Data-parallel training against one device's big batch.
 
 MirroredStrategy over two logical CPU devices runs in a fresh process
-(tests/mirrored_checks.py): logical devices must be set up before
+(tests/scripts/mirrored_checks.py): logical devices must be set up before
 TensorFlow starts its runtime. MultiWorkerMirroredStrategy runs as two
-worker processes on localhost (tests/multi_worker_checks.py). Each also
+worker processes on localhost (tests/scripts/multi_worker_checks.py). Each also
 runs with one replica (a CPU-only machine's `MirroredStrategy()`, a
 `MultiWorkerMirroredStrategy()` without TF_CONFIG): the strategy path of
 the step, where a one-replica bug would hide (issue 23).
@@ -11,36 +11,23 @@ the step, where a one-replica bug would hide (issue 23).
 
 import json
 
-import keras
 import numpy as np
 import pytest
-from reference import (
-    ATOL,
-    OPTIMIZERS,
-    ROOT,
-    RTOL,
-    assert_history_close,
-    functional,
-    loss,
-    make_data,
-    run_python,
-    run_workers,
-)
-from test_precision_and_sparse import FLOAT16_ATOL, FLOAT16_RTOL
-
-from keras_accum import _keras_internals as internals
+from helpers import internals
+from helpers.assertions import ATOL, FLOAT16_ATOL, FLOAT16_RTOL, RTOL, assert_history_close
+from helpers.data import make_data
+from helpers.models import OPTIMIZERS, functional, loss
+from helpers.processes import run_python, run_workers, script
 
 # Keras 3.8's metric variables are not summed over replicas when read: what
 # it logs under a strategy (for plain models too) is not the one-device
 # value, so only weights and predictions are compared there.
-METRICS_EXACT = internals.metrics_summed_over_replicas()
+METRICS_EXACT = internals.keras_internals.metrics_summed_over_replicas()
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["one_replica", "two_replicas"])
 def mirrored(request):
-    result = run_python(
-        str(ROOT / "tests" / "mirrored_checks.py"), str(request.param), timeout=900
-    )
+    result = run_python(script("mirrored_checks.py"), str(request.param), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])
     assert out["replicas"] == request.param
@@ -137,12 +124,12 @@ def test_skip_nonfinite_every_replica_agrees(mirrored):
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["one_worker", "two_workers"])
 def workers(request):
-    script = str(ROOT / "tests" / "multi_worker_checks.py")
+    checks = script("multi_worker_checks.py")
     if request.param == 1:
         # MultiWorkerMirroredStrategy() with no TF_CONFIG: one worker.
-        results = [run_python(script, timeout=900)]
+        results = [run_python(checks, timeout=900)]
     else:
-        results = run_workers(script, workers=request.param, timeout=900)
+        results = run_workers(checks, workers=request.param, timeout=900)
     for result in results:
         assert result.returncode == 0, result.stderr[-3000:]
     out = [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
@@ -174,7 +161,7 @@ def reference_fit(optimizer, batch_size):
 def test_plain_keras_fit_fails_across_workers(workers):
     # Why AccumModel replaces Keras's symbolic build and log reduction there
     # (tensorflow/tensorflow#72388). If this starts failing, Keras fixed it
-    # and the workarounds in keras_accum/_keras_internals.py may be dropped.
+    # and the workarounds in keras_accum/_internals/trainer.py may be dropped.
     for worker in workers:
         if len(workers) == 1:
             # One worker is not multi-worker mode: Keras's own fit works.

@@ -10,10 +10,12 @@ Every code block of README.md and docs/**/*.md is covered (docs/development.md,
   runs in a process of its own with two logical CPU devices.
 * `bash` blocks are checked, not run: each command must name what the
   project has (extras, nox sessions, test files, examples, benchmarks).
-* `<!-- docs-test: multi-worker -->` marks a block that needs a cluster; it is
-  not run here, and is allowed only on blocks that use
-  MultiWorkerMirroredStrategy or TF_CONFIG (the multi-worker harness in
-  tests/workers.py runs what they do).
+* `<!-- docs-test: multi-worker -->` marks a block that needs a cluster, and
+  is allowed only on blocks that use MultiWorkerMirroredStrategy or
+  TF_CONFIG. Such a block runs too, outside its page: a `python` block as
+  the whole program of two local workers (tests/helpers/processes.py), a `bash`
+  block with a stand-in for `python` that records the TF_CONFIG each
+  command gives it. No other kind of block may carry the marker.
 * `<!-- docs-test: kerashub -->` marks a block that uses keras_hub; it is run by
   tests/test_kerashub.py (the `kerashub` nox session), not here.
 * `text` blocks are formulas.
@@ -29,9 +31,10 @@ import sys
 
 import numpy as np
 import pytest
-from reference import ROOT, run_python
-
-from keras_accum import _keras_internals as internals
+from helpers.internals import WRAPPED_CLASSES
+from helpers.internals import keras_internals as internals
+from helpers.processes import run_python
+from helpers.project import DOCS, PAGES, ROOT, blocks, nox_pairs
 
 README = (ROOT / "README.md").read_text()
 
@@ -125,23 +128,8 @@ def test_readme_custom_loop_runs():
 
 # -- the documentation site ---------------------------------------------------
 
-DOCS = ROOT / "docs"
-PAGES = [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
 LANGUAGES = {"python", "bash", "text"}
 MARKERS = {"given", "multi-worker", "kerashub"}
-_BLOCK = re.compile(
-    r"^(?:<!-- docs-test: (?P<marker>[\w-]+) -->\n)?```(?P<lang>[^\n]*)\n(?P<code>.*?)^```",
-    flags=re.S | re.M,
-)
-
-
-class Block:
-    def __init__(self, match):
-        self.marker, self.lang, self.code = match["marker"], match["lang"].strip(), match["code"]
-
-
-def blocks(text):
-    return [Block(m) for m in _BLOCK.finditer(text)]
 
 
 def page_id(path):
@@ -170,6 +158,9 @@ def test_every_code_block_is_of_a_kind_the_tests_cover():
                 assert re.search(r"MultiWorkerMirroredStrategy|TF_CONFIG", block.code), (
                     f"{where}: the multi-worker marker is for blocks that need a cluster"
                 )
+                # The multi-worker tests run every such block of these two
+                # languages; one of another would be run by none.
+                assert block.lang in {"python", "bash"}, f"{where}: a multi-worker block no test runs"
             if block.marker == "given":
                 assert path == DOCS / "getting-started.md", where
             if block.marker == "kerashub":
@@ -235,6 +226,108 @@ def test_page_code_runs(path, tmp_path, monkeypatch):
         keras.mixed_precision.set_global_policy("float32")
 
 
+def multi_worker_blocks(lang):
+    return [
+        pytest.param(b.code, id=f"{page_id(path)}:{i}")
+        for path in PAGES
+        for i, b in enumerate(blocks(path.read_text()))
+        if b.marker == "multi-worker" and b.lang == lang
+    ]
+
+
+# Runs a page's multi-worker block as this worker's whole program, then
+# reports what it trained.
+_WORKER = """
+import json, runpy, sys
+namespace = runpy.run_path(sys.argv[1], run_name="__main__")
+model, backup = namespace["model"], namespace.get("backup")
+print(json.dumps({
+    "task": namespace["strategy"].cluster_resolver.task_id,
+    "workers": namespace["strategy"].num_replicas_in_sync,
+    "updates": int(model.optimizer.iterations.numpy()),
+    "weights": [w.tolist() for w in model.get_weights()],
+    "backup_dir": backup and str(backup.backup_dir),
+}))
+"""
+
+
+@pytest.mark.multi_worker
+@pytest.mark.parametrize("code", multi_worker_blocks("python"))
+def test_multi_worker_block_runs_on_two_workers(code, tmp_path):
+    import json
+
+    from helpers.processes import run_workers
+
+    program = tmp_path / "train.py"
+    program.write_text(code)
+    backups = tmp_path / "backups"
+    results = run_workers(
+        "-c", _WORKER, str(program), timeout=300, logs=tmp_path / "logs",
+        BACKUP_DIR=str(backups), TF_CPP_MIN_LOG_LEVEL="3",
+    )
+    for result in results:
+        assert result.returncode == 0, result.stderr[-3000:]
+    reports = [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
+    assert [r["task"] for r in reports] == [0, 1]
+    assert all(r["workers"] == 2 for r in reports)  # one replica per worker, in one cluster
+    assert reports[0]["updates"] == reports[1]["updates"] > 0
+    for w0, w1 in zip(reports[0]["weights"], reports[1]["weights"], strict=True):
+        np.testing.assert_array_equal(w0, w1)  # all-reduced: the same on both
+    dirs = [r["backup_dir"] for r in reports]
+    if any(dirs):  # a directory of its own for each, where BACKUP_DIR says
+        assert len(set(dirs)) == 2, dirs
+        assert all(os.path.dirname(d) == str(backups) for d in dirs), dirs
+
+
+_STAND_IN = """#!{python}
+import json, os, sys
+with open(os.environ["INVOCATIONS"], "a") as f:
+    f.write(json.dumps({{"argv": sys.argv[1:], "TF_CONFIG": os.environ.get("TF_CONFIG")}}) + "\\n")
+"""
+
+
+def _cluster_and_task(config, monkeypatch):
+    """What MultiWorkerMirroredStrategy's resolver reads from a TF_CONFIG."""
+    import tensorflow as tf
+
+    monkeypatch.setenv("TF_CONFIG", config)
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    return resolver.cluster_spec().as_dict(), resolver.task_type, resolver.task_id
+
+
+@pytest.mark.parametrize("code", multi_worker_blocks("bash"))
+def test_tf_config_commands_name_one_cluster_and_each_worker(code, tmp_path, monkeypatch):
+    import json
+
+    from helpers.processes import tf_configs
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text(_STAND_IN.format(python=sys.executable))
+    (bin_dir / "python").chmod(0o755)
+    invocations = tmp_path / "invocations"
+    result = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", code], capture_output=True, text=True, timeout=60,
+        cwd=tmp_path, env={**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+                           "INVOCATIONS": str(invocations)},
+    )
+    assert result.returncode == 0, result.stderr
+    runs = [json.loads(line) for line in invocations.read_text().splitlines()]
+    assert len(runs) >= 2, runs  # a cluster: the command of each worker
+    assert len({tuple(r["argv"]) for r in runs}) == 1, runs  # one program on every worker
+    parsed = [_cluster_and_task(r["TF_CONFIG"], monkeypatch) for r in runs]
+    clusters = {json.dumps(c, sort_keys=True) for c, _, _ in parsed}
+    assert len(clusters) == 1, f"workers in different clusters: {clusters}"
+    cluster = json.loads(clusters.pop())
+    assert list(cluster) == ["worker"], cluster
+    # Each worker of the cluster once, as the tests' local clusters (which
+    # run the multi-worker python blocks) hand them out.
+    assert sorted((t, i) for _, t, i in parsed) == [("worker", i) for i in range(len(cluster["worker"]))]
+    local = [_cluster_and_task(c, monkeypatch) for c in tf_configs(len(runs))]
+    assert [(t, i) for _, t, i in local] == sorted((t, i) for _, t, i in parsed)
+    assert all(list(c) == ["worker"] and len(c["worker"]) == len(runs) for c, _, _ in local)
+
+
 def _extras():
     config = configparser.ConfigParser()
     config.read(ROOT / "setup.cfg")
@@ -272,8 +365,6 @@ def _check_command(words, errors):
             elif not re.fullmatch(r"[A-Za-z][\w.-]*", arg):
                 errors.append(f"pip install of {arg}")
     elif module == "nox":
-        from test_matrix import nox_pairs
-
         sessions = {"tests", "kerashub", *(f"tests({pair})" for pair in nox_pairs())}
         options, _, pytest_args = " ".join(args).partition(" -- ")
         options = shlex.split(options)
@@ -365,8 +456,7 @@ def test_docstring_examples_run(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     objects = [getattr(keras_accum, n) for n in keras_accum.__all__ if n != "__version__"]
-    wrap_module = sys.modules["keras_accum.wrap"]
-    objects += [wrap_module.WrappedModel, wrap_module.RebuiltModel]  # wrap's results
+    objects += list(WRAPPED_CLASSES)  # wrap's results
     members = []
     for obj in objects:
         members.append(obj)

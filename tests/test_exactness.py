@@ -4,23 +4,18 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from reference import (
-    ATOL,
-    CLASSES,
-    FEATURES,
-    OPTIMIZERS,
+from helpers import internals
+from helpers.assertions import (
     RTOL,
     assert_history_close,
+    assert_no_open_window,
     assert_trained,
     assert_weights_close,
-    functional,
-    loss,
-    make_data,
-    subclassed,
 )
+from helpers.data import CLASSES, FEATURES, make_data
+from helpers.models import OPTIMIZERS, functional, loss, subclassed
 
 from keras_accum import AccumModel
-
 
 
 def train_both(
@@ -89,7 +84,7 @@ def test_window_open_at_epoch_end_is_applied_before_validation(n, micro, accum_s
     assert_weights_close(plain, acc)
     # val_* is computed on the updated weights, as for the big batch.
     assert_history_close(h_plain, h_acc)
-    assert int(acc._accumulator.micro_step) == 0
+    assert_no_open_window(acc)
 
 
 def test_weights_move_only_when_a_window_completes():
@@ -127,7 +122,7 @@ def test_other_callbacks_see_the_window_applied_at_epoch_end():
         x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
         callbacks=[keras.callbacks.LambdaCallback(
             on_epoch_end=lambda epoch, logs: seen.append(
-                (int(model._accumulator.micro_step), int(model.optimizer.iterations))
+                (internals.pending(model), int(model.optimizer.iterations))
             ))],
     )
     assert seen == [(0, 4), (0, 8)]

@@ -1,7 +1,7 @@
 """Fault tolerance: a worker may die at any moment, and a restart loses nothing.
 
 Across workers, the test starts two worker processes
-(tests/fault_tolerance_worker.py), stops one at a named point of training,
+(tests/scripts/fault_tolerance_worker.py), stops one at a named point of training,
 kills it there with SIGKILL, waits (bounded) for the survivor to exit,
 restarts both, and compares their final weights with one process trained
 on the big batch. Each multi-worker test is bounded by subprocess
@@ -17,26 +17,16 @@ import time
 import keras
 import numpy as np
 import pytest
-from reference import (
-    InterruptAt,
-    ATOL,
-    AccumNet,
-    PlainNet,
-    OPTIMIZERS,
-    ROOT,
-    RTOL,
-    assert_weights_close,
-    functional,
-    loss,
-    make_data,
-    run_python,
-    subclassed,
-)
-from workers import Cluster, run_workers, wait_for_file
+from helpers import internals
+from helpers.assertions import ATOL, RTOL, assert_no_open_window, assert_weights_close
+from helpers.data import make_data
+from helpers.models import OPTIMIZERS, AccumNet, PlainNet, functional, loss, subclassed
+from helpers.processes import Cluster, run_python, run_workers, script, wait_for_file
+from helpers.training import InterruptAt
 
 import keras_accum
 
-WORKER = str(ROOT / "tests" / "fault_tolerance_worker.py")
+WORKER = script("fault_tolerance_worker.py")
 EPOCHS = 4  # as in the worker script
 # Bounds, in seconds, on each wait: a worker reaching its point (start-up
 # included, on a loaded 2-core machine), the survivor's exit, a whole run.
@@ -180,7 +170,7 @@ def test_saving_and_loading_need_no_peer(tmp_path):
 
 
 def test_restore_point_is_the_newest_every_worker_holds():
-    restore_point = keras_accum.backup.restore_point
+    restore_point = internals.restore_point
     # Worker 1 died before its backup at the end of epoch 2; worker 0 wrote it.
     assert restore_point([("/b/w0", [(1, 0), (2, 0)]), ("/b/w1", [(0, 5), (1, 0)])]) == (1, 0)
     assert restore_point([("/b/w0", [(2, 0), (2, 5)]), ("/b/w1", [(2, 0), (2, 5)])]) == (2, 5)
@@ -203,26 +193,20 @@ def test_restore_point_is_the_newest_every_worker_holds():
 )
 def test_restore_point_refuses_what_cannot_resume(workers, expected):
     with pytest.raises(ValueError, match=expected):
-        keras_accum.backup.restore_point(workers)
+        internals.restore_point(workers)
 
 
 def test_restore_point_across_workers_needs_double_checkpoint():
     with pytest.raises(ValueError, match="double_checkpoint=True.*Received: double_checkpoint=False"):
-        keras_accum.backup.restore_point([("/b/w0", []), ("/b/w1", [])], double_checkpoint=False)
+        internals.restore_point([("/b/w0", []), ("/b/w1", [])], double_checkpoint=False)
 
 
 # -- one process ---------------------------------------------------------------
 
 
-class Interrupt(keras.callbacks.Callback):
+def interrupt():
     """Ctrl-C in the second epoch, after 6 micro-batches (a window half done)."""
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self._epoch == 1 and batch == 5:
-            raise KeyboardInterrupt
+    return InterruptAt(1, 5)
 
 
 def accum_fit(model, backup, callbacks=(), epochs=3):
@@ -266,7 +250,7 @@ def test_interrupted_mid_window_resumes_exactly(tmp_path, kind, double_checkpoin
 
     backup = keras_accum.BackupAndRestore(tmp_path, double_checkpoint=double_checkpoint)
     with pytest.raises(KeyboardInterrupt):
-        accum_fit(model(), backup, [Interrupt()])
+        accum_fit(model(), backup, [interrupt()])
     resumed = model()
     history = accum_fit(resumed, backup)
     assert len(history.history["loss"]) == 2  # from the end of epoch 1
@@ -338,7 +322,7 @@ def test_a_model_fit_builds_resumes_from_its_backup(tmp_path):
 
     backup = keras_accum.BackupAndRestore(tmp_path)
     with pytest.raises(KeyboardInterrupt):
-        accum_fit(unbuilt(), backup, [Interrupt()])
+        accum_fit(unbuilt(), backup, [interrupt()])
     resumed = unbuilt()
     history = accum_fit(resumed, backup)
     assert len(history.history["loss"]) == 2  # from the end of epoch 1
@@ -375,7 +359,7 @@ def test_batch_level_backup_resumes_exactly(tmp_path, save_freq, steps_per_execu
     with pytest.raises(KeyboardInterrupt):
         # The backup before the interruption: with every 6, the batch that is
         # interrupted is backed up first.
-        accum_fit(model(), Interrupt(), [backup])
+        accum_fit(model(), interrupt(), [backup])
     assert sorted(os.listdir(tmp_path)) == [f"{restored}.json", f"{restored}.weights.h5"]
     resumed = model()
     history = accum_fit(resumed, backup)
@@ -386,16 +370,14 @@ def test_batch_level_backup_resumes_exactly(tmp_path, save_freq, steps_per_execu
 def _batch_end_is_the_executions_last():
     # Keras 3.13+ passes `end_step` to on_train_batch_end; earlier releases
     # pass the step an execution began with.
-    from keras_accum import _keras_internals as internals
-
-    return "end_step" in inspect.getsource(internals.TensorFlowTrainer.fit)
+    return "end_step" in inspect.getsource(internals.keras_internals.TensorFlowTrainer.fit)
 
 
 def test_interrupted_while_skipping_then_resumed_again(tmp_path):
     backup = keras_accum.BackupAndRestore(tmp_path, save_freq=6)
     model = accum_model()
     with pytest.raises(KeyboardInterrupt):
-        accum_fit(model, Interrupt(), [backup])  # backed up 6 into epoch 2
+        accum_fit(model, interrupt(), [backup])  # backed up 6 into epoch 2
     with pytest.raises(KeyboardInterrupt):
         accum_fit(model, InterruptAt(1, 2), [backup])  # while skipping those
     history = accum_fit(model, backup)
@@ -405,9 +387,7 @@ def test_interrupted_while_skipping_then_resumed_again(tmp_path):
 
 @pytest.mark.parametrize("replicas", [1, 2], ids=["one_replica", "two_replicas"])
 def test_mirrored_strategy_backup_and_mid_window_save_are_exact(replicas):
-    result = run_python(
-        str(ROOT / "tests" / "mirrored_backup_checks.py"), str(replicas), timeout=RUN
-    )
+    result = run_python(script("mirrored_backup_checks.py"), str(replicas), timeout=RUN)
     assert result.returncode == 0, result.stderr[-3000:]
     run = json.loads(result.stdout.strip().splitlines()[-1])
     assert run["epochs_resumed"] == run["epochs_resumed_batches"] == 2
@@ -416,15 +396,6 @@ def test_mirrored_strategy_backup_and_mid_window_save_are_exact(replicas):
     for key in ("interrupted", "batch_level", "saved_mid_window"):
         for w, v in zip(run[key], plain.get_weights(), strict=True):
             np.testing.assert_allclose(np.array(w), v, rtol=RTOL, atol=ATOL, err_msg=key)
-
-
-def _saved_by(path, shares, replicas):
-    """Marks a weights file as saved by `shares` processes, `replicas` in all."""
-    import h5py
-
-    with h5py.File(path, "r+") as f:
-        f["_accumulator/vars/shares"][()] = shares
-        f["_accumulator/vars/replicas"][()] = replicas
 
 
 @pytest.mark.parametrize("shares, replicas", [(2, 2), (1, 2)])
@@ -439,7 +410,7 @@ def test_an_open_window_from_another_setup_is_refused(tmp_path, shares, replicas
     saved.train_on_batch(x[8:16], y[8:16])
     path = str(tmp_path / "share.weights.h5")
     saved.save_weights(path)
-    _saved_by(path, shares, replicas)
+    internals.mark_window_saved_by(path, shares, replicas)
     model = accum_model()
     model.train_on_batch(x[16:], y[16:])
     before = model.get_weights()
@@ -449,13 +420,13 @@ def test_an_open_window_from_another_setup_is_refused(tmp_path, shares, replicas
         rf"with {replicas} replica\(s\) in all, but this model runs in 1 with 1",
     ):
         model.load_weights(path)
-    assert model._accumulator.pending() == 1
+    assert internals.pending(model) == 1
     for w, v in zip(model.get_weights(), before, strict=True):
         np.testing.assert_array_equal(w, v)
     # At a window boundary (an epoch-end backup) there is nothing to split.
     saved.flush()
     saved.save_weights(path)
-    _saved_by(path, shares, replicas)
+    internals.mark_window_saved_by(path, shares, replicas)
     model.load_weights(path)
-    assert model._accumulator.pending() == 0
+    assert_no_open_window(model)
     assert_weights_close(model, saved)

@@ -1,26 +1,28 @@
 """Fails loudly when the Keras internals keras_accum relies on move.
 
 If one of these fails after a Keras upgrade, re-read the named Keras source
-against keras_accum/_keras_internals.py and the code that mirrors it (named
-there), adapt, then update the fingerprint.
+against keras_accum/_internals/ and the code that mirrors it (named in
+_internals/fingerprints.py), adapt, then update the fingerprint.
 """
 
+import ast
 import inspect
+import pathlib
+import re
 import subprocess
 import sys
 import textwrap
-
 import warnings
 
 import keras
 import numpy as np
 import pytest
-
-from keras_accum import _keras_internals as internals
-from keras_accum import _keras_versions as versions
+from helpers.internals import GradientAccumulator
+from helpers.internals import keras_internals as internals
+from helpers.internals import keras_versions as versions
 
 MESSAGE = (
-    "Keras {found} changed {what}; keras_accum/_keras_internals.py was "
+    "Keras {found} changed {what}; keras_accum/_internals/ was "
     f"read against Keras {', '.join(internals.REVIEWED_KERAS)}. Re-read it, "
     "adapt the code that mirrors it (named there), then add the fingerprint."
 )
@@ -104,7 +106,8 @@ def test_a_keras_that_renamed_the_trainer_still_imports_and_says_so():
                 delattr(trainer, name)
         with warnings.catch_warnings(record=True) as seen:
             import keras_accum
-        from keras_accum import _keras_internals as internals, _keras_versions as versions
+        from keras_accum import _internals as internals
+        from keras_accum._internals import versions
         print("WARNING", [str(w.message) for w in seen if "keras_accum was reviewed" in str(w.message)])
         print("CHANGED", sorted(versions.changed_sources(internals.mirrored(), internals.MIRRORED_SOURCES)))
         try:
@@ -151,8 +154,6 @@ def test_saving_visits_every_attribute_of_our_state():
     # kind has; none of ours may be among them, and the kind must be one
     # this Keras knows.
     from keras.src.saving import saving_lib
-
-    from keras_accum.accumulator import GradientAccumulator
 
     skipped = saving_lib.get_attr_skipset(GradientAccumulator()._obj_type())
     for attribute in ("nonfinite", "acc_grads", "micro_step", "_windows", "skipped"):
@@ -232,7 +233,7 @@ def test_tensorflow_still_reads_its_frequent_retracing_flag():
         pytest.fail(
             f"TensorFlow {tf.__version__} no longer reads tf.function's "
             "`_omit_frequent_tracing_warning`: adapt "
-            "_keras_internals.without_retracing_warning."
+            "_internals.trainer.without_retracing_warning."
         )
 
 
@@ -247,3 +248,142 @@ def test_backup_and_restore_batch_counting_is_still_keras_own(tmp_path):
     assert [internals.backup_due_after_batch(callback, b) for b in range(4)] == [
         False, True, False, True
     ]
+
+
+def test_the_internals_package_re_exports_every_public_name():
+    # `from keras_accum import _internals as internals` is the one way in:
+    # every public name of its modules is the package's, in `__all__`.
+    # (versions.py's own helpers are used as `versions.name`.)
+    import types
+
+    from keras_accum import _internals
+
+    def public(module):
+        return {
+            name: value
+            for name, value in vars(module).items()
+            if not name.startswith("_") and not isinstance(value, types.ModuleType)
+        }
+
+    assert sorted(public(_internals)) == sorted(_internals.__all__)
+    modules = [m for m in vars(_internals).values() if isinstance(m, types.ModuleType)]
+    modules = [m for m in modules if m.__name__.startswith(_internals.__name__ + ".")]
+    files = {p.stem for p in pathlib.Path(_internals.__file__).parent.glob("*.py")}
+    assert {m.__name__.rpartition(".")[2] for m in modules} == files - {"__init__"}
+    for module in modules:
+        if module is not versions:
+            for name, value in public(module).items():
+                assert getattr(_internals, name, None) is value, f"{module.__name__}.{name}"
+
+
+@pytest.mark.parametrize(
+    "attribute",
+    ["_trainable_variables", "_trainable_variables_indices", "_var_key", "_get_variable_index", "_variables"],
+)
+def test_optimizer_private_attributes_exist(attribute):
+    optimizer = keras.optimizers.Adam()
+    optimizer.build([keras.Variable([1.0]), keras.Variable([2.0, 3.0])])
+    if not hasattr(optimizer, attribute):
+        pytest.fail(MESSAGE.format(found=keras.__version__, what=f"Optimizer.{attribute}"))
+
+
+def test_optimizer_bookkeeping_is_the_build_order_and_own_variables():
+    variables = [keras.Variable([1.0]), keras.Variable([2.0, 3.0]), keras.Variable([4.0])]
+    optimizer = keras.optimizers.Adam()
+    optimizer.build(variables[::-1])
+    assert list(map(id, internals.built_variables(optimizer))) == list(map(id, variables[::-1]))
+    assert [internals.build_position(optimizer, v) for v in variables] == [2, 1, 0]
+    # Adam's own (iterations, learning rate, two slots per variable): what
+    # `variables` lists for an optimizer that wraps none.
+    own = internals.own_variables(optimizer)
+    assert len(own) == 2 + 2 * len(variables)
+    assert list(map(id, own)) == list(map(id, optimizer.variables))
+    extra = keras.Variable([0.0])
+    unknown = internals.unknown_variables(optimizer, [*variables, extra])
+    assert len(unknown) == 1 and unknown[0] is extra
+
+
+def test_keras_backups_go_through_keras_accum_backup_and_restore(tmp_path, monkeypatch):
+    # Keras's BackupAndRestore writes its backups in `_save_model`, from
+    # on_epoch_end and on_train_batch_end; keras_accum's routes it to its own.
+    import keras_accum
+
+    source = inspect.getsource(keras.callbacks.BackupAndRestore)
+    if "def _save_model(self)" not in source or "self._save_model()" not in source:
+        pytest.fail(MESSAGE.format(found=keras.__version__, what="BackupAndRestore._save_model"))
+    callback = keras_accum.BackupAndRestore(str(tmp_path))
+    saved = []
+    monkeypatch.setattr(callback, "_save_epoch_end", lambda: saved.append("ours"))
+    callback._save_model()
+    assert saved == ["ours"]
+
+
+# Private names of Keras and TensorFlow objects that keras_accum reads, sets,
+# calls or overrides: only keras_accum/_internals/ may name them, as it alone
+# may import from `keras.src` or `tensorflow.python`.
+PRIVATE_NAMES = {
+    # Model and trainer
+    "_call_has_training_arg", "_compute_loss", "_loss_tracker", "_compile_loss",
+    "_flat_losses", "_symbolic_build", "_maybe_symbolic_build", "_make_function",
+    "_distribute_strategy", "_initial_epoch", "_build_shapes_dict", "_flatten_layers",
+    "_obj_type", "_collective_all_reduce_multi_worker",
+    # Layers
+    "_moments",
+    # Optimizer
+    "_trainable_variables", "_trainable_variables_indices", "_var_key",
+    "_get_variable_index", "_variables",
+    # BackupAndRestore
+    "_should_save_on_batch", "_last_batch_seen", "_batches_seen_since_last_saving",
+    "_save_model",
+    # TensorFlow
+    "_get_default_strategy", "_get_on_device_or_primary", "_omit_frequent_tracing_warning",
+}
+PRIVATE_MODULES = re.compile(r"\bkeras\.src\b|\btensorflow\.python\b")
+
+
+def _private_reaches(path):
+    """`(line, what)` for each private Keras or TensorFlow name `path` uses."""
+    text = path.read_text()
+    found = [
+        (text.count("\n", 0, m.start()) + 1, m.group()) for m in PRIVATE_MODULES.finditer(text)
+    ]
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Attribute):
+            name = node.attr
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            name = node.value  # getattr(obj, "_name"), hasattr, setattr
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            name = node.name  # an override of a private method
+        elif isinstance(node, ast.alias):
+            name = node.name.rsplit(".", 1)[-1]
+        else:
+            continue
+        if name in PRIVATE_NAMES:
+            found.append((getattr(node, "lineno", 0), name))
+    return sorted(found)
+
+
+def test_only_the_internals_package_reaches_into_keras():
+    import keras_accum
+
+    package = pathlib.Path(keras_accum.__file__).parent
+    modules = sorted(p for p in package.rglob("*.py") if "_internals" not in p.relative_to(package).parts)
+    outside = [
+        f"keras_accum/{p.relative_to(package)}:{line}: {what}"
+        for p in modules
+        for line, what in _private_reaches(p)
+    ]
+    assert not outside, (
+        "Keras or TensorFlow internals named outside keras_accum/_internals/; "
+        "add a function there (guarded by a test here) and call it instead: "
+        + "; ".join(outside)
+    )
+
+
+def test_every_private_name_listed_is_one_the_internals_package_uses():
+    # Keeps PRIVATE_NAMES the package's own list, not a guess.
+    import keras_accum
+
+    package = pathlib.Path(keras_accum.__file__).parent / "_internals"
+    used = {what for path in package.glob("*.py") for _, what in _private_reaches(path)}
+    assert sorted(PRIVATE_NAMES - used) == []

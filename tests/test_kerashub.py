@@ -3,7 +3,8 @@ the big batch; `.keras` files and exports of wrapped KerasHub models.
 
 Runs where keras-hub is installed (`nox -s kerashub`, which sets
 KERAS_ACCUM_REQUIRE_KERAS_HUB=1 so that a missing keras-hub fails instead of
-skipping). Models come from small configs with random weights (kerashub_models.py).
+skipping). Models come from small configs with random weights
+(tests/helpers/kerashub.py).
 """
 
 import os
@@ -17,9 +18,11 @@ if os.environ.get("KERAS_ACCUM_REQUIRE_KERAS_HUB"):
 else:
     pytest.importorskip("keras_hub")
 
-import kerashub_models as hub  # noqa: E402
-from reference import assert_history_close, assert_trained, assert_weights_close, run_python  # noqa: E402
-from test_auto_micro_batch import LimitedLoss  # noqa: E402
+from helpers import kerashub as hub  # noqa: E402
+from helpers.assertions import assert_history_close, assert_trained, assert_weights_close  # noqa: E402
+from helpers.oom import LimitedLoss  # noqa: E402
+from helpers.processes import run_python, script  # noqa: E402
+from helpers.project import PAGES, blocks  # noqa: E402
 
 import keras_accum  # noqa: E402
 
@@ -118,7 +121,7 @@ def test_keras_file_saved_mid_window_loads_in_a_fresh_process_and_resumes(name, 
     np.savez(tmp_path / "data.npz", **arrays)
 
     result = run_python(
-        "tests/kerashub_resume.py", str(tmp_path / "lm.keras"),
+        script("kerashub_resume.py"), str(tmp_path / "lm.keras"),
         str(tmp_path / "data.npz"), "80", str(hub.N), str(tmp_path / "out.npz"),
     )
     assert result.returncode == 0, result.stderr[-4000:]
@@ -186,8 +189,6 @@ def test_plain_kerashub_file_and_wrapped_file_hold_the_same_weights(tmp_path):
 def test_docs_kerashub_blocks_run(tmp_path, monkeypatch):
     # The site's KerasHub examples (marked `docs-test: kerashub`), which
     # tests/test_docs.py leaves to this file.
-    from test_docs import PAGES, blocks
-
     codes = [b.code for p in PAGES for b in blocks(p.read_text()) if b.marker == "kerashub"]
     assert codes
     monkeypatch.chdir(tmp_path)

@@ -4,38 +4,18 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from reference import FEATURES, assert_trained, assert_weights_close, make_data
+from helpers import internals
+from helpers.assertions import assert_trained, assert_weights_close
+from helpers.data import FEATURES
+from helpers.data import SEQ_LENGTH as LENGTH
+from helpers.data import SEQ_TAGS as TAGS
+from helpers.data import SEQ_VOCAB as VOCAB
+from helpers.data import make_data, sequences
+from helpers.models import per_sample_model, tagger, token_loss
 
 from keras_accum import AccumModel
 
-VOCAB, LENGTH, TAGS = 30, 12, 5
 MICRO, N = 4, 4
-
-
-def sequences(n=40, seed=0):
-    """Padded sequences whose lengths make micro-batches very unequal.
-
-    Sorted by length, so one micro-batch holds sequences of 1-2 tokens and
-    another of 11-12: per-micro-batch means would weight their tokens very
-    differently from the big batch's per-token mean.
-    """
-    rng = np.random.default_rng(seed)
-    lengths = np.sort(rng.integers(1, LENGTH + 1, size=n))
-    tokens = np.zeros((n, LENGTH), "int32")
-    tags = np.zeros((n, LENGTH), "int64")
-    for i, length in enumerate(lengths):
-        tokens[i, :length] = rng.integers(1, VOCAB, size=length)
-        tags[i, :length] = tokens[i, :length] % TAGS
-    return tokens, tags
-
-
-def tagger(cls=keras.Model, **kwargs):
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((LENGTH,), dtype="int32")
-    h = keras.layers.Embedding(VOCAB, 8, mask_zero=True)(inputs)
-    h = keras.layers.Dense(16, activation="tanh")(h)
-    outputs = keras.layers.Dense(TAGS)(h)  # the mask rides along to the loss
-    return cls(inputs, outputs, **kwargs)
 
 
 def sgd():
@@ -55,10 +35,6 @@ def train_pair(build, x, y, loss, fit_kwargs=None, optimizer=sgd):
     acc.fit(x, y, batch_size=MICRO, **fit)
     assert_trained(plain, initial)
     return plain, acc
-
-
-def token_loss(**kwargs):
-    return keras.losses.SparseCategoricalCrossentropy(from_logits=True, **kwargs)
 
 
 def test_masked_token_loss_divides_by_the_windows_real_tokens():
@@ -98,13 +74,6 @@ def test_masked_token_loss_with_tf_data_padded_batches():
     acc.compile(sgd(), token_loss())
     acc.fit(dataset(MICRO), epochs=2, verbose=0)
     assert_weights_close(plain, acc)
-
-
-def per_sample_model(cls=keras.Model, regularizer=None, **kwargs):
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((FEATURES,))
-    h = keras.layers.Dense(8, activation="tanh", kernel_regularizer=regularizer)(inputs)
-    return cls(inputs, keras.layers.Dense(3)(h), **kwargs)
 
 
 def test_mean_with_sample_weight_and_uneven_weights():
@@ -258,8 +227,6 @@ def test_the_normaliser_is_the_divisor_keras_applies(case):
     # exactly what makes a window divide like the big batch. (Keras needs a
     # mask of the loss elements' shape, so with a mask the divisor is the
     # number of unmasked elements.)
-    from keras_accum.normaliser import loss_normaliser
-
     rng = np.random.default_rng(0)
     tokens = np.array([[3, 1, 0, 0, 0], [2, 4, 4, 1, 0], [1, 0, 0, 0, 0], [5, 5, 5, 5, 5]])
     embedded = keras.layers.Embedding(10, 3, mask_zero=True)(tokens)  # carries a mask
@@ -277,7 +244,7 @@ def test_the_normaliser_is_the_divisor_keras_applies(case):
     reduction = "mean_with_sample_weight" if case == "sample_weight" else "sum_over_batch_size"
     mean = make(reduction=reduction)
     total = make(reduction="sum")(y_true, y_pred, sample_weight)
-    normaliser = loss_normaliser(mean, y_true, y_pred, sample_weight)
+    normaliser = internals.loss_normaliser(mean, y_true, y_pred, sample_weight)
     np.testing.assert_allclose(
         float(mean(y_true, y_pred, sample_weight)) * float(normaliser), float(total), rtol=1e-6
     )

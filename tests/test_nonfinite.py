@@ -4,17 +4,11 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from reference import (
-    WAYS_IN,
-    initial_weights,
-    OPTIMIZERS,
-    assert_trained,
-    assert_weights_close,
-    functional,
-    loss,
-    make_data,
-)
-from test_precision_and_sparse import mlp
+from helpers import internals
+from helpers.assertions import assert_no_open_window, assert_trained, assert_weights_close
+from helpers.data import make_data
+from helpers.models import OPTIMIZERS, WAYS_IN, functional, initial_weights, loss, mlp
+from helpers.training import plain_on_batches
 
 import keras_accum
 from keras_accum import AccumModel, AccumOptimizer, AccumScheduler
@@ -29,15 +23,9 @@ WINDOWS = [slice(0, 32), slice(32, 64), slice(64, 92)]
 FIT = dict(shuffle=False, verbose=0)
 
 
-
 def big_batches(windows, epochs=2, optimizer="adam", make=functional, x=X):
     """A plain model after `train_on_batch` on each big batch in `windows`."""
-    plain = make()
-    plain.compile(OPTIMIZERS[optimizer](), loss())
-    for _ in range(epochs):
-        for window in windows:
-            plain.train_on_batch(x[window], Y[window])
-    return plain
+    return plain_on_batches(x, Y, windows, epochs, optimizer, make)
 
 
 def assert_finite(model):
@@ -60,7 +48,7 @@ def test_fit_skips_the_nan_window_as_if_it_were_not_there(kind, optimizer):
     assert model.skipped_windows == 2
     assert history.history["skipped_windows"] == [1, 2]
     assert np.isnan(history.history["loss"]).all()  # as Keras logs a NaN sample
-    assert model._accumulator.pending() == 0
+    assert_no_open_window(model)
 
 
 def test_default_applies_the_nan_window_as_the_big_batch_does():
@@ -107,10 +95,10 @@ def test_train_on_batch_and_flush_skip_a_partial_nan_window():
     model.compile(OPTIMIZERS["adam"](), loss())
     for i in range(6):  # a full window, then micro-batches 4 and 5 (NaN)
         model.train_on_batch(X_NAN[MICRO * i : MICRO * (i + 1)], Y[MICRO * i : MICRO * (i + 1)])
-    assert model._accumulator.pending() == 2
+    assert internals.pending(model) == 2
     model.flush()
-    assert model._accumulator.pending() == 0
     assert model.skipped_windows == 1
+    assert_no_open_window(model)
     for i in range(6, 10):
         model.train_on_batch(X_NAN[MICRO * i : MICRO * (i + 1)], Y[MICRO * i : MICRO * (i + 1)])
     assert_weights_close(big_batches([slice(0, 32), slice(48, 80)], epochs=1), model)
@@ -205,7 +193,7 @@ def test_serialisation_round_trip(kind):
 def test_accum_optimizer_serialisation_round_trip():
     opt = AccumOptimizer(keras.optimizers.Adam(), accum_steps=3, skip_nonfinite=True)
     clone = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
-    assert isinstance(clone, AccumOptimizer) and clone._nonfinite is not None
+    assert isinstance(clone, AccumOptimizer) and clone.get_config()["skip_nonfinite"] is True
     assert AccumOptimizer.from_config(opt.get_config()).get_config() == opt.get_config()
 
 

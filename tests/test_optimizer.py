@@ -4,7 +4,10 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from reference import assert_trained, assert_weights_close, functional, loss, make_data
+from helpers import internals
+from helpers.assertions import assert_trained, assert_weights_close
+from helpers.data import make_data
+from helpers.models import functional, loss
 
 import keras_accum
 from keras_accum import AccumModel, AccumOptimizer
@@ -131,7 +134,7 @@ def test_saved_and_restored_with_the_model_pending_window_included(tmp_path):
     model.save(tmp_path / "m.keras")
     loaded = keras.models.load_model(tmp_path / "m.keras")
     assert isinstance(loaded.optimizer, AccumOptimizer)
-    assert loaded.optimizer._accumulator.pending() == 2
+    assert internals.pending(loaded.optimizer) == 2
     train(loaded, range(6, 8))
     assert_weights_close(uninterrupted, loaded, rtol=0, atol=0)
 

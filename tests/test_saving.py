@@ -1,6 +1,5 @@
 """Saving, exporting and resuming, pending window included."""
 
-import json
 import os
 import subprocess
 import sys
@@ -9,14 +8,10 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from reference import (
-    FEATURES,
-    assert_weights_close,
-    functional,
-    loss,
-    make_data,
-    subclassed,
-)
+from helpers import internals
+from helpers.assertions import assert_no_open_window, assert_weights_close
+from helpers.data import FEATURES, make_data
+from helpers.models import functional, loss, subclassed
 
 import keras_accum
 from keras_accum import AccumModel
@@ -56,8 +51,8 @@ def fresh(make=functional, accum_steps=4):
 
 
 def window_state(model):
-    acc = model._accumulator
-    return acc.pending(), float(acc.window_weight.numpy()), [b.numpy() for b in acc.acc_grads]
+    acc = internals.accumulator(model)
+    return acc.open_micro_batches(), float(acc.window_weight.numpy()), [b.numpy() for b in acc.acc_grads]
 
 
 def assert_same_window(a, b):
@@ -137,7 +132,7 @@ def test_load_weights_resumes_a_pending_window(suffix, tmp_path):
     restored = fresh()
     restored.load_weights(path)
     assert_same_window(model, restored)
-    assert int(restored._accumulator.accum_steps.numpy()) == 4
+    assert internals.accumulator(restored).window_length() == 4
     train(restored, range(6, 8))
     assert_weights_close(uninterrupted(), restored, rtol=0, atol=0)
 
@@ -151,7 +146,7 @@ def test_weights_files_interchange_with_a_plain_model(tmp_path):
     np.testing.assert_array_equal(plain.predict(X, verbose=0), acc.predict(X, verbose=0))
     plain.save_weights(tmp_path / "plain.weights.h5")
     acc.load_weights(tmp_path / "plain.weights.h5")  # a plain file: no open window
-    assert acc._accumulator.pending() == 0
+    assert_no_open_window(acc)
 
 
 # -- a different accum_steps ----------------------------------------------------------
@@ -167,9 +162,9 @@ def test_resuming_with_a_different_accum_steps_is_refused_until_resolved(tmp_pat
         restored.train_on_batch(*micro_batch(6))
     for a, b in zip(before, restored.get_weights()):
         np.testing.assert_array_equal(a, b)
-    assert restored._accumulator.pending() == 2
+    assert internals.pending(restored) == 2
     restored.accum_steps = 4  # finish the window as it began: no early update
-    assert restored._accumulator.pending() == 2
+    assert internals.pending(restored) == 2
     train(restored, range(6, 8))
     assert_weights_close(uninterrupted(), restored, rtol=0, atol=0)
 
@@ -312,7 +307,7 @@ def directory_size(path):
 def test_export_serves_without_keras_accum_and_holds_no_window(kind, tmp_path):
     make = MAKERS[kind]
     model = train(compiled(make(AccumModel, accum_steps=4)), range(6))
-    assert model._accumulator.pending() == 2
+    assert internals.pending(model) == 2
     model.export(tmp_path / "acc", verbose=False)
     served = serve_in_fresh_process(tmp_path / "acc", tmp_path)
     np.testing.assert_allclose(served, model.predict(X, verbose=0), rtol=1e-6, atol=1e-6)

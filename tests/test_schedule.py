@@ -1,19 +1,15 @@
-"""AccumScheduler (batch-size warm-up) and one traced step per accum_steps."""
+"""AccumScheduler (batch-size warm-up): the big batch the schedule names,
+epoch by epoch; bad schedules refused before training.
+
+That a schedule traces one step per distinct value: test_train_functions.py.
+"""
 
 import keras
 import numpy as np
 import pytest
-from reference import (
-    WAYS_IN,
-    initial_weights,
-    OPTIMIZERS,
-    assert_history_close,
-    assert_trained,
-    assert_weights_close,
-    functional,
-    loss,
-    make_data,
-)
+from helpers.assertions import assert_history_close, assert_trained, assert_weights_close
+from helpers.data import make_data
+from helpers.models import OPTIMIZERS, WAYS_IN, functional, initial_weights, loss
 
 from keras_accum import AccumModel, AccumScheduler
 
@@ -25,7 +21,6 @@ MICRO = 8
 SCHEDULE = {0: 1, 2: 2, 3: 4}
 EPOCHS = 5
 FIT = dict(shuffle=False, verbose=0)
-
 
 
 def plain_following(schedule, optimizer="adam", make=functional, start=0, epochs=EPOCHS):
@@ -233,83 +228,4 @@ def test_a_plain_model_is_refused_before_training():
     with pytest.raises(ValueError, match="AccumScheduler needs a keras_accum model"):
         model.fit(X, Y, batch_size=MICRO, callbacks=[AccumScheduler({0: 2})], **FIT)
     for w, w0 in zip(model.get_weights(), initial):
-        np.testing.assert_array_equal(w, w0)
-
-
-# -- one traced step per accum_steps value ---------------------------------------------
-
-X96, Y96 = make_data(96)  # equal batches only: one trace per function
-
-
-class CountingTraces(AccumModel):
-    """Logs the accum_steps of each trace of its step: the Python body runs
-    once per trace, not per step."""
-
-    traced = []
-
-    def train_step(self, data):
-        CountingTraces.traced.append(self.accum_steps)
-        return super().train_step(data)
-
-
-def traces():
-    """The values traced, in order. A step that creates variables (Keras's
-    own, at accum_steps=1, builds the optimizer) is traced twice by
-    tf.function on its first call: consecutive repeats are one function."""
-    log = CountingTraces.traced
-    return [v for i, v in enumerate(log) if i == 0 or log[i - 1] != v]
-
-
-@pytest.fixture
-def counting():
-    CountingTraces.traced = []
-    model = functional(CountingTraces)
-    model.compile(OPTIMIZERS["adam"](), loss())
-    return model
-
-
-def test_a_schedule_traces_each_distinct_value_once(counting):
-    schedule = {0: 1, 1: 2, 2: 4, 3: 2, 4: 1, 5: 4}
-    history = counting.fit(
-        X96, Y96, batch_size=MICRO, epochs=6, callbacks=[AccumScheduler(schedule)], **FIT
-    )
-    assert history.history["accum_steps"] == [1, 2, 4, 2, 1, 4]
-    assert traces() == [1, 2, 4]
-
-
-def test_repeated_fit_with_accum_steps_traces_once(counting):
-    for _ in range(3):
-        counting.fit(X96, Y96, batch_size=MICRO, accum_steps=4, **FIT)
-        assert counting.accum_steps == 1
-    assert CountingTraces.traced == [4]
-    counting.fit(X96, Y96, batch_size=MICRO, **FIT)  # its own accum_steps=1
-    counting.fit(X96, Y96, batch_size=MICRO, accum_steps=4, **FIT)
-    assert traces() == [4, 1]
-    plain = functional()
-    plain.compile(OPTIMIZERS["adam"](), loss())
-    plain.fit(X96, Y96, batch_size=32, epochs=3, **FIT)
-    plain.fit(X96, Y96, batch_size=8, **FIT)
-    plain.fit(X96, Y96, batch_size=32, **FIT)
-    assert_weights_close(plain, counting)
-
-
-def test_compile_makes_new_steps_for_the_new_optimizer(counting):
-    counting.fit(X96, Y96, batch_size=MICRO, accum_steps=2, **FIT)
-    first = counting.optimizer
-    counting.compile(keras.optimizers.SGD(0.1), loss())
-    counting.fit(X96, Y96, batch_size=MICRO, accum_steps=2, **FIT)
-    assert CountingTraces.traced == [2, 2]
-    # A stale step would have kept updating the first optimizer.
-    assert int(first.iterations.numpy()) == 6
-    assert int(counting.optimizer.iterations.numpy()) == 6
-
-
-def test_a_change_of_trainable_variables_makes_new_steps(counting):
-    counting.fit(X96, Y96, batch_size=MICRO, accum_steps=2, **FIT)
-    # Not recompiled (Keras warns): the new trainable set alone must tell.
-    counting.get_layer("hidden").trainable = False
-    frozen = counting.get_layer("hidden").get_weights()
-    counting.fit(X96, Y96, batch_size=MICRO, accum_steps=2, **FIT)
-    assert CountingTraces.traced == [2, 2]
-    for w, w0 in zip(counting.get_layer("hidden").get_weights(), frozen):
         np.testing.assert_array_equal(w, w0)

@@ -9,61 +9,13 @@ writing anything.
 import keras
 import numpy as np
 import pytest
-from keras import ops
-from reference import assert_weights_close
+from helpers.assertions import assert_weights_close
+from helpers.models import TIED_LENGTH as LENGTH
+from helpers.models import TIED_VOCAB as VOCAB
+from helpers.models import TIED_WIDTH as WIDTH
+from helpers.models import TiedEmbedding, TiedLM, tied_graph
 
 import keras_accum
-
-VOCAB, WIDTH, LENGTH = 20, 4, 5
-
-
-@keras.saving.register_keras_serializable(package="test_shared_layers")
-class TiedEmbedding(keras.layers.Embedding):
-    """Embeds tokens, or with `reverse=True` projects onto the vocabulary
-    with the same table (as KerasHub's ReversibleEmbedding)."""
-
-    def call(self, inputs, reverse=False):
-        if reverse:
-            return ops.matmul(inputs, ops.transpose(self.embeddings))
-        return super().call(inputs)
-
-    def compute_output_spec(self, inputs, reverse=False):
-        if reverse:
-            return keras.KerasTensor((*inputs.shape[:-1], self.input_dim), self.compute_dtype)
-        return super().compute_output_spec(inputs)
-
-
-def _encoder(embedding):
-    tokens = keras.Input((LENGTH,), dtype="int32", name="tokens")
-    hidden = keras.layers.Dense(WIDTH, activation="tanh", name="mix")(embedding(tokens))
-    return keras.Model(tokens, hidden, name="encoder")
-
-
-def _tied_graph(seed=0):
-    """Inputs and outputs of a language model whose table is held by a nested
-    encoder and called again by the head: the shape of GPT2CausalLM."""
-    keras.utils.set_random_seed(seed)
-    embedding = TiedEmbedding(VOCAB, WIDTH, name="table")
-    encoder = _encoder(embedding)
-    tokens = keras.Input((LENGTH,), dtype="int32", name="tokens")
-    return tokens, embedding(encoder(tokens), reverse=True)
-
-
-@keras.saving.register_keras_serializable(package="test_shared_layers")
-class TiedLM(keras.Model):
-    """A functional subclass with a config of its own, as KerasHub tasks are."""
-
-    def __init__(self, seed=0, **kwargs):
-        tokens, logits = _tied_graph(seed)
-        super().__init__(tokens, logits, **kwargs)
-        self.seed = seed
-
-    def get_config(self):
-        return {"seed": self.seed, "name": self.name}
-
-    @classmethod
-    def from_config(cls, config):
-        return cls(**config)
 
 
 @keras.saving.register_keras_serializable(package="test_shared_layers")
@@ -136,7 +88,7 @@ def test_tied_model_saved_mid_window_loads_and_resumes_exactly(way, tmp_path):
 def test_plain_keras_writes_a_file_of_such_a_graph_that_does_not_load(tmp_path):
     # Why AccumModel refuses below: Keras's functional config makes the
     # shared table twice. If a Keras release fixes this, the refusal can go.
-    plain = _compile(keras.Model(*_tied_graph()))
+    plain = _compile(keras.Model(*tied_graph()))
     plain.save(tmp_path / "plain.keras")
     with pytest.raises(ValueError, match="expected 1 variables, but received 0"):
         keras.saving.load_model(tmp_path / "plain.keras")
@@ -145,8 +97,8 @@ def test_plain_keras_writes_a_file_of_such_a_graph_that_does_not_load(tmp_path):
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: keras_accum.AccumModel(*_tied_graph(), accum_steps=2),
-        lambda: keras_accum.wrap(keras.Model(*_tied_graph()), accum_steps=2),
+        lambda: keras_accum.AccumModel(*tied_graph(), accum_steps=2),
+        lambda: keras_accum.wrap(keras.Model(*tied_graph()), accum_steps=2),
     ],
     ids=["functional", "wrap_functional"],
 )
@@ -178,20 +130,3 @@ def test_shared_layers_within_one_graph_still_save():
     assert model.get_config()["accum_steps"] == 2
 
 
-def test_wrap_of_a_functional_subclass_keeps_its_class_config():
-    model = keras_accum.wrap(TiedLM(seed=3), accum_steps=2, micro_batch_size=4)
-    config = model.get_config()
-    assert config["model"]["class_name"] == "TiedLM" and config["model"]["config"]["seed"] == 3
-    assert config["accum_steps"] == 2 and config["micro_batch_size"] == 4
-    again = type(model).from_config(config)
-    assert again.accum_steps == 2 and again.micro_batch_size == 4
-
-
-def test_wrap_refuses_a_functional_subclass_that_overrides_train_step():
-    class Custom(keras.Model):
-        def train_step(self, data):
-            return super().train_step(data)
-
-    tokens, logits = _tied_graph()
-    with pytest.raises(ValueError, match=r"`model` is a Custom, which overrides `train_step`; wrap\(\) cannot honour"):
-        keras_accum.wrap(Custom(tokens, logits), accum_steps=2)

@@ -14,21 +14,22 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from reference import (
-    ATOL,
-    assert_trained,
-    assert_weights_close,
-    loss,
-    run_python,
-)
+from helpers import internals
+from helpers.assertions import ATOL, assert_trained, assert_weights_close
+from helpers.data import TEXT_LENGTH as LENGTH
+from helpers.data import TEXT_TOKENS as TOKENS
+from helpers.data import TEXT_VOCAB as VOCAB
+from helpers.data import token_data
+from helpers.internals import GradientAccumulator, NonFiniteWindows, Window, sparse
+from helpers.models import loss
+from helpers.models import text_net as net
+from helpers.processes import run_python, script
 
 import keras_accum
-from keras_accum import AccumModel, AccumOptimizer, sparse
-from keras_accum.accumulator import GradientAccumulator
-from keras_accum.nonfinite import NonFiniteWindows
+from keras_accum import AccumModel, AccumOptimizer
 
-# Window tokens (32 samples x 6) stay under the table's rows: slices.
-VOCAB, LENGTH, TOKENS = 500, 6, 30
+# A window of 4 micro-batches of 8: its 32 x LENGTH tokens stay under the
+# table's VOCAB rows, so its gradient is kept as slices.
 MICRO, N = 8, 4
 
 OPTIMIZERS = {
@@ -40,31 +41,6 @@ OPTIMIZERS = {
 }
 # Those whose sparse update differs from the update on the summed gradient.
 OCCURRENCE_WISE = ("adam", "adamw", "rmsprop", "adagrad")
-
-
-def token_data(n=76, seed=7, low=0):
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(low, TOKENS, size=(n, LENGTH)).astype("int32")
-    return tokens, (tokens.sum(axis=1) % 3).astype("int64")
-
-
-def _body(inputs, vocab=VOCAB, mask_zero=False, tied=False):
-    embedding = keras.layers.Embedding(vocab, 8, mask_zero=mask_zero, name="embedding")
-    h = keras.layers.GlobalAveragePooling1D()(embedding(inputs))
-    if tied:
-        # The same table read twice: its gradient is both reads' slices.
-        reversed_ = keras.layers.Lambda(lambda t: keras.ops.flip(t, axis=1))(inputs)
-        other = keras.layers.GlobalAveragePooling1D()(embedding(reversed_))
-        h = keras.layers.Concatenate()([h, keras.layers.Dense(8)(other)])
-    # float32 outputs, as Keras's mixed-precision guide recommends.
-    logits = keras.layers.Dense(3)(h)
-    return keras.layers.Activation("linear", dtype="float32")(logits)
-
-
-def net(cls=keras.Model, vocab=VOCAB, mask_zero=False, tied=False, **kwargs):
-    keras.utils.set_random_seed(0)
-    inputs = keras.Input((LENGTH,), dtype="int32")
-    return cls(inputs, _body(inputs, vocab, mask_zero, tied), **kwargs)
 
 
 class _Net:
@@ -93,7 +69,7 @@ def _seeded(make):
     return make()
 
 
-# The ways in of reference.WAYS_IN, for a text model: (accumulating, plain).
+# The ways in of helpers.models.WAYS_IN, for a text model: (accumulating, plain).
 WAYS_IN = {
     "functional": (lambda: net(AccumModel, accum_steps=N), net),
     "subclass": (
@@ -155,7 +131,7 @@ def test_embedding_matches_keras_sparse_big_batch(name, samples):
     initial = table(net())
     plain, accum = fit_pair(*WAYS_IN["functional"], x, y, OPTIMIZERS[name])
     assert_trained(plain, net().get_weights())
-    assert accum._accumulator._sparse == {0}  # the table's gradient is slices
+    assert internals.sparse_indices(accum) == {0}  # the table's gradient is slices
     assert_weights_close(plain, accum)
     if name in OCCURRENCE_WISE and samples == 76:
         # The test can tell: the summed window is measurably elsewhere.
@@ -179,7 +155,7 @@ def test_tied_embedding_read_twice(name):
         lambda: net(tied=True),
         x, y, OPTIMIZERS[name],
     )
-    assert accum._accumulator._sparse == {0}
+    assert internals.sparse_indices(accum) == {0}
     assert_weights_close(plain, accum)
 
 
@@ -313,13 +289,13 @@ def test_resume_mid_window_from_a_weights_file(tmp_path):
     first = model()
     for batch in batches[:6]:  # one window applied, two micro-batches pending
         first.train_on_batch(*batch)
-    assert first._accumulator.pending() == 2
-    assert int(first._accumulator.slice_counts[0].numpy()) == 2 * MICRO * LENGTH
+    assert internals.pending(first) == 2
+    assert int(internals.accumulator(first).slice_counts[0].numpy()) == 2 * MICRO * LENGTH
     first.save_weights(tmp_path / "w.weights.h5")
     resumed = model()
     resumed.optimizer.build(resumed.trainable_variables)  # as fit() would
     resumed.load_weights(tmp_path / "w.weights.h5")
-    assert resumed._accumulator.pending() == 2
+    assert internals.pending(resumed) == 2
     for batch in batches[6:]:
         resumed.train_on_batch(*batch)
     assert_weights_close(uninterrupted, resumed, rtol=0, atol=0)
@@ -367,7 +343,7 @@ def test_resume_mid_window_from_a_tf_train_checkpoint(tmp_path):
     resumed = model()
     resumed.train_on_batch(*batches[0])  # builds the window; then overwritten
     tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).restore(path)
-    assert resumed._accumulator.pending() == 2
+    assert internals.pending(resumed) == 2
     for batch in batches[6:]:
         resumed.train_on_batch(*batch)
     assert_weights_close(uninterrupted, resumed, rtol=0, atol=0)
@@ -382,15 +358,15 @@ def test_a_window_saved_before_slices_is_applied_as_its_dense_sum():
     for part in (slice(0, 8), slice(8, 16)):
         source.train_on_batch(x[part], y[part])
     store = {}
-    source._accumulator.save_own_variables(store)
-    acc = source._accumulator
+    acc = internals.accumulator(source)
+    acc.save_own_variables(store)
     table_sum = sparse.dense_sum(acc.acc_grads[0], acc.slice_indices[0], acc.slice_counts[0])
     old = {k: v for k, v in store.items() if not k.startswith(("slice_", "sparse"))}
     old["acc_grad_0"] = table_sum.numpy()
     loaded = net(AccumModel, accum_steps=N)
     loaded.compile(OPTIMIZERS["adam"](), loss())
     loaded.optimizer.build(loaded.trainable_variables)
-    loaded._accumulator.load_own_variables(old)
+    internals.accumulator(loaded).load_own_variables(old)
     for part in (slice(16, 24), slice(24, 32)):  # the window goes on, densely
         loaded.train_on_batch(x[part], y[part])
     assert int(loaded.optimizer.iterations) == 1
@@ -412,7 +388,7 @@ def test_snapshot_and_restore_bring_back_the_slices():
     acc.add([tf.IndexedSlices(2 * tf.ones((5, 2)), tf.constant([0, 9, 9, 8, 7]))], weight=2.0)
     acc.restore(snapshot)
     after = acc.window_gradients()[0]
-    assert acc._sparse == {0}
+    assert internals.sparse_indices(acc) == {0}
     np.testing.assert_array_equal(after.indices.numpy(), before.indices.numpy())
     np.testing.assert_array_equal(after.values.numpy(), before.values.numpy())
 
@@ -430,7 +406,7 @@ def test_window_bigger_than_the_table_is_the_dense_sum(name):
     dense = dense_reference(x, y, OPTIMIZERS[name], vocab=40)
     assert_weights_close(dense, accum)
     accum.train_on_batch(x[:MICRO], y[:MICRO])  # 48 tokens: already dense
-    assert int(accum._accumulator.slice_counts[0].numpy()) == -1
+    assert int(internals.accumulator(accum).slice_counts[0].numpy()) == -1
     if name == "sgd_momentum":  # SGD sums occurrences: the big batch either way
         plain = net(vocab=40)
         plain.compile(OPTIMIZERS[name](), loss())
@@ -448,7 +424,7 @@ def test_a_micro_batch_that_overflows_spills_the_window_losing_nothing():
     accum.compile(OPTIMIZERS["sgd_momentum"](), loss())
     for part in (slice(0, 8), slice(8, 16)):
         accum.train_on_batch(x[part], y[part])
-    assert int(accum._accumulator.slice_counts[0].numpy()) == 96
+    assert int(internals.accumulator(accum).slice_counts[0].numpy()) == 96
     accum.train_on_batch(x[16:], y[16:])
     dense = net(DenseGradientModel, vocab=110)
     dense.compile(OPTIMIZERS["sgd_momentum"](), loss())
@@ -481,13 +457,13 @@ def test_slices_are_appended_and_a_new_window_starts_by_count():
 
 def test_nonfinite_slices_skip_the_window():
     acc = GradientAccumulator()
-    acc.nonfinite = NonFiniteWindows()
+    window = Window(acc, skip=NonFiniteWindows())
     weights = tf.Variable(tf.ones((10, 2)))
     acc.build([weights], accum_steps=1)
     bad = tf.IndexedSlices(tf.constant([[np.nan, 1.0]]), tf.constant([4]))
     acc.add([bad], weight=1.0)
-    acc.apply(keras.optimizers.SGD(1.0))
-    assert int(acc.nonfinite.skipped.numpy()) == 1
+    window.apply(keras.optimizers.SGD(1.0))
+    assert int(window.skip.skipped.numpy()) == 1
     np.testing.assert_array_equal(weights.numpy(), np.ones((10, 2)))
 
 
@@ -496,7 +472,7 @@ def test_nonfinite_slices_skip_the_window():
 
 @pytest.mark.parametrize("replicas", [1, 2], ids=["one_replica", "two_replicas"])
 def test_mirrored_strategy_matches_the_big_batch(replicas):
-    result = run_python("tests/mirrored_sparse_checks.py", str(replicas), timeout=900)
+    result = run_python(script("mirrored_sparse_checks.py"), str(replicas), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
 
     out = json.loads(result.stdout.strip().splitlines()[-1])
@@ -617,3 +593,31 @@ def test_a_spilled_window_stays_the_dense_sum_to_its_end():
     window = acc.window_gradients()[0]
     np.testing.assert_array_equal(window.indices.numpy(), [5])
     np.testing.assert_array_equal(window.values.numpy(), [[1.0, 2.0]])
+
+
+def test_slices_restored_by_a_tf_train_checkpoint_and_flushed_before_any_step(tmp_path):
+    # tf.train.Checkpoint does not save which buffers hold slices: flushed
+    # before a step is traced (nothing says the embedding's gradient is
+    # sparse), the window is told apart by its slice counts and summed.
+    x, y = token_data(64)
+
+    def model():
+        m = net(AccumModel, accum_steps=N)
+        m.compile(keras.optimizers.SGD(0.5), loss())
+        return m
+
+    first = model()
+    for i in range(0, 3 * MICRO, MICRO):
+        first.train_on_batch(x[i : i + MICRO], y[i : i + MICRO])
+    path = tf.train.Checkpoint(model=first).save(str(tmp_path / "ckpt"))
+    resumed = model()
+    resumed.make_train_function()  # the window's buffers; no step traced
+    tf.train.Checkpoint(model=resumed).restore(path)
+    acc = internals.accumulator(resumed)
+    assert internals.pending(resumed) == 3 and not internals.sparse_indices(resumed)
+    assert int(acc.slice_counts[0].numpy()) > 0
+    resumed.flush()
+    plain = net()
+    plain.compile(keras.optimizers.SGD(0.5), loss())
+    plain.train_on_batch(x[: 3 * MICRO], y[: 3 * MICRO])
+    assert_weights_close(plain, resumed)

@@ -1,4 +1,10 @@
-"""Whatever changes the train function composes with whatever else does.
+"""The train functions: one traced step per setting, kept and reused; and
+whatever changes the train function composes with whatever else does.
+
+The window length and the micro-batch split are constants of a traced
+step, so each setting has its own, kept while what its trace captured (the
+compiled state, the trainable variables) is unchanged: a schedule of k
+distinct values traces k steps.
 
 BackupAndRestore's batch skipping, AccumScheduler, `fit(accum_steps=)`,
 `micro_batch_size` changes and "auto" each swap or retrace the function
@@ -17,14 +23,11 @@ import time
 import keras
 import numpy as np
 import pytest
-from reference import (
-    InterruptAt,
-    OPTIMIZERS,
-    assert_weights_close,
-    functional,
-    loss,
-    make_data,
-)
+from helpers import internals
+from helpers.assertions import assert_weights_close
+from helpers.data import make_data
+from helpers.models import OPTIMIZERS, functional, loss
+from helpers.training import InterruptAt
 
 import keras_accum
 from keras_accum import AccumModel, AccumScheduler
@@ -110,10 +113,90 @@ def test_batch_backup_resumed_with_another_accum_steps_names_both(tmp_path):
     ):
         resumed.fit(X, Y, epochs=3, accum_steps=2, callbacks=[backup()], **FIT)
     # Nothing was trained on top of the restored window.
-    assert resumed._accumulator.pending() == 3
+    assert internals.pending(resumed) == 3
     # Resumed as it began, it ends as the uninterrupted run.
     resumed.fit(X, Y, epochs=3, callbacks=[backup()], **FIT)
     assert_weights_close(resumed, plain_with_batches([32, 32, 32]))
+
+
+# -- the cache: one traced step per accum_steps value, reused ------------------------
+
+X96, Y96 = make_data(96)  # equal batches only: one trace per function
+QUIET = dict(shuffle=False, verbose=0)
+
+
+class CountingTraces(AccumModel):
+    """Logs the accum_steps of each trace of its step: the Python body runs
+    once per trace, not per step."""
+
+    traced = []
+
+    def train_step(self, data):
+        CountingTraces.traced.append(self.accum_steps)
+        return super().train_step(data)
+
+
+def traces():
+    """The values traced, in order. A step that creates variables (Keras's
+    own, at accum_steps=1, builds the optimizer) is traced twice by
+    tf.function on its first call: consecutive repeats are one function."""
+    log = CountingTraces.traced
+    return [v for i, v in enumerate(log) if i == 0 or log[i - 1] != v]
+
+
+@pytest.fixture
+def counting():
+    CountingTraces.traced = []
+    model = functional(CountingTraces)
+    model.compile(OPTIMIZERS["adam"](), loss())
+    return model
+
+
+def test_a_schedule_traces_each_distinct_value_once(counting):
+    schedule = {0: 1, 1: 2, 2: 4, 3: 2, 4: 1, 5: 4}
+    history = counting.fit(
+        X96, Y96, batch_size=MICRO, epochs=6, callbacks=[AccumScheduler(schedule)], **QUIET
+    )
+    assert history.history["accum_steps"] == [1, 2, 4, 2, 1, 4]
+    assert traces() == [1, 2, 4]
+
+
+def test_repeated_fit_with_accum_steps_traces_once(counting):
+    for _ in range(3):
+        counting.fit(X96, Y96, batch_size=MICRO, accum_steps=4, **QUIET)
+        assert counting.accum_steps == 1
+    assert CountingTraces.traced == [4]
+    counting.fit(X96, Y96, batch_size=MICRO, **QUIET)  # its own accum_steps=1
+    counting.fit(X96, Y96, batch_size=MICRO, accum_steps=4, **QUIET)
+    assert traces() == [4, 1]
+    plain = functional()
+    plain.compile(OPTIMIZERS["adam"](), loss())
+    plain.fit(X96, Y96, batch_size=32, epochs=3, **QUIET)
+    plain.fit(X96, Y96, batch_size=8, **QUIET)
+    plain.fit(X96, Y96, batch_size=32, **QUIET)
+    assert_weights_close(plain, counting)
+
+
+def test_compile_makes_new_steps_for_the_new_optimizer(counting):
+    counting.fit(X96, Y96, batch_size=MICRO, accum_steps=2, **QUIET)
+    first = counting.optimizer
+    counting.compile(keras.optimizers.SGD(0.1), loss())
+    counting.fit(X96, Y96, batch_size=MICRO, accum_steps=2, **QUIET)
+    assert CountingTraces.traced == [2, 2]
+    # A stale step would have kept updating the first optimizer.
+    assert int(first.iterations.numpy()) == 6
+    assert int(counting.optimizer.iterations.numpy()) == 6
+
+
+def test_a_change_of_trainable_variables_makes_new_steps(counting):
+    counting.fit(X96, Y96, batch_size=MICRO, accum_steps=2, **QUIET)
+    # Not recompiled (Keras warns): the new trainable set alone must tell.
+    counting.get_layer("hidden").trainable = False
+    frozen = counting.get_layer("hidden").get_weights()
+    counting.fit(X96, Y96, batch_size=MICRO, accum_steps=2, **QUIET)
+    assert CountingTraces.traced == [2, 2]
+    for w, w0 in zip(counting.get_layer("hidden").get_weights(), frozen):
+        np.testing.assert_array_equal(w, w0)
 
 
 # -- no retracing warnings from keras_accum's own functions --------------------------

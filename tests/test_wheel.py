@@ -21,7 +21,7 @@ import venv
 import zipfile
 
 import pytest
-from reference import ROOT
+from helpers.project import ROOT
 
 import keras_accum
 

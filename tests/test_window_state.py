@@ -22,7 +22,10 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from reference import ATOL, RTOL, assert_trained, loss
+from helpers import internals
+from helpers.assertions import ATOL, RTOL, assert_trained
+from helpers.models import loss
+from helpers.processes import run_python
 
 from keras_accum import AccumModel
 
@@ -110,21 +113,21 @@ def plain_big_batches(data, windows, where="one_device"):
 
 def state(model):
     """Every piece of window state, by name, as numpy."""
-    acc = model._accumulator
+    acc = internals.accumulator(model)
     out = {
         "micro_step": acc.micro_step.numpy(),
         "window_weight": acc.window_weight.numpy(),
-        "skipped": model._nonfinite.skipped.numpy(),
+        "skipped": model.skipped_windows,
     }
     for i, (buf, count) in enumerate(zip(acc.acc_grads, acc.slice_counts)):
         out[f"slice_count_{i}"] = count.numpy()
-        if i not in acc._sparse:
+        if i not in internals.sparse_indices(acc):
             # A sparse buffer's rows past its count are stale by design.
             out[f"acc_grad_{i}"] = buf.numpy()
-    for key, window in model._batchnorm._windows.items():
+    for key, window in internals.batchnorm_windows(model).items():
         for part, v in zip(("count", "mean", "m2"), window.state()):
             out[f"bn_{part}_{key}"] = v.numpy()
-    out["bn_parked"] = len(model._batchnorm._restored)
+    out["bn_parked"] = len(internals.parked_batchnorm_moments(model))
     return out
 
 
@@ -133,7 +136,7 @@ def assert_window_closed(model, skipped):
     assert closed.pop("skipped") == skipped
     assert closed.pop("bn_parked") == 0
     assert any(k.startswith("bn_count") for k in closed), sorted(closed)
-    assert model._accumulator._sparse, "the embedding's window is not slices"
+    assert internals.sparse_indices(model), "the embedding's window is not slices"
     for name, value in closed.items():
         np.testing.assert_array_equal(value, np.zeros_like(value), err_msg=name)
 
@@ -175,7 +178,7 @@ def _loaded_mid_window(mode, where, data, tmp_path):
     saved.save_weights(path)
     model = accumulating(mode, where, seed=1)
     model.load_weights(path)
-    assert model._accumulator.pending() == saved._accumulator.pending() > 0
+    assert internals.pending(model) == internals.pending(saved) > 0
     return model, before
 
 
@@ -223,7 +226,7 @@ def test_a_mid_window_file_restores_every_piece_of_window_state(mode, where, tmp
     model, before = _loaded_mid_window(mode, where, data, tmp_path)
     # BatchNorm moments loaded before their windows exist wait, parked, for
     # the next step (or flush / reset_window): made here to be read.
-    model._batchnorm.build(model.distribute_strategy)
+    internals.batchnorm(model).build(model.distribute_strategy)
     after = state(model)
     assert sorted(after) == sorted(before)
     for name in before:
@@ -279,8 +282,6 @@ def test_the_table_on_two_replicas():
     # (sync-on-read buffers, per-replica BatchNorm moments); the NaN of the
     # skip scenario (sample 20) is in the first replica's half of its batch
     # in step mode (batch 4) and in the second's with micro_batch_size (8).
-    from reference import run_python
-
     result = run_python("-c", _TWO_REPLICAS, timeout=900, TF_CPP_MIN_LOG_LEVEL="3")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert result.stdout.count("ok ") == 2 * len(SCENARIOS) + 2, result.stdout

@@ -1,0 +1,75 @@
+"""Distribution strategies as Keras and TensorFlow see them: replicas,
+workers, per-replica variables, metric variables and XLA compilation."""
+
+import inspect
+
+import keras
+import tensorflow as tf
+
+from keras_accum._internals.versions import reach
+
+_collective_all_reduce_multi_worker = reach(
+    "keras.src.backend.tensorflow.trainer", "_collective_all_reduce_multi_worker"
+)
+# TensorFlow has no public test for "no strategy.scope()" (see `replicated`).
+_default_strategy = reach(
+    "tensorflow.python.distribute.distribute_lib", "_get_default_strategy"
+)
+
+
+def metrics_summed_over_replicas():
+    """Whether Keras's metric variables are read as their sum over replicas.
+
+    Keras 3.8 makes them without `synchronization="on_read"`, so under a
+    multi-replica strategy the loss and metrics Keras logs (plain models
+    too) are not the one-device values; later releases sum them on read.
+    """
+    return "synchronization" in inspect.signature(keras.Variable).parameters
+
+
+def replicated(strategy):
+    """Whether steps under `strategy` run as replicas of a `tf.distribute`
+    strategy, one replica included (a one-GPU or CPU-only MirroredStrategy,
+    a MultiWorkerMirroredStrategy without TF_CONFIG).
+
+    Such a step runs in a replica context whose optimizer update is a
+    `merge_call`, which cannot sit inside a conditional traced in the
+    replica, whatever the number of replicas: the window is then applied in
+    cross-replica context, as for several replicas. False for None and the
+    default strategy (no `strategy.scope()`).
+    """
+    if strategy is None:
+        return False
+    return strategy is not _default_strategy()
+
+
+def multi_worker(strategy):
+    """Whether `strategy` runs across several worker processes."""
+    return _collective_all_reduce_multi_worker(strategy)
+
+
+def in_xla_context():
+    """Whether the code being traced is compiled by XLA (`jit_compile=True`).
+
+    XLA needs static shapes: a window of sparse slices is then handed to the
+    optimizer padded to its buffer (window/slices.py). TensorFlow exposes no public
+    test for this.
+    """
+    from tensorflow.python.ops import control_flow_util
+
+    if tf.executing_eagerly():
+        return False
+    return control_flow_util.GraphOrParentsInXlaContext(
+        tf.compat.v1.get_default_graph()
+    )
+
+
+def replica_component(variable):
+    """The current replica's own component of a per-replica variable.
+
+    Sync-on-read variables refuse scatter updates (TensorFlow leaves them
+    unimplemented, even in a replica context); a window kept as slices
+    appends with scatter updates, on the replica's own component.
+    """
+    component = getattr(variable, "_get_on_device_or_primary", None)
+    return variable if component is None else component()

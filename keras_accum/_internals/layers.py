@@ -1,0 +1,80 @@
+"""Keras's layers and functional models: BatchNormalization's moments, the
+layers a model is made of, and `Functional`.
+
+`keras_accum.batchnorm` relies on `BatchNormalization.call` updating the
+moving statistics as `moving * momentum + batch * (1 - momentum)` from
+what `_moments` returns; see fingerprints.py.
+"""
+
+import contextlib
+
+from keras_accum._internals.versions import reach
+
+BatchNormalization = reach(
+    "keras.src.layers.normalization.batch_normalization", "BatchNormalization"
+)
+Functional = reach("keras.src.models.functional", "Functional")
+functional_init_arguments = reach("keras.src.models.model", "functional_init_arguments")
+
+
+def batch_normalization_layers(model):
+    """Every Keras `BatchNormalization` in `model` (nested ones included), in
+    a fixed order, and whether keras_accum may pool its statistics: a layer
+    whose class overrides `call` or `_moments`, or that uses batch
+    renormalisation, updates its statistics in ways we do not mirror."""
+    for layer in model._flatten_layers(include_self=False, recursive=True):
+        if isinstance(layer, BatchNormalization):
+            cls = type(layer)
+            plain = (
+                cls.call is BatchNormalization.call
+                and cls._moments is BatchNormalization._moments
+                and not getattr(layer, "renorm", False)  # not in Keras <= 3.13
+            )
+            yield layer, plain
+
+
+@contextlib.contextmanager
+def recording_moments(layer, record):
+    """Inside the block, `record(inputs, mask, mean, variance)` is called with
+    every batch's moments that `layer` computes in training mode.
+
+    `BatchNormalization.call` gets its batch mean and variance from
+    `self._moments(inputs, mask)`; an instance attribute shadows the method
+    for the block (a trace, or one eager step).
+    """
+    original = layer._moments
+
+    def moments(inputs, mask):
+        mean, variance = original(inputs, mask)
+        record(inputs, mask, mean, variance)
+        return mean, variance
+
+    layer._moments = moments
+    try:
+        yield
+    finally:
+        del layer._moments
+
+
+def layers_shared_across_nesting(model):
+    """`(layer, first, second)` for each layer with variables of functional
+    `model` that two of its top-level layers reach (one may be the layer
+    itself).
+
+    Keras's functional config records each top-level layer by its own config,
+    so such a layer is re-created once per place: a `.keras` file of the
+    model loads with the tie broken, or not at all (KerasHub's tied
+    `ReversibleEmbedding`, called by the backbone and by the LM head).
+    """
+    owners = {}
+    shared = []
+    for top in model.layers:
+        for layer in top._flatten_layers(include_self=True, recursive=True):
+            if not layer.variables:
+                # Inputs a nested model shares with the outer graph, and any
+                # stateless layer: made twice, they still compute the same.
+                continue
+            first = owners.setdefault(id(layer), top)
+            if first is not top:
+                shared.append((layer, first, top))
+    return shared

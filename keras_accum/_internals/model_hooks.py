@@ -1,0 +1,110 @@
+"""Keras's private hooks that `AccumModel` overrides, boxed in one place.
+
+- `FunctionalVariants.__new__`: Keras makes a `Model` subclass functional by
+  rewriting the class's `__bases__` in place, for every instance that
+  follows; a functional call gets a subclass of its own instead.
+- `BuildFromFirstBatch._maybe_symbolic_build`: the model is built from the
+  first batch's shapes before any step is traced (as Keras does under a
+  strategy), and the first training batch's size is handed to
+  `_see_batch`.
+- `make_test_function` across workers, where Keras's own fails.
+
+Example:
+
+```python
+class AccumModel(FunctionalVariants, BuildFromFirstBatch, keras.Model):
+    def _see_batch(self, data_batch): ...
+```
+"""
+
+import keras
+
+from keras_accum._internals import distribute, layers, trainer
+
+
+class FunctionalVariants:
+    """Functional calls of a subclass get a `Functional` variant of their own."""
+
+    def __new__(cls, *args, **kwargs):
+        if layers.functional_init_arguments(
+            args, kwargs
+        ) and not issubclass(cls, layers.Functional):
+            cls = _functional_variant(cls)
+        return super().__new__(cls, *args, **kwargs)
+
+    def _init_model(self, model_init, args, kwargs):
+        """`model_init(*args, **kwargs)` (the class's `super().__init__`),
+        or, for a functional call, `Functional.__init__`: called ourselves,
+        on a class that already has Functional in its bases (see `__new__`),
+        it keeps Keras from re-basing the class onto Functional, which would
+        break every later `class Net(AccumModel)` in the process."""
+        if layers.functional_init_arguments(args, kwargs):
+            layers.Functional.__init__(self, *args, **kwargs)
+        else:
+            model_init(*args, **kwargs)
+
+
+class BuildFromFirstBatch:
+    """Builds the model from the first batch, and sees the first training batch.
+
+    `_training_build` is set while `fit` or `train_on_batch` builds from its
+    first batch (not `evaluate`'s, whose batches the step never splits).
+    """
+
+    _training_build = False
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras builds a model without a strategy in its first traced step;
+        # a window needs the variables before that (and a cached train
+        # function the variables it was traced with). Keras's own version
+        # also fails across workers (tensorflow/tensorflow#72388).
+        data_batch = trainer.symbolic_build(
+            self, iterator=iterator, data_batch=data_batch, without_strategy=True
+        )
+        if self._training_build:
+            self._training_build = False
+            self._see_batch(data_batch)
+
+    def train_on_batch(self, *args, **kwargs):
+        self._training_build = True
+        try:
+            return super().train_on_batch(*args, **kwargs)
+        finally:
+            self._training_build = False
+
+    def make_test_function(self, force=False):
+        if self.test_function is not None and not force:
+            return self.test_function
+        if distribute.multi_worker(self.distribute_strategy):
+            # As for training: Keras's test function fails across workers.
+            self.test_function = trainer.make_replicated_function(
+                self, self.test_step
+            )
+            return self.test_function
+        return super().make_test_function(force=force)
+
+
+def _functional_variant(cls):
+    """`cls` with `Functional` mixed in, made once per class.
+
+    Keras makes a `Model` subclass functional by rewriting the class's
+    `__bases__` in place, for every instance that follows. We give functional
+    calls their own subclass instead and leave `cls` as it was.
+    """
+    variant = cls.__dict__.get("_accum_functional_variant")
+    if variant is None:
+        variant = type(
+            cls.__name__,
+            (cls, layers.Functional),
+            {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+             "__doc__": cls.__doc__},
+        )
+        registered = keras.saving.get_registered_name(cls)
+        if ">" in registered:
+            # Serialise the variant under cls's name, and keep that name
+            # resolving to cls (whose __new__ brings the variant back).
+            package, _, name = registered.partition(">")
+            keras.saving.register_keras_serializable(package, name)(variant)
+            keras.saving.register_keras_serializable(package, name)(cls)
+        cls._accum_functional_variant = variant
+    return variant

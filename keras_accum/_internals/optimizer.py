@@ -1,0 +1,37 @@
+"""Keras's optimizer bookkeeping: which variables a built optimizer was
+built for, in which order, and which variables it made itself.
+
+Keras keeps these in private attributes of `BaseOptimizer`, set by `build`
+(`_trainable_variables`, `_trainable_variables_indices`, `_var_key`,
+`_get_variable_index`) and by `add_variable` (`_variables`).
+"""
+
+
+def unknown_variables(optimizer, variables):
+    """Those of `variables` a built `optimizer` was not built for."""
+    # A wrapper (LossScaleOptimizer) builds its inner optimizer for the same
+    # variables; before Keras 3.13 it records none of them itself.
+    while hasattr(optimizer, "inner_optimizer"):
+        optimizer = optimizer.inner_optimizer
+    known = optimizer._trainable_variables_indices
+    return [v for v in variables if optimizer._var_key(v) not in known]
+
+
+def built_variables(optimizer):
+    """The variables a built `optimizer` was built for, in build order."""
+    return optimizer._trainable_variables
+
+
+def build_position(optimizer, variable):
+    """Where `variable` stands in a built `optimizer`'s build order.
+
+    The position of its slot variables too, and of its gradient in the
+    lists Keras's `apply` passes to `update_step`.
+    """
+    return optimizer._get_variable_index(variable)
+
+
+def own_variables(optimizer):
+    """The variables `optimizer` made itself (`iterations`, its slots), not
+    those of an optimizer it wraps: what `BaseOptimizer.variables` lists."""
+    return optimizer._variables

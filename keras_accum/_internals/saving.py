@@ -1,0 +1,63 @@
+"""Keras's saving and object tracking: keras_accum's training state in a
+model's files, build shapes for `export()`, and tf_keras objects."""
+
+from keras_accum._internals.versions import is_missing, reach
+
+KerasSaveable = reach("keras.src.saving.keras_saveable", "KerasSaveable")
+_no_tracking = reach("keras.src.utils.tracking", "no_automatic_dependency_tracking")
+
+
+def no_automatic_dependency_tracking(method):
+    """Keras's decorator; used at import, so a missing one fails on call."""
+    if not is_missing(_no_tracking):
+        return _no_tracking(method)
+
+    def moved(*_args, **_kwargs):
+        _no_tracking()  # raises KerasInternalsChanged, naming the change
+
+    return moved
+
+
+class SavedState(KerasSaveable):
+    """Base of keras_accum's training state held by a model (the pending
+    window, BatchNorm windows, the count of skipped windows).
+
+    Keras's saving (`save`, `save_weights`, `load_weights`) visits every
+    `KerasSaveable` attribute of a model under its own path and calls its
+    `save_own_variables` / `load_own_variables`; a plain model loading the
+    same file never looks there. Subclasses define those two methods.
+    """
+
+    def _obj_type(self):
+        # Saving walks an object's attributes except those a fresh object of
+        # the kind named here has (`get_attr_skipset`), and refuses kinds it
+        # does not know. Every supported Keras knows "Loss" (3.8 and 3.10 do
+        # not know "Operation"), and a Loss has none of the attribute names
+        # of our state objects, so all of them are visited; the same kind on
+        # every version keeps files loadable across versions.
+        return "Loss"
+
+
+def legacy_keras_hint(obj):
+    """A sentence for errors about `obj` if it is a tf_keras (Keras 2) object.
+
+    With TF_USE_LEGACY_KERAS=1 `tf.keras` is tf_keras while `import keras`
+    is still Keras 3: keras_accum works with the latter only.
+    """
+    if type(obj).__module__.split(".")[0] != "tf_keras":
+        return ""
+    return (
+        " This is a tf_keras (Keras 2) object, from `tf.keras` under "
+        "TF_USE_LEGACY_KERAS=1; keras_accum works with Keras 3 only: build "
+        "it with `import keras`, not `tf.keras`."
+    )
+
+
+def copy_build_shapes(source, target):
+    """Records `source`'s build input shapes as `target`'s.
+
+    `Layer.build` records them when it runs; Keras's `export()` reads them
+    to serve a subclassed model. A wrapper made around a built model is
+    built without running `build`.
+    """
+    target._build_shapes_dict = getattr(source, "_build_shapes_dict", None)

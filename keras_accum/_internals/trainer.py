@@ -1,0 +1,185 @@
+"""Keras's TensorFlow trainer: the forward pass, the symbolic build, and the
+train and test functions keras_accum makes in its place.
+
+`make_replicated_function` and `make_step_on_data` mirror
+`TensorFlowTrainer._make_function`, `symbolic_build` and `reduce_outputs`
+replace `_maybe_symbolic_build` and the multi-worker branch of
+`reduce_per_replica` (tensorflow/tensorflow#72388); see fingerprints.py.
+"""
+
+import tensorflow as tf
+from keras import tree
+
+from keras_accum._internals.distribute import multi_worker
+from keras_accum._internals.versions import reach
+
+_TRAINER = "keras.src.backend.tensorflow.trainer"
+# Keras 3.16 renamed the TF trainer `TensorFlowTrainer` -> `Trainer`.
+TensorFlowTrainer = reach(_TRAINER, "Trainer", "TensorFlowTrainer")
+reduce_per_replica = reach(_TRAINER, "reduce_per_replica")
+
+
+def call_for_training(model, x):
+    """The forward pass exactly as Keras's train_step makes it."""
+    if model._call_has_training_arg:
+        return model(x, training=True)
+    return model(x)
+
+
+def symbolic_build(model, iterator=None, data_batch=None, without_strategy=False):
+    """`TensorFlowTrainer._maybe_symbolic_build`, without a cross-replica reduce.
+
+    Keras builds the model, compiled loss, metrics and optimizer from a
+    batch's shapes before the first step; to get one batch out of a
+    distributed iterator it reduces the `PerReplica` batch across replicas,
+    eagerly, which fails under `MultiWorkerMirroredStrategy`
+    (tensorflow/tensorflow#72388). Only shapes and dtypes are read, so one
+    local replica's batch does as well, and no collective runs.
+
+    Without a strategy Keras waits for the first traced step instead; with
+    `without_strategy=True` the build happens here all the same.
+
+    Returns:
+        The batch built from (one replica's share of it), or None.
+    """
+    if model._distribute_strategy is None and not without_strategy:
+        # As Keras: without a strategy, building waits for the first trace.
+        return
+    strategy = model.distribute_strategy
+
+    def local(value):
+        if isinstance(value, tf.distribute.DistributedValues):
+            return strategy.experimental_local_results(value)[0]
+        return value
+
+    if iterator is not None:
+        # Epoch iterators yield (step, it) before Keras 3.13, then
+        # (begin_step, end_step, it).
+        for *_, it in iterator:
+            try:
+                data_batch = tree.map_structure(local, next(it))
+            except StopIteration:
+                return None  # no data: nothing will train
+            break
+    with strategy.scope():
+        model._symbolic_build(data_batch=data_batch)
+    return data_batch
+
+
+def reduce_outputs(outputs, strategy):
+    """A step's logs, reduced over replicas as Keras's `fit` reduces them.
+
+    Keras's `reduce_per_replica(..., "auto")` takes the mean over replicas,
+    but across workers asks for it along axis 0, which fails for the scalar
+    logs every step returns (tensorflow/tensorflow#72388). Across workers
+    this takes the same mean with `axis=None`: over replicas, any shape.
+    """
+    if multi_worker(strategy):
+        return tree.map_structure(
+            lambda v: strategy.reduce("MEAN", v, axis=None), outputs
+        )
+    return reduce_per_replica(outputs, strategy, reduction="auto")
+
+
+def make_step_on_data(model, replica_step, after_step=None, reduce_retracing=True):
+    """One training step on a batch in hand, as Keras's `one_step_on_data`.
+
+    `strategy.run(replica_step)` on the batch, then `after_step()` (if given)
+    in cross-replica context, outputs reduced by `reduce_outputs`; traced
+    (with the model's `jit_compile`) unless the model runs eagerly; with
+    `reduce_retracing=False`, once per batch shape.
+    """
+    strategy = model.distribute_strategy
+
+    @tf.autograph.experimental.do_not_convert
+    def one_step_on_data(data):
+        outputs = strategy.run(replica_step, args=(data,))
+        if after_step is not None:
+            after_step()
+        return reduce_outputs(outputs, strategy)
+
+    if model.run_eagerly:
+        return one_step_on_data
+    return tf.function(
+        one_step_on_data,
+        reduce_retracing=reduce_retracing,
+        jit_compile=model.jit_compile,
+    )
+
+
+def optionals_to_none(data):
+    """A batch with `tf.experimental.Optional` leaves made None.
+
+    Keras >= 3.13 delivers a dataset's None entries (e.g. no sample weights)
+    as empty Optionals and turns them back into None before its step
+    (`_autoconvert_optionals`); a batch taken from the iterator outside
+    Keras's train function needs the same.
+    """
+    return tree.map_structure(
+        lambda t: None if isinstance(t, tf.experimental.Optional) else t, data
+    )
+
+
+def make_replicated_function(model, replica_step, after_step=None):
+    """A train or test function for a model under a multi-replica strategy.
+
+    Keras's TF trainer (`TensorFlowTrainer._make_function`) runs the whole
+    step inside `strategy.run`, so a conditional update is a `cond` around
+    the optimizer's cross-replica `merge_call` inside a replica, which
+    `tf.distribute` refuses (why Keras's own `gradient_accumulation_steps`
+    fails under MirroredStrategy, keras-team/keras#20582). Here each step is
+    `strategy.run(replica_step)` followed by `after_step()` (if given) in
+    cross-replica context, where the conditional update lives. Outputs are
+    reduced by `reduce_outputs`, which also works across workers.
+    """
+    strategy = model.distribute_strategy
+    one_step_on_data = make_step_on_data(model, replica_step, after_step)
+
+    def one_step_on_iterator(iterator):
+        # The next batch is taken inside the traced step, as Keras does: an
+        # eager `next()` on a distributed iterator costs a launch of its own
+        # (across workers, also a collective to agree on whether data is
+        # left).
+        return one_step_on_data(iterator.get_next())
+
+    if not model.run_eagerly:
+        one_step_on_iterator = tf.function(one_step_on_iterator, reduce_retracing=True)
+
+    def steps(iterator):
+        if isinstance(iterator, tf.distribute.DistributedIterator):
+            # fit and evaluate; the end of the data is an OutOfRangeError.
+            for _ in range(model.steps_per_execution):
+                try:
+                    yield one_step_on_iterator(iterator)
+                except tf.errors.OutOfRangeError:
+                    return
+        else:
+            # train_on_batch and test_on_batch pass a list of batches.
+            for _, data in zip(range(model.steps_per_execution), iterator):
+                yield one_step_on_data(data)
+
+    def function(iterator):
+        outputs = None
+        for outputs in steps(iterator):
+            pass
+        if outputs is None:
+            raise StopIteration
+        return outputs
+
+    return function
+
+
+def without_retracing_warning(function):
+    """`function` (a `tf.function`), exempt from TensorFlow's warning that
+    "N out of the last M calls to ... triggered tf.function retracing".
+
+    TensorFlow counts traces per Python code object, over every
+    `tf.function` made from it in the process, and warns when 5 of the last
+    10 calls traced. A function made anew per optimizer and window, and
+    called about once an epoch (the flush at an epoch's end), trips it after
+    a few models or compiles, though each of its traces is needed once.
+    TensorFlow's own flag for this is private (`Function.__call__` reads
+    it; tests/test_keras_internals.py checks that it still does).
+    """
+    function._omit_frequent_tracing_warning = True
+    return function

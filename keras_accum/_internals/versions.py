@@ -1,0 +1,215 @@
+"""Which Keras releases keras_accum was read against, and what it does on others.
+
+keras_accum mirrors a few Keras functions and imports a few names from
+`keras.src` (all in the `keras_accum._internals` package). Keras moves such
+names between releases, so this module makes sure a Keras that keras_accum
+has not been read against never fails with a bare traceback from
+`keras.src`:
+
+- Every name is imported through `reach`, which tries the names it has had
+  in the reviewed releases. A name found under none of them becomes a
+  stand-in that raises `KerasInternalsChanged` (naming the Keras version,
+  what changed and the newest reviewed Keras) when it is used, so that
+  `import keras_accum` itself still works and the fingerprint test can name
+  what moved.
+- On a Keras release that is not in `REVIEWED_KERAS`, `import keras_accum`
+  warns once if a mirrored function's source differs from every reviewed
+  one (by SHA-256, `MIRRORED_SOURCES`) or a name could not be found;
+  otherwise it is silent, because the code it relies on is what was read.
+
+Why `setup.cfg` allows `keras<4` rather than capping at the newest reviewed
+minor: a cap makes pip *downgrade* Keras wherever another package (KerasHub,
+Colab's image) already needs the newer one, breaking that package to install
+this one; a warning that names exactly what changed does not.
+"""
+
+import hashlib
+import importlib
+import inspect
+import re
+import warnings
+
+# Keras versions whose sources `keras_accum._internals` was read against;
+# each one's fingerprints are in MIRRORED_SOURCES (fingerprints.py). The
+# last is the newest.
+REVIEWED_KERAS = ("3.8.0", "3.10.0", "3.13.2", "3.15.1", "3.16.0.dev2026102704")
+
+MIN_KERAS = (3, 8)
+MIN_TENSORFLOW = (2, 18)
+SUPPORTED = "Keras >= 3.8, < 4 with TensorFlow >= 2.18"
+
+
+def release(version):
+    """`(major, minor)` of a version string such as '3.16.0.dev2026102704'."""
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+
+
+def newest_reviewed():
+    return REVIEWED_KERAS[-1]
+
+
+def newest_reviewed_release():
+    """The newest reviewed version published as `keras` (not a nightly)."""
+    return next(v for v in reversed(REVIEWED_KERAS) if "dev" not in v)
+
+
+def check_versions(keras_version, tensorflow_version):
+    """Raises ImportError naming the supported range if these are outside it."""
+    found = f"Keras {keras_version} with TensorFlow {tensorflow_version}"
+    if keras_version.startswith("2."):
+        raise ImportError(
+            f"keras_accum needs Keras 3, but found {found}: `tf_keras` (Keras "
+            "2, TF_USE_LEGACY_KERAS=1) is not supported. keras_accum supports "
+            f"{SUPPORTED}: `pip install 'keras>=3.8,<4'` and leave "
+            "TF_USE_LEGACY_KERAS unset."
+        )
+    keras_release = release(keras_version)
+    if keras_release < MIN_KERAS or keras_release[0] != 3:
+        raise ImportError(
+            f"keras_accum supports {SUPPORTED}; found {found}. Install a "
+            "supported Keras: `pip install 'keras>=3.8,<4'`."
+        )
+    if release(tensorflow_version) < MIN_TENSORFLOW:
+        raise ImportError(
+            f"keras_accum supports {SUPPORTED}; found {found}. Install a "
+            "supported TensorFlow: `pip install 'tensorflow>=2.18'`."
+        )
+
+
+class KerasInternalsChanged(RuntimeError):
+    """This Keras moved or changed something keras_accum relies on."""
+
+
+def _keras_version():
+    import keras
+
+    return keras.__version__
+
+
+def changed_message(what, detail):
+    """The sentence users get when `what` has moved in the installed Keras."""
+    newest = newest_reviewed()
+    return (
+        f"Keras {_keras_version()} changed what keras_accum relies on: "
+        f"{what} ({detail}). keras_accum was reviewed against Keras "
+        f"{', '.join(REVIEWED_KERAS)}; the newest supported is {newest}. "
+        f"Install `pip install 'keras=={newest_reviewed_release()}'` or a keras_accum "
+        f"release that supports Keras {_keras_version()}."
+    )
+
+
+# What `reach` could not find in the installed Keras: {what: message}.
+MOVED = {}
+
+
+class _StandIn(type):
+    """The type of what `reach` returns for a name this Keras lacks.
+
+    A stand-in can be subclassed (so defining keras_accum's classes at
+    import works); calling it, instantiating a subclass, `isinstance` against
+    it or reading an attribute raises `KerasInternalsChanged`.
+    """
+
+    def _fail(cls, *_args, **_kwargs):
+        raise KerasInternalsChanged(type.__getattribute__(cls, "_message"))
+
+    __call__ = _fail
+    __instancecheck__ = _fail
+    __subclasscheck__ = _fail
+
+    def __getattr__(cls, name):
+        if name.startswith("__"):  # introspection (copy, inspect, pickle)
+            raise AttributeError(name)
+        cls._fail()
+
+
+def is_missing(obj):
+    """Whether `obj` is a stand-in made by `reach` for a missing name."""
+    return isinstance(obj, _StandIn)
+
+
+def _missing(what, detail):
+    message = changed_message(what, detail)
+    MOVED[what] = message
+    return _StandIn(what, (), {"__doc__": message, "_message": message})
+
+
+def reach(module, *names):
+    """The first of `names` defined in Keras module `module`.
+
+    Args:
+        module: a module path, e.g. 'keras.src.backend.tensorflow.trainer'.
+        *names: the names the object has had, newest first (e.g. 'Trainer',
+            'TensorFlowTrainer').
+
+    Returns:
+        The object, or a stand-in that raises `KerasInternalsChanged` when
+        used if this Keras has none of the names.
+
+    Example:
+
+    ```python
+    Trainer = reach("keras.src.backend.tensorflow.trainer", "Trainer", "TensorFlowTrainer")
+    ```
+    """
+    what = f"`{module}.{names[0]}`"
+    try:
+        found = importlib.import_module(module)
+    except ImportError as error:
+        return _missing(what, f"module not importable: {error}")
+    for name in names:
+        if hasattr(found, name):
+            return getattr(found, name)
+    tried = " or ".join(f"`{name}`" for name in names)
+    return _missing(what, f"`{module}` has no {tried}")
+
+
+def fingerprint(function):
+    """SHA-256 of a function's source, as `MIRRORED_SOURCES` records it."""
+    return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()
+
+
+def changed_sources(mirrored, known):
+    """`{name: why}` for each mirrored function whose source is not a known one.
+
+    Args:
+        mirrored: `{name: function}` of the Keras functions keras_accum
+            mirrors, as found in the installed Keras.
+        known: `{name: {sha256: versions}}`, `MIRRORED_SOURCES`.
+    """
+    changed = {}
+    for name, function in mirrored.items():
+        try:
+            digest = fingerprint(function)
+        except (KerasInternalsChanged, TypeError, OSError) as error:
+            changed[name] = f"not found: {error}"
+            continue
+        if digest not in known[name]:
+            changed[name] = f"new source, fingerprint {digest}"
+    return changed
+
+
+def warn_if_unreviewed(mirrored, known):
+    """Warns once, at import, when this Keras changed what keras_accum uses.
+
+    Silent on a reviewed Keras, and on an unreviewed one whose mirrored
+    sources are all known: keras_accum then runs on code it was read against.
+    """
+    version = _keras_version()
+    if version in REVIEWED_KERAS and not MOVED:
+        return {}
+    changed = changed_sources(mirrored, known)
+    for what in MOVED:
+        changed.setdefault(what, "not found")
+    if changed:
+        names = "; ".join(f"{name}: {why}" for name, why in sorted(changed.items()))
+        warnings.warn(
+            f"keras_accum was reviewed against Keras {', '.join(REVIEWED_KERAS)} "
+            f"(newest {newest_reviewed()}); this Keras {version} changed "
+            f"functions it mirrors or names it uses ({names}). Training may "
+            "fail with KerasInternalsChanged, or differ from the big batch: "
+            f"install `keras=={newest_reviewed_release()}` for reviewed behaviour.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return changed

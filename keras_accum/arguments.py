@@ -1,0 +1,231 @@
+"""Every public argument of keras_accum, checked and normalised in one place.
+
+Each `check_*` returns the argument in its one internal form (a Python int,
+a `tf.DType`, ...) or raises before anything changes, naming the argument,
+the value received and what to pass instead. `accum_settings` checks the
+settings an `AccumModel` (or `wrap`) is made with, all at once.
+
+Example:
+
+```python
+settings = accum_settings(accum_steps=4, micro_batch_size="auto")
+settings.accum_steps  # 4
+```
+"""
+
+import numbers
+from typing import NamedTuple
+
+import tensorflow as tf
+
+# The window length is an int64 counter.
+MAX_ACCUM_STEPS = 2**63 - 1
+
+AUTO = "auto"
+
+# How BatchNormalization layers update their moving statistics.
+BATCHNORM_PER_WINDOW = "window"
+BATCHNORM_PER_MICRO_BATCH = "micro_batch"
+BATCHNORM_MODES = (BATCHNORM_PER_WINDOW, BATCHNORM_PER_MICRO_BATCH)
+
+
+def check_accum_steps(accum_steps):
+    """Returns `accum_steps` as a Python int, or raises naming what was received.
+
+    Accepts Python and numpy integers >= 1. Rejects bools (a `True` is almost
+    always a mistake, not "1"), floats and strings, even integral ones, so that
+    `accum_steps=2.0` coming from a config file is caught rather than guessed.
+
+    Example:
+
+    ```python
+    check_accum_steps(np.int64(4))  # 4
+    ```
+    """
+    if isinstance(accum_steps, bool) or not isinstance(
+        accum_steps, numbers.Integral
+    ):
+        raise TypeError(
+            "`accum_steps` must be an integer >= 1. "
+            f"Received: accum_steps={accum_steps!r} "
+            f"(of type {type(accum_steps).__name__}). "
+            "Pass a whole number such as accum_steps=4."
+        )
+    if accum_steps < 1:
+        raise ValueError(
+            "`accum_steps` must be an integer >= 1. "
+            f"Received: accum_steps={accum_steps!r}. "
+            "Use accum_steps=1 for no accumulation."
+        )
+    if accum_steps > MAX_ACCUM_STEPS:
+        raise ValueError(
+            f"`accum_steps` must be at most {MAX_ACCUM_STEPS} (2**63 - 1). "
+            f"Received: accum_steps={accum_steps!r}."
+        )
+    return int(accum_steps)
+
+
+def check_micro_batch_size(micro_batch_size):
+    """Returns `micro_batch_size` (a Python int, None or "auto"), or raises
+    naming what was received.
+
+    Rejects bools, floats and other strings, even integral floats, as
+    `check_accum_steps` does.
+
+    Example:
+
+    ```python
+    check_micro_batch_size("auto")  # "auto"
+    ```
+    """
+    if micro_batch_size is None or (
+        isinstance(micro_batch_size, str) and micro_batch_size == AUTO
+    ):
+        return micro_batch_size
+    if isinstance(micro_batch_size, bool) or not isinstance(
+        micro_batch_size, numbers.Integral
+    ):
+        raise TypeError(
+            "`micro_batch_size` must be an integer >= 1, 'auto' or None. "
+            f"Received: micro_batch_size={micro_batch_size!r} "
+            f"(of type {type(micro_batch_size).__name__}). "
+            "Pass a whole number such as micro_batch_size=32, or None to "
+            "train on whole batches."
+        )
+    if micro_batch_size < 1:
+        raise ValueError(
+            "`micro_batch_size` must be an integer >= 1, 'auto' or None. "
+            f"Received: micro_batch_size={micro_batch_size!r}. "
+            "Use None to train on whole batches."
+        )
+    return int(micro_batch_size)
+
+
+def check_batchnorm(batchnorm):
+    """Returns `batchnorm` if it names a mode, or raises naming what was received.
+
+    Example:
+
+    ```python
+    check_batchnorm("micro_batch")  # "micro_batch"
+    ```
+    """
+    if not isinstance(batchnorm, str) or batchnorm not in BATCHNORM_MODES:
+        raise ValueError(
+            "`batchnorm` must be 'window' (moving statistics updated once per "
+            "optimizer update, from the whole window) or 'micro_batch' "
+            "(Keras's own update at every micro-batch). "
+            f"Received: batchnorm={batchnorm!r}."
+        )
+    return batchnorm
+
+
+def check_skip_nonfinite(skip_nonfinite):
+    """Returns `skip_nonfinite` (a bool), or raises naming what was received.
+
+    Example:
+
+    ```python
+    check_skip_nonfinite(True)  # True
+    ```
+    """
+    if not isinstance(skip_nonfinite, bool):
+        raise TypeError(
+            "`skip_nonfinite` must be True or False. "
+            f"Received: skip_nonfinite={skip_nonfinite!r}."
+        )
+    return skip_nonfinite
+
+
+def check_accum_dtype(accum_dtype):
+    """Returns `accum_dtype` as a floating `tf.DType` (None stays None: the
+    default rule, see `window.buffers.buffer_dtype`), or raises.
+
+    Example:
+
+    ```python
+    check_accum_dtype("float64")  # tf.float64
+    ```
+    """
+    if accum_dtype is None:
+        return None
+    try:
+        dtype = tf.as_dtype(accum_dtype)
+    except TypeError:
+        dtype = None
+    if dtype is None or not dtype.is_floating:
+        raise ValueError(
+            "`accum_dtype` must be a floating-point dtype such as 'float32'. "
+            f"Received: accum_dtype={accum_dtype!r}. Use None for the default."
+        )
+    return dtype
+
+
+class AccumSettings(NamedTuple):
+    """The settings an `AccumModel` is made with, checked.
+
+    Attributes:
+        accum_steps: micro-batches per optimizer update (int).
+        accum_dtype: the buffers' dtype (`tf.DType`), or None for the default.
+        skip_nonfinite: whether non-finite windows are skipped (bool).
+        batchnorm: 'window' or 'micro_batch'.
+        micro_batch_size: an int, "auto", or None (whole batches).
+    """
+
+    accum_steps: int = 1
+    accum_dtype: object = None
+    skip_nonfinite: bool = False
+    batchnorm: str = BATCHNORM_PER_WINDOW
+    micro_batch_size: object = None
+
+    def config(self):
+        """The settings as `get_config` writes them (defaults left out, as
+        releases before wrote them, but for `accum_steps` and `batchnorm`)."""
+        config = {"accum_steps": self.accum_steps}
+        if self.accum_dtype is not None:
+            config["accum_dtype"] = self.accum_dtype.name
+        if self.skip_nonfinite:
+            config["skip_nonfinite"] = True
+        config["batchnorm"] = self.batchnorm
+        if self.micro_batch_size is not None:
+            config["micro_batch_size"] = self.micro_batch_size
+        return config
+
+
+def accum_settings(
+    accum_steps=1,
+    accum_dtype=None,
+    skip_nonfinite=False,
+    batchnorm=BATCHNORM_PER_WINDOW,
+    micro_batch_size=None,
+):
+    """Checks every setting of an `AccumModel`; returns them as `AccumSettings`.
+
+    Example:
+
+    ```python
+    accum_settings(accum_steps=8, batchnorm="micro_batch").batchnorm
+    ```
+    """
+    return AccumSettings(
+        accum_steps=check_accum_steps(accum_steps),
+        accum_dtype=check_accum_dtype(accum_dtype),
+        skip_nonfinite=check_skip_nonfinite(skip_nonfinite),
+        batchnorm=check_batchnorm(batchnorm),
+        micro_batch_size=check_micro_batch_size(micro_batch_size),
+    )
+
+
+def settings_from_config(config):
+    """Pops the settings `AccumSettings.config()` wrote from `config` (a
+    dict), checked; the rest of `config` is the Keras model's.
+
+    Example:
+
+    ```python
+    settings = settings_from_config(dict(model.get_config()))
+    ```
+    """
+    return accum_settings(
+        **{name: config.pop(name) for name in AccumSettings._fields if name in config}
+    )

@@ -1,0 +1,223 @@
+"""The train step: functions of (model, plan, window), traced once per plan.
+
+`train_step(model, data)` is `AccumModel.train_step`. It reads the step
+plan (plan.py) as Python constants and takes one of three paths:
+
+- no buffers, no split (`accum_steps=1`): Keras's own `train_step`;
+- no buffers, split (`micro_batch_size` with `accum_steps=1`): the batch's
+  gradient, summed over its micro-batches, straight to the optimizer;
+- buffers (`accum_steps > 1` or `skip_nonfinite`): the micro-batch's (or
+  split batch's) gradient added to the window, which is applied once full.
+
+Each path computes everything into tensors first and then writes state in
+one place, `_write`: BatchNormalization moments, the window or optimizer
+update, the loss tracker, the metrics. When the batch is split, every write
+waits for all micro-batches' gradients, so a step that fails part-way (out
+of memory) writes nothing.
+
+Per micro-batch, beyond what Keras's built-in accumulation runs (its
+forward and backward pass, loss, loss tracker and metrics are the same),
+the buffered path runs, each for the reason given (measured, with the
+traced graphs, in benchmarks/step_mode_ops.md):
+
+- the loss normaliser of each compiled loss term (normaliser.py), read
+  while Keras computes the loss: the micro-batch's weight, which makes an
+  uneven or masked window exact (Grappler merges the repeated loss with
+  Keras's own: a `Size` and a `Cast` remain);
+- the weight folded into the scalar loss, two scalar multiplies (under loss
+  scaling or float16, one multiply per gradient element instead, which
+  also unscales): the buffers hold `weight * gradient`;
+- one in-place `assign_add` per variable into its buffer (slices appended
+  for sparse gradients): the window's sum, the same memory traffic as the
+  built-in's read, add and assign;
+- `window_weight += weight`, `micro_step += 1` and the `normalise` flag,
+  three scalar writes: the window's divisor, its position (so that
+  `optimizer.iterations` counts updates) and its arithmetic, so that a
+  window restored from a file is finished as it began;
+- one `tf.cond` on `micro_step >= accum_steps`, whose update branch the
+  executor visits, untaken, at every micro-batch: nothing per variable in
+  it but the update itself (no conditional per buffer: buffers.py).
+
+Example:
+
+```python
+class AccumModel(keras.Model):
+    def train_step(self, data):
+        return step.train_step(self, data)
+```
+"""
+
+import keras
+import tensorflow as tf
+
+from keras_accum import _internals as internals
+from keras_accum import microbatch, scaling
+from keras_accum.normaliser import loss_normaliser, micro_batch_weight
+from keras_accum.plan import plan_of
+
+
+def train_step(model, data):
+    """One train step of `model` on `data`, as its plan says (see above)."""
+    plan = plan_of(model)
+    if not plan.uses_buffers:
+        if not plan.splits:
+            return keras.Model.train_step(model, data)
+        return batch_to_optimizer(model, plan, data)
+    window = model._window
+    logs = accumulate(model, plan, data)
+    window.when_full(
+        plan.accum_steps,
+        lambda: window.apply(model.optimizer, model.distribute_strategy),
+    )
+    return logs
+
+
+def accumulate(model, plan, data):
+    """Adds `data`'s gradient to the window; the logs of Keras's train_step.
+
+    `TensorFlowTrainer.train_step` with the update replaced by accumulation
+    (keep in step with it: see the internals' fingerprints).
+    """
+    internals.build_compiled_loss(model, data)
+    buffers = model._window.buffers
+    variables = buffers.window_variables
+    if variables is None:
+        raise ValueError(
+            "This model was not built before its train function was "
+            "made, so it has no variables to accumulate gradients for. "
+            "Build it (call it on a batch, or `model.build(input_shape)`) "
+            "before training it outside `fit`, `train_on_batch` and "
+            "`evaluate`."
+        )
+
+    def add(batch):
+        buffers.add(
+            batch.grads,
+            batch.weight,
+            batch.grad_scale,
+            normalise=batch.normalise,
+            variables=variables,
+        )
+
+    if plan.splits:
+        x, y, sample_weight, batch, moments = split_gradients(
+            model, plan, data, variables
+        )
+        return _write(model, x, y, sample_weight, batch, moments, add)
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    batch = micro_batch_gradients(model, x, y, sample_weight, variables)
+    return _write(model, x, y, sample_weight, batch, None, add)
+
+
+def batch_to_optimizer(model, plan, data):
+    """`accum_steps=1` with a split: the batch's gradient, summed over its
+    micro-batches, goes straight to the optimizer; no buffers."""
+    internals.build_compiled_loss(model, data)
+    variables = model.trainable_variables
+    x, y, sample_weight, batch, moments = split_gradients(model, plan, data, variables)
+
+    def update(batch):
+        total = batch.weight
+        context = tf.distribute.get_replica_context()
+        if context is not None and context.num_replicas_in_sync > 1:
+            # As for a window across replicas (Window.apply): the optimizer
+            # sums replicas' gradients of losses Keras divided by the
+            # number of replicas.
+            total = context.all_reduce(tf.distribute.ReduceOp.SUM, total)
+            total = total / context.num_replicas_in_sync
+        model._window.moments.apply()
+        scale = scaling.out_of_window(
+            batch.normalise, total, scaling.loss_scale_of(model.optimizer)
+        )
+        model.optimizer.apply(
+            [
+                None if g is None else tf.cast(microbatch.scaled(g, scale), v.dtype)
+                for g, v in zip(batch.grads, variables)
+            ],
+            variables,
+        )
+
+    return _write(model, x, y, sample_weight, batch, moments, update)
+
+
+def _write(model, x, y, sample_weight, batch, moments, update):
+    """The step's one state-writing tail: moments, `update(batch)`, loss,
+    metrics. With `moments` (a split batch's, deferred), every write waits
+    for all of the batch's gradients."""
+    after = [] if moments is None else microbatch.control_after(batch)
+    with tf.control_dependencies(after):
+        if moments is not None:
+            model._window.moments.record(moments)
+        internals.track_loss(model, batch.loss, batch.num_samples)
+        update(batch)
+        return model.compute_metrics(x, y, batch.y_pred, sample_weight=sample_weight)
+
+
+def micro_batch_gradients(model, x, y, sample_weight, variables, moments=None, live=None):
+    """One forward and backward pass, as Keras's train_step makes it.
+
+    Returns `microbatch.Gradients`: the gradients and the weight (what
+    Keras normalised the loss by) that make them exact to sum.
+    BatchNormalization moments go to the window, or to the list `moments`
+    to be recorded later. `live` (a 0/1 float tensor) multiplies the
+    weight: 0 makes the gradient exactly zero.
+    """
+    loss_scale = scaling.loss_scale_of(model.optimizer)
+    # The micro-batch's weight is folded into the loss where that is safe:
+    # one scalar multiply instead of one per gradient element. Not under
+    # loss scaling or float16, where it could overflow float16 gradients;
+    # there the (then needed anyway) per-element unscale carries it.
+    fold = loss_scale is None and model.dtype_policy.compute_dtype != "float16"
+    normalisers = []
+    with tf.GradientTape() as tape:
+        with model._window.moments.micro_batch(moments):
+            y_pred = internals.call_for_training(model, x)
+        with internals.recording_loss_calls(
+            model, lambda *call: normalisers.append(loss_normaliser(*call))
+        ):
+            loss = internals.compute_loss(model, x, y, y_pred, sample_weight)
+        n = internals.batch_size(x)
+        weight, normalise = micro_batch_weight(normalisers, n)
+        if live is not None:
+            weight = weight * live
+        scaled = model.optimizer.scale_loss(loss)
+        if fold:
+            scaled = scaled * tf.cast(weight, loss.dtype)
+    grads = tape.gradient(scaled, variables)
+    grad_scale = None if fold else scaling.into_window(weight, loss_scale)
+    return microbatch.Gradients(grads, grad_scale, weight, normalise, loss, n, y_pred)
+
+
+def split_gradients(model, plan, data, variables):
+    """The batch's summed gradients from micro-batches of `plan.split_size`
+    samples, in tensors; no state is written but by the layers' forward
+    passes. Returns `(x, y, sample_weight, batch, moments)`."""
+    x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    moments = []
+    parts = []
+    for part, live in microbatch.split(
+        (x, y, sample_weight), plan.split_size, plan.batch_size_seen
+    ):
+        if parts:
+            part = microbatch.after(parts[-1], part)
+        if live is None:
+            parts.append(micro_batch_gradients(model, *part, variables, moments))
+            continue
+        # A stand-in past a short batch's end: weighs nothing, counts no
+        # sample, predicts no row, adds no BatchNormalization moments.
+        live = tf.cast(live, tf.float32)
+        first = len(moments)
+        step = micro_batch_gradients(model, *part, variables, moments, live=live)
+        rows = step.num_samples * tf.cast(live, step.num_samples.dtype)
+        moments[first:] = [
+            (pooled, count * tf.cast(live, count.dtype), mean, variance)
+            for pooled, count, mean, variance in moments[first:]
+        ]
+        parts.append(
+            step._replace(
+                loss=step.loss * tf.cast(live, step.loss.dtype),
+                num_samples=rows,
+                y_pred=microbatch.drop_rows(step.y_pred, rows),
+            )
+        )
+    return x, y, sample_weight, microbatch.combine(parts), moments

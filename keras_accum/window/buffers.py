@@ -1,0 +1,418 @@
+"""The gradient buffers of the accumulation window and their arithmetic.
+
+Each micro-batch adds `weight * gradient` into one buffer per variable;
+`window_gradients` turns the sum back into the big batch's gradient
+(scaling.py); `reset` starts a new window. Which variables the buffers
+belong to is binding.py's; how they are written to files, file_format.py's;
+whether a window is applied or skipped, the window's (window/__init__.py).
+"""
+
+import weakref
+
+import keras
+import tensorflow as tf
+
+from keras_accum import _internals as internals
+from keras_accum import scaling
+from keras_accum.arguments import check_accum_dtype
+from keras_accum.window import binding, file_format, replicas, slices
+
+
+def buffer_dtype(variable_dtype, requested=None):
+    """The dtype of a variable's buffer: `requested`, else float32 for
+    float16/bfloat16/float32 variables (summing many low-precision gradients
+    in low precision is where accumulation loses accuracy), float64 for
+    float64 variables (never less precise than the weight)."""
+    if requested is not None:
+        return tf.as_dtype(requested)
+    return tf.float64 if tf.as_dtype(variable_dtype) == tf.float64 else tf.float32
+
+
+class GradientAccumulator(tf.Module, internals.SavedState):
+    """Sums weighted micro-batch gradients until a window is applied.
+
+    Each micro-batch adds `weight * gradient` (`weight`: what its loss was
+    normalised by); the window's gradient is the sum over `window_weight`,
+    the big batch's gradient however unevenly the samples were split.
+    Buffers hold true (unscaled) sums under loss scaling too (scaling.py).
+    The state is `tf.Variable`s: it lives inside `tf.function`s and is saved
+    by `tf.train.Checkpoint` and Keras's `save`/`save_weights`.
+
+    Attributes:
+        micro_step: int64 scalar; micro-batches added since the last update.
+        window_weight: float32 scalar; the sum of the weights in this window.
+        accum_steps: int64 scalar; the window length this window is being
+            accumulated for, so a restored window is never finished under a
+            different length by mistake.
+        normalise: bool scalar; whether the window's gradient is the sum
+            divided by `window_weight` (a mean) or the plain sum (`sum`
+            losses). Written by every micro-batch, so a restored window is
+            finished with the arithmetic it was started with.
+        acc_grads: one buffer per variable of the window holding the sum of
+            weighted gradients: float32 (float64 for float64 variables) unless
+            `dtype` asks otherwise. For a variable whose gradient is
+            `tf.IndexedSlices` (an `Embedding`'s), the buffer holds the
+            window's slices instead, one per row, while they fit
+            (slices.py): the window is then handed to the optimizer as one
+            `IndexedSlices` of all its occurrences, as the big batch's
+            gradient is, for Keras's occurrence-wise sparse updates.
+        slice_indices: per buffer, the table row of each slice it holds
+            (one int per row of the variable).
+        slice_counts: per buffer, how many slices it holds; -1 when it
+            holds the dense sum instead.
+        window_variables: the variables the buffers belong to, one each, by
+            identity; None for a window restored from a file until it is
+            bound to a model's variables (binding.py). A window is only
+            ever applied to these variables.
+        absent: indices of variables whose gradient is None in the traced
+            step: the optimizer must see None for them, as it does for a
+            big batch, not a zero gradient (which would still move Adam or
+            decay). A property of the step's graph, hence Python; saved
+            with the window (file_format.py), so a window restored from a
+            file is applied with it before any step is traced.
+        sparse: indices of variables whose gradient is `tf.IndexedSlices`
+            in the traced step: their window is kept as slices. Saved
+            like `absent`.
+
+    Args:
+        dtype: buffer dtype; None for the rule above.
+        name: the module's name.
+
+    Example:
+
+    ```python
+    acc = GradientAccumulator()
+    acc.bind(model.trainable_variables, accum_steps=4)
+    acc.add(grads, weight=batch_size)   # every micro-batch
+    acc.when_full(4, lambda: acc.apply(optimizer))
+    ```
+    """
+
+    def __init__(self, dtype=None, name="gradient_accumulator"):
+        super().__init__(name=name)
+        self.dtype = check_accum_dtype(dtype)
+        # Made inside a strategy's scope (with its model): build per-replica
+        # buffers even when the build comes from loading a checkpoint.
+        self.strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
+        # The skip policy, held here for the file layout only (see Window).
+        self.nonfinite = None
+        self._unbuild()
+
+    def _unbuild(self):
+        self.micro_step = None
+        self.window_weight = None
+        self.accum_steps = None
+        self.normalise = None
+        self.acc_grads = []
+        # Per buffer: the table rows of its window's slices and how many
+        # slices it holds (slices.py); -1 when it holds a dense sum.
+        self.slice_indices = []
+        self.slice_counts = []
+        self.binding = binding.Binding()
+        # The buffers the step being traced adds dense gradients to.
+        self._dense_trace = _DenseTrace()
+        self.absent = frozenset()
+        self.sparse = frozenset()
+        self._built = False
+
+    @property
+    def built(self):
+        return self._built
+
+    @property
+    def window_variables(self):
+        return self.binding.variables
+
+    def open_micro_batches(self):
+        """Micro-batches in the open window (a Python int; 0 when unbuilt)."""
+        return int(self.micro_step.numpy()) if self._built else 0
+
+    def window_length(self):
+        """The length the open window is accumulated for (a Python int)."""
+        return int(self.accum_steps.numpy())
+
+    def shapes(self):
+        return [tuple(b.shape) for b in self.acc_grads]
+
+    def bind(self, variables, accum_steps, strategy=None):
+        """`binding.bind(self, ...)`: True if buffers were replaced."""
+        return binding.bind(self, variables, accum_steps, strategy)
+
+    def build(self, variables, accum_steps, strategy=None):
+        """Creates a zeroed buffer for each of `variables` and the counters.
+
+        `variables` need only `shape` and `dtype` (numpy arrays will do: the
+        window is bound later). Made outside any surrounding `tf.function`,
+        per replica under a strategy (replicas.py).
+        """
+        variables = list(variables)
+        self.absent = frozenset()
+        self.sparse = frozenset()
+        self.binding.variables = None
+        strategy = strategy or self.strategy
+        self.strategy = strategy
+        summed = replicas.variable_arguments(strategy, replicas.SUMMED)
+        first = replicas.variable_arguments(strategy, replicas.FIRST_REPLICAS)
+        with tf.init_scope(), replicas.scope_of(strategy):
+            self.micro_step = tf.Variable(
+                0, dtype=tf.int64, trainable=False, name="micro_step", **first
+            )
+            self.window_weight = tf.Variable(
+                0.0, dtype=tf.float32, trainable=False, name="window_weight", **summed
+            )
+            self.accum_steps = tf.Variable(
+                accum_steps, dtype=tf.int64, trainable=False, name="accum_steps", **first
+            )
+            self.normalise = tf.Variable(
+                True, dtype=tf.bool, trainable=False, name="normalise", **first
+            )
+            # Appended one by one to the list tracked since __init__ (not a
+            # new list) so that a tf.train.Checkpoint restored before the
+            # build fills each buffer as it is created.
+            if self.acc_grads:
+                self.acc_grads = []
+                self.slice_indices = []
+                self.slice_counts = []
+            for i, v in enumerate(variables):
+                self.acc_grads.append(
+                    tf.Variable(
+                        tf.zeros(v.shape, dtype=buffer_dtype(v.dtype, self.dtype)),
+                        trainable=False,
+                        name=f"acc_grad_{i}",
+                        **summed,
+                    )
+                )
+                # Scalars cannot have sparse gradients: no slices for them.
+                rows = v.shape[0] if len(v.shape) else 0
+                self.slice_indices.append(
+                    tf.Variable(
+                        tf.zeros([rows], slices.index_dtype(rows)),
+                        trainable=False,
+                        name=f"slice_indices_{i}",
+                        **first,
+                    )
+                )
+                self.slice_counts.append(
+                    tf.Variable(
+                        tf.zeros([], tf.int64), trainable=False,
+                        name=f"slice_count_{i}", **first,
+                    )
+                )
+        if variables and all(isinstance(v, _VARIABLE_TYPES) for v in variables):
+            self.binding.variables = variables
+        self._built = True
+
+    def add(self, grads, weight, grad_scale=None, normalise=True, variables=None):
+        """Adds one micro-batch: `acc_grads += grad_scale * grads`, and `weight`.
+
+        Args:
+            grads: one per buffer; `tf.IndexedSlices` are appended to the
+                window's slices (slices.py), never densified.
+            weight: what this micro-batch's loss was normalised by. The
+                buffers must end up holding `weight * gradient`: the caller
+                folded `weight` into the loss, or passes `grad_scale`.
+            grad_scale: optional scalar multiplying every gradient as it is
+                added (`scaling.into_window`).
+            normalise: whether the window's gradient is a mean (divided by
+                the window's weight); False for a sum.
+            variables: the variables `grads` belong to, checked when traced.
+        """
+        binding.check_gradients(self, grads, variables)
+        self.absent = frozenset(i for i, g in enumerate(grads) if g is None)
+        self.sparse = frozenset(
+            i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)
+        )
+        self._dense_trace.record(
+            i for i, g in enumerate(grads) if g is not None and i not in self.sparse
+        )
+        for i, (buf, g) in enumerate(zip(self.acc_grads, grads)):
+            if g is None:
+                continue
+            if i in self.sparse:
+                values = _scaled(tf.cast(g.values, buf.dtype), grad_scale)
+                slices.append(*self._slices(i), g, values)
+            else:
+                buf.assign_add(_scaled(tf.cast(g, buf.dtype), grad_scale))
+        self.window_weight.assign_add(tf.cast(weight, tf.float32))
+        self.normalise.assign(bool(normalise))
+        self.micro_step.assign_add(1)
+
+    def window_gradients(self, loss_scale=None, total_weight=None):
+        """The window's gradient per window variable, in each variable's dtype.
+
+        Multiplied by `loss_scale` when given: what a loss-scaling optimizer
+        expects. Divided by `total_weight` when given (the window's weight
+        summed over replicas), else by this `window_weight`, unless the
+        window is a sum. Variables that had no gradient give None, as they
+        would for the big batch.
+        """
+        if total_weight is None:
+            total_weight = self.window_weight
+        inv = scaling.out_of_window(self.normalise, total_weight, loss_scale)
+        grads = []
+        for i, (buf, v) in enumerate(zip(self.acc_grads, self._bound())):
+            if i in self.absent:
+                grads.append(None)
+            elif i in self.sparse:
+                # One IndexedSlices of the window's occurrences: the big
+                # batch's gradient, for Keras's own sparse update.
+                window = slices.window_slices(
+                    *self._slices(i), padded=internals.in_xla_context()
+                )
+                grads.append(
+                    tf.IndexedSlices(
+                        tf.cast(window.values * tf.cast(inv, buf.dtype), v.dtype),
+                        window.indices,
+                        window.dense_shape,
+                    )
+                )
+            else:
+                grads.append(
+                    tf.cast(self._dense_sum(i) * tf.cast(inv, buf.dtype), v.dtype)
+                )
+        return grads
+
+    def _slices(self, i):
+        # This replica's own buffers: each replica keeps its own slices.
+        return [
+            internals.replica_component(v)
+            for v in (self.acc_grads[i], self.slice_indices[i], self.slice_counts[i])
+        ]
+
+    def _dense_sum(self, i):
+        buf = self.acc_grads[i]
+        if not len(buf.shape):
+            return buf
+        storage, indices, count = self._slices(i)
+        if self._dense_trace.holds(i):
+            # In the trace that adds this buffer a dense gradient it holds a
+            # dense sum: read as it is. A conditional per variable would sit
+            # in the step's graph at every micro-batch, taken or not
+            # (benchmarks/step_mode_ops.md).
+            return storage.read_value()
+        # Slices in a buffer not known to be sparse: a window restored by
+        # `tf.train.Checkpoint` (which does not save `sparse`) and flushed
+        # before a step is traced. Summed, as their dense gradient.
+        return tf.cond(
+            count > 0,
+            lambda: slices.dense_sum(storage, indices, count),
+            storage.read_value,
+        )
+
+    def apply(self, optimizer, total_weight=None, grads=None):
+        """Applies the window's gradient to its variables through `optimizer`;
+        a new window starts.
+
+        In a replica context the optimizer sums the replicas' gradients (its
+        one cross-device reduction), so `total_weight` must then be the
+        window's weight summed over replicas. `grads`: the window's
+        gradients, if the caller has them already (`window_gradients`).
+        Whether a window is applied at all is the window's decision
+        (window/__init__.py), not this arithmetic's.
+        """
+        if grads is None:
+            grads = self.window_gradients(scaling.loss_scale_of(optimizer), total_weight)
+        optimizer.apply(grads, self._bound())
+        self.reset()
+
+    def when_full(self, accum_steps, apply):
+        """Runs `apply()` once the window holds `accum_steps` micro-batches.
+
+        `accum_steps` may be a Python int (traced as a constant) or a tensor.
+        Works eagerly and inside `tf.function`/XLA.
+        """
+        tf.cond(self.micro_step >= accum_steps, apply, lambda: None)
+
+    def when_open(self, apply):
+        """Runs `apply()` if the window holds any micro-batch; graph-safe."""
+        tf.cond(self.micro_step > 0, apply, lambda: None)
+
+    def reset(self):
+        """Zeroes the buffers and counters: a new window starts.
+
+        Also how an open window is discarded: its gradients are dropped and
+        no update is made. A window kept as slices is emptied by its count
+        alone: no pass over the table.
+        """
+        for i, (buf, count) in enumerate(zip(self.acc_grads, self.slice_counts)):
+            if i not in self.sparse:
+                buf.assign(tf.zeros_like(buf))
+            count.assign(tf.zeros_like(count))
+        self.window_weight.assign(0.0)
+        self.micro_step.assign(0)
+
+    def _bound(self):
+        if self.window_variables is None:
+            raise ValueError(
+                "This window was restored from a file and is not yet bound to "
+                "variables: train a step, or call `flush()` on the model."
+            )
+        return self.window_variables
+
+    # -- Keras saving (`model.save`, `save_weights`, `load_weights`) ----------
+
+    def save_own_variables(self, store):
+        file_format.save_window(self, store)
+
+    def load_own_variables(self, store):
+        file_format.load_window(self, store)
+
+    def snapshot(self):
+        """This process's state as numpy, for `restore` after a failed load."""
+        return file_format.snapshot(self)
+
+    def restore(self, snapshot):
+        file_format.restore(self, snapshot)
+
+    def state(self):
+        """Every variable of the window's state, counters first."""
+        return [
+            self.micro_step,
+            self.window_weight,
+            self.accum_steps,
+            self.normalise,
+            *self.acc_grads,
+            *self.slice_indices,
+            *self.slice_counts,
+        ]
+
+
+class _DenseTrace:
+    """Which buffers the graph being traced adds dense gradients to.
+
+    Recorded by `GradientAccumulator.add` when traced; a window applied in
+    that graph (or a branch inside it) reads those buffers as dense sums.
+    Out of sight of `tf.Module` tracking; the graph by weak reference, so a
+    window does not keep a traced function's graph alive.
+    """
+
+    __slots__ = ("graph", "indices")
+
+    def __init__(self):
+        self.graph = None
+        self.indices = frozenset()
+
+    def record(self, indices):
+        self.indices = frozenset(indices)
+        self.graph = None if tf.executing_eagerly() else weakref.ref(
+            tf.compat.v1.get_default_graph()
+        )
+
+    def holds(self, i):
+        """Whether buffer `i` was given a dense gradient in the graph being traced."""
+        traced = None if self.graph is None else self.graph()
+        if traced is None or i not in self.indices or tf.executing_eagerly():
+            return False
+        graph = tf.compat.v1.get_default_graph()
+        while graph is not None:
+            if graph is traced:
+                return True
+            graph = getattr(graph, "outer_graph", None)
+        return False
+
+
+_VARIABLE_TYPES = (tf.Variable, keras.Variable)
+
+
+def _scaled(grad, scale):
+    return grad if scale is None else grad * tf.cast(scale, grad.dtype)

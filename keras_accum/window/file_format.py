@@ -1,0 +1,200 @@
+"""How a window is written to and read from Keras files (`model.save`,
+`save_weights`, `load_weights`): the entries of the gradient buffers' store.
+
+Each process writes its share of the window (the sum over its own
+replicas) and `shares`, how many processes' files together hold the
+window, and `replicas`, so that a window is only ever resumed in the setup
+that made it (replicas.py). Entries, all optional but the first four for
+files written by earlier releases:
+
+- `micro_step`, `window_weight`, `accum_steps`: the counters;
+- `acc_grad_<i>`: buffer i's dense sum (zeros when it holds slices);
+- `normalise`: int8, whether the window is a mean (1) or a sum (0);
+- `has_gradient`: int8 per buffer, 0 where the step gave no gradient;
+- `shares`, `replicas`: int64, see above;
+- `sparse`: int8 per buffer, 1 where the buffer holds slices;
+- `slice_counts_<i>`, `slice_indices_<i>`, `slice_values_<i>`: each local
+  replica's slice count, then the live slices one replica after another.
+
+Example:
+
+```python
+save_window(accumulator, store)   # GradientAccumulator.save_own_variables
+load_window(accumulator, store)   # GradientAccumulator.load_own_variables
+```
+"""
+
+import numpy as np
+
+from keras_accum.window import replicas, slices
+
+
+def save_window(acc, store):
+    """Writes this process's share of `acc`'s window into `store`."""
+    if not acc.built:
+        return
+    strategy = acc.strategy
+    here = lambda v: replicas.local(strategy, v)  # noqa: E731
+    store["micro_step"] = here(acc.micro_step)[0].numpy()
+    store["window_weight"] = replicas.local_sum(here(acc.window_weight))
+    store["accum_steps"] = here(acc.accum_steps)[0].numpy()
+    store["normalise"] = np.int8(here(acc.normalise)[0].numpy())
+    count = len(acc.acc_grads)
+    store["has_gradient"] = np.array(
+        [i not in acc.absent for i in range(count)], "int8"
+    )
+    store["shares"] = np.int64(replicas.shares(strategy))
+    store["replicas"] = np.int64(replicas.replicas(strategy))
+    store["sparse"] = np.array([i in acc.sparse for i in range(count)], "int8")
+    for i, buf in enumerate(acc.acc_grads):
+        if i in acc.sparse:
+            _save_slices(acc, store, i)
+        else:
+            store[f"acc_grad_{i}"] = replicas.local_sum(here(buf))
+
+
+def _save_slices(acc, store, i):
+    # Each of this process's replicas keeps its own slices (they cannot
+    # be summed): saved one after the other with each replica's count;
+    # the replicas that spilled into a dense sum give `acc_grad_i`.
+    here = lambda v: replicas.local(acc.strategy, v)  # noqa: E731
+    storages = here(acc.acc_grads[i])
+    counts = [int(c.numpy()) for c in here(acc.slice_counts[i])]
+    indices = here(acc.slice_indices[i])
+    live = [(s, slices.live_indices(ix, n).numpy(), n)
+            for s, ix, n in zip(storages, indices, counts) if n > 0]
+    dense = [s.numpy() for s, n in zip(storages, counts) if n < 0]
+    shape = tuple(acc.acc_grads[i].shape)
+    dtype = acc.acc_grads[i].dtype.as_numpy_dtype
+    store[f"acc_grad_{i}"] = (
+        sum(dense[1:], dense[0]) if dense else np.zeros(shape, dtype)
+    )
+    store[f"slice_counts_{i}"] = np.array(counts, "int64")
+    store[f"slice_indices_{i}"] = np.concatenate(
+        [ix for _, ix, _ in live] or [np.zeros([0], "int64")]
+    ).astype("int64")
+    store[f"slice_values_{i}"] = np.concatenate(
+        [s.numpy()[:n] for s, _, n in live] or [np.zeros((0,) + shape[1:], dtype)]
+    )
+
+
+def load_window(acc, store):
+    """Restores `acc`'s window from `store`; checked first, changed after."""
+    keys = set(store.keys())
+    if not keys:
+        # Saved by a plain model, or before any training: no open window.
+        if acc.built:
+            acc.reset()
+        return
+    n = len([k for k in keys if k.startswith("acc_grad_")])
+    expected = {"micro_step", "window_weight", "accum_steps"} | {
+        f"acc_grad_{i}" for i in range(n)
+    }
+    optional = {"normalise", "has_gradient", "shares", "replicas", "sparse"}
+    optional |= {
+        f"slice_{what}_{i}" for i in range(n) for what in ("counts", "indices", "values")
+    }
+    if not expected <= keys or keys - expected - optional:
+        raise ValueError(
+            "The checkpoint's accumulation state is incomplete or not "
+            f"keras_accum's: expected entries {sorted(expected)}, found "
+            f"{sorted(keys)}."
+        )
+    values = [np.asarray(store[f"acc_grad_{i}"]) for i in range(n)]
+    if acc.built and acc.shapes() != [v.shape for v in values]:
+        raise ValueError(
+            "The checkpoint's pending window does not fit this model: its "
+            f"gradient buffers have shapes {[v.shape for v in values]}, "
+            f"this model's trainable variables have {acc.shapes()}."
+        )
+    # np.asarray: older Keras (3.8) hands back h5py datasets, not arrays.
+    entry = lambda key: np.asarray(store[key])  # noqa: E731
+    micro_step = int(entry("micro_step"))
+    strategy = acc.strategy
+    # Files written before these entries existed hold the whole window.
+    saved = (
+        int(entry("shares")) if "shares" in keys else 1,
+        int(entry("replicas")) if "replicas" in keys else replicas.replicas(strategy),
+    )
+    here = (replicas.shares(strategy), replicas.replicas(strategy))
+    if micro_step and saved != here:
+        # Buffers hold each process's share, summed over replicas whose
+        # losses Keras divided by their number: neither can be re-split.
+        raise ValueError(
+            f"The checkpoint's pending window ({micro_step} micro-batches) "
+            f"was saved by {saved[0]} process(es) with {saved[1]} "
+            f"replica(s) in all, but this model runs in {here[0]} with "
+            f"{here[1]}. Restore it in the same setup, or load weights "
+            "saved at a window boundary (e.g. an epoch-end backup)."
+        )
+    weight = np.float32(entry("window_weight"))
+    if not acc.built:
+        acc.build(values, accum_steps=int(entry("accum_steps")))
+        strategy = acc.strategy
+    local = lambda v: replicas.local(strategy, v)  # noqa: E731
+    for buf, value in zip(acc.acc_grads, values):
+        replicas.assign_share(local(buf), value)
+    replicas.assign_share(local(acc.window_weight), weight)
+    replicas.assign_all(local(acc.micro_step), micro_step)
+    replicas.assign_all(local(acc.accum_steps), int(entry("accum_steps")))
+    if "normalise" in keys:
+        replicas.assign_all(local(acc.normalise), bool(entry("normalise")))
+    if "has_gradient" in keys:
+        has = entry("has_gradient")
+        acc.absent = frozenset(int(i) for i in np.flatnonzero(has == 0))
+    # Files written before slices existed hold every window as a dense
+    # sum: count -1 says so, and such a window is applied as that sum.
+    legacy = "sparse" not in keys
+    acc.sparse = frozenset(
+        () if legacy else (int(i) for i in np.flatnonzero(entry("sparse")))
+    )
+    for count in acc.slice_counts:
+        replicas.assign_all(local(count), -1 if legacy and micro_step else 0)
+    for i in acc.sparse:
+        _load_slices(acc, store, i)
+
+
+def _load_slices(acc, store, i):
+    counts = [int(c) for c in np.asarray(store[f"slice_counts_{i}"])]
+    local = lambda v: replicas.local(acc.strategy, v)  # noqa: E731
+    components = list(zip(
+        local(acc.acc_grads[i]), local(acc.slice_indices[i]), local(acc.slice_counts[i])
+    ))
+    if len(counts) != len(components):
+        # Only a window saved with no micro-batch gets here (the
+        # replica check above refuses others): nothing to restore.
+        return
+    indices = np.asarray(store[f"slice_indices_{i}"])
+    values = np.asarray(store[f"slice_values_{i}"])
+    dense = np.asarray(store[f"acc_grad_{i}"])
+    start, dense_given = 0, False
+    for (storage, index, count), n in zip(components, counts):
+        count.assign(n)
+        if n < 0:
+            # The dense share on the first replica that spilled, zeros on
+            # the others: summed over replicas, the saved sum.
+            storage.assign(np.zeros_like(dense) if dense_given else dense)
+            dense_given = True
+        elif n > 0:
+            rows = slice(start, start + n)
+            slices.write_slices(storage, index, count, values[rows], indices[rows])
+            start += n
+
+
+def snapshot(acc):
+    """This process's window state as numpy (None if unbuilt), for `restore`."""
+    if not acc.built:
+        return None
+    values = [[c.numpy() for c in replicas.local(acc.strategy, v)] for v in acc.state()]
+    return values, acc.absent, acc.sparse
+
+
+def restore(acc, snapshot):
+    """Puts back a `snapshot(acc)`: after a failed load, all as it was."""
+    if snapshot is None:
+        acc._unbuild()
+        return
+    values, acc.absent, acc.sparse = snapshot
+    for v, local_values in zip(acc.state(), values):
+        for component, value in zip(replicas.local(acc.strategy, v), local_values):
+            component.assign(value)

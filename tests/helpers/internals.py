@@ -1,0 +1,98 @@
+"""The only place tests reach past keras_accum's public API.
+
+Used where no public API can observe the thing a test is about: how many
+micro-batches an open window holds, which buffers hold slices, the
+BatchNormalization moments of a window, the package's private modules
+(under test themselves: tests/test_keras_internals.py). Where a public
+equivalent exists (`optimizer.iterations`, weights, `flush()`,
+`skipped_windows`, `get_config()`, `assertions.assert_no_open_window`),
+tests use that instead. A rename inside the package touches this file only.
+"""
+
+import tensorflow as tf
+
+from keras_accum import _internals as keras_internals  # noqa: F401 (shared)
+from keras_accum._internals import versions as keras_versions  # noqa: F401 (shared)
+from keras_accum.backup import restore_point  # noqa: F401 (shared)
+from keras_accum.normaliser import loss_normaliser  # noqa: F401 (shared)
+from keras_accum.window import Window  # noqa: F401 (shared)
+from keras_accum.window import file_format  # noqa: F401 (shared)
+from keras_accum.window import slices as sparse  # noqa: F401 (shared)
+from keras_accum.window.buffers import GradientAccumulator  # noqa: F401 (shared)
+from keras_accum.window.nonfinite import NonFiniteWindows  # noqa: F401 (shared)
+from keras_accum.wrap import RebuiltModel, WrappedModel
+
+# What `keras_accum.wrap` returns, by kind of model (their docstrings are
+# part of the API reference).
+WRAPPED_CLASSES = (WrappedModel, RebuiltModel)
+# Keras's class of functional models, as keras_accum reaches it.
+Functional = keras_internals.Functional
+
+
+def accumulator(owner):
+    """The GradientAccumulator of an AccumModel or an AccumOptimizer."""
+    return owner._accumulator
+
+
+def pending(owner):
+    """Micro-batches in the open window of an AccumModel or AccumOptimizer."""
+    return accumulator(owner).open_micro_batches()
+
+
+def sparse_indices(owner):
+    """Indices of the window's buffers that hold slices (an Embedding's), of
+    an AccumModel, an AccumOptimizer or a GradientAccumulator."""
+    acc = owner if isinstance(owner, GradientAccumulator) else accumulator(owner)
+    return acc.sparse
+
+
+def batchnorm(model):
+    """The AccumModel's BatchNormalization window (its moments, its mode)."""
+    return model._batchnorm
+
+
+def batchnorm_windows(model):
+    """The moments pooled per BatchNormalization layer: {key: window}."""
+    return batchnorm(model)._windows
+
+
+def parked_batchnorm_moments(model):
+    """Moments loaded from a file that wait for their layers' windows."""
+    return batchnorm(model)._restored
+
+
+def window_variables(model):
+    """Every variable of the AccumModel's open window: the accumulator's
+    (gradient buffers, slices, counters) and the BatchNormalization moments."""
+    return [*accumulator(model).variables, *batchnorm(model).variables]
+
+
+def local_window(model):
+    """The values of the window's state on this process's replicas, read
+    without a collective: one list of arrays per state variable."""
+    values, _, _ = file_format.snapshot(accumulator(model))
+    return values
+
+
+def zero_local_window(model):
+    """Overwrites the window's state on this process's replicas with zeros."""
+    acc = accumulator(model)
+    for v in acc.state():
+        for c in acc.strategy.experimental_local_results(v) if acc.strategy else (v,):
+            c.assign(tf.zeros_like(c))
+
+
+def restore_points_on_disk(backup):
+    """A keras_accum.BackupAndRestore's committed backups, as (epoch, batch)."""
+    return backup._restore_points_on_disk()
+
+
+def mark_window_saved_by(path, shares, replicas):
+    """Marks a weights file's window as saved by `shares` processes,
+    `replicas` replicas in all (where the file keeps the window's setup)."""
+    import h5py
+
+    with h5py.File(path, "r+") as f:
+        f["_accumulator/vars/shares"][()] = shares
+        f["_accumulator/vars/replicas"][()] = replicas
+

@@ -1,0 +1,32 @@
+"""Plain big-batch references, and a callback that interrupts training."""
+
+import keras
+
+from helpers.models import OPTIMIZERS, functional, loss
+
+
+def plain_on_batches(x, y, batches, epochs=1, optimizer="adam", make=functional):
+    """A plain model after one `train_on_batch` per slice of `batches`, the
+    whole list once per epoch: the big batches an accumulating run's applied
+    windows must reproduce."""
+    plain = make()
+    plain.compile(OPTIMIZERS[optimizer](), loss())
+    for _ in range(epochs):
+        for batch in batches:
+            plain.train_on_batch(x[batch], y[batch])
+    return plain
+
+
+class InterruptAt(keras.callbacks.Callback):
+    """Ctrl-C after batch `batch` (0-based) of epoch `epoch` ends."""
+
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at = (epoch, batch)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self._epoch, batch) == self.at:
+            raise KeyboardInterrupt

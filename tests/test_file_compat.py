@@ -1,0 +1,199 @@
+"""Files written by an earlier release still load, and resume training exactly.
+
+tests/fixtures/files_0_1/ holds what keras_accum 0.1.0 wrote half-way
+through an accumulation window (its README says which commit and Keras;
+tests/scripts/make_file_fixtures.py wrote them, and defines the models): a
+`.keras` file, a `.weights.h5` file and a `tf.train.Checkpoint` for a
+functional `AccumModel`, for one with `skip_nonfinite=True` (a window
+skipped) and for `keras_accum.wrap` of a subclassed model, and a
+`BackupAndRestore` backup of the first. Each is loaded the way a user
+would, training goes on over the epoch's remaining micro-batches, and the
+result must be a plain `keras.Model` trained on the big batch from the same
+initial weights, with as many optimizer steps and skipped windows. The open
+window holds dense gradient sums, an `Embedding`'s slices and
+BatchNormalization moments: a change of name, key or layout in any of them
+fails here, also where Keras's loading would not complain (a state object
+whose path changed loads nothing, silently).
+"""
+
+import importlib.util
+import json
+import re
+import shutil
+import zipfile
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers.assertions import ATOL, RTOL, assert_trained
+from helpers.project import ROOT
+
+import keras_accum
+
+_spec = importlib.util.spec_from_file_location(
+    "make_file_fixtures", ROOT / "tests" / "scripts" / "make_file_fixtures.py"
+)
+fixtures = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fixtures)
+
+FILES = ROOT / "tests" / "fixtures" / "files_0_1"
+WRITTEN_BY = json.loads((FILES / "versions.json").read_text())["keras"]
+# Where training goes on: the first sample after the saved micro-batches.
+RESUME_AT = fixtures.SAVED_AFTER * fixtures.MICRO_BATCH
+# The windows that make updates: skip_nonfinite's first window has a NaN
+# sample weight and is skipped, so its big-batch twin starts at the second.
+FIRST_UPDATE = {"accum": 0, "skip_nonfinite": fixtures.BIG_BATCH, "wrap_subclassed": 0}
+SKIPPED = {"accum": 0, "skip_nonfinite": 1, "wrap_subclassed": 0}
+# The plain variant resumes as users train, with the traced step; the
+# others, whose files differ from it only in what they hold, resume eagerly,
+# a third of the time (the files load the same either way).
+EAGER = {"accum": False, "skip_nonfinite": True, "wrap_subclassed": True}
+
+
+def _release(version):
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
+
+
+def plain_graph_unreadable(path):
+    """Why this Keras cannot rebuild the plain Keras model inside the
+    `.keras` file at `path`, or None (always None on the Keras that wrote
+    it or a newer one: there, a file that does not load is a failure).
+
+    Keras does not promise that a release reads the files of a newer one:
+    Keras 3.8 refuses the `quantization_config` entry that newer releases
+    write into every Dense and Embedding config. The file's own model
+    config (for `wrap`, the wrapped model's) is rebuilt with Keras alone.
+    """
+    if _release(keras.__version__) >= _release(WRITTEN_BY):
+        return None
+    with zipfile.ZipFile(path) as archive:
+        config = json.loads(archive.read("config.json"))["config"]
+    try:
+        if "model" in config:
+            keras.saving.deserialize_keras_object(config["model"])
+        else:
+            keras.Model.from_config(
+                {k: config[k] for k in ("name", "layers", "input_layers", "output_layers")}
+            )
+    except (TypeError, ValueError) as error:
+        return str(error).strip().splitlines()[-1]
+    return None
+
+
+def initial_weights(variant):
+    with np.load(FILES / variant / "initial.weights.npz") as saved:
+        return [saved[f"arr_{i}"] for i in range(len(saved.files))]
+
+
+def big_batch(variant):
+    """A plain keras.Model trained on the big batch, from the files' start."""
+    plain = fixtures.compile_model(fixtures.plain(variant))
+    plain.run_eagerly = True  # the same updates, without a trace
+    plain.set_weights(initial_weights(variant))
+    settings = fixtures.fit_kwargs(variant, start=FIRST_UPDATE[variant])
+    settings["batch_size"] = fixtures.BIG_BATCH
+    plain.fit(**settings)
+    return plain
+
+
+def fresh(variant):
+    """The model a user builds to load into: other initial weights than the
+    file's (so that nothing passes unloaded), compiled, optimizer built (as
+    Keras needs, to load its state)."""
+    model = fixtures.compile_model(fixtures.make(variant, seed=1))
+    model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def resume(model, variant):
+    model.run_eagerly = EAGER[variant]
+    return model.fit(**fixtures.fit_kwargs(variant, start=RESUME_AT))
+
+
+def from_keras_file(variant, directory, tmp_path):
+    path = directory / "mid_window.keras"
+    unreadable = plain_graph_unreadable(path)
+    if unreadable:
+        pytest.skip(
+            f"Keras {keras.__version__} cannot rebuild the Keras layers from "
+            f"the config Keras {WRITTEN_BY} wrote into this file (a plain "
+            f"keras.Model's file of them fails alike): {unreadable}"
+        )
+    model = keras.saving.load_model(path)
+    assert isinstance(model, keras_accum.AccumModel)
+    assert model.accum_steps == fixtures.ACCUM_STEPS
+    assert model.skip_nonfinite == (variant == "skip_nonfinite")
+    resume(model, variant)
+    return model
+
+
+def from_weights_file(variant, directory, tmp_path):
+    model = fresh(variant)
+    model.load_weights(directory / "mid_window.weights.h5")
+    resume(model, variant)
+    return model
+
+
+def from_checkpoint(variant, directory, tmp_path):
+    model = fresh(variant)
+    tf.train.Checkpoint(model=model, optimizer=model.optimizer).restore(
+        tf.train.latest_checkpoint(directory / "checkpoint")
+    ).assert_existing_objects_matched()
+    resume(model, variant)
+    return model
+
+
+def from_backup(variant, directory, tmp_path):
+    # A copy: resuming writes new backups and deletes the directory at the end.
+    backup_dir = tmp_path / "backup"
+    shutil.copytree(directory / "backup", backup_dir)
+    # The restarted program: a new model, compiled, the same fit call.
+    model = fixtures.compile_model(fixtures.make(variant, seed=1))
+    model.run_eagerly = EAGER[variant]
+    backup = keras_accum.BackupAndRestore(str(backup_dir), save_freq=fixtures.BACKUP_FREQ)
+    model.fit(callbacks=[backup], **fixtures.fit_kwargs(variant))
+    assert not backup_dir.exists()  # training ended
+    return model
+
+
+KINDS = {
+    "keras_file": from_keras_file,
+    "weights_file": from_weights_file,
+    "tf_checkpoint": from_checkpoint,
+    "backup": from_backup,
+}
+
+
+@pytest.fixture(scope="module")
+def big_batches():
+    made = {}
+
+    def get(variant):
+        if variant not in made:
+            made[variant] = big_batch(variant)
+            assert_trained(made[variant], initial_weights(variant))
+        return made[variant]
+
+    return get
+
+
+CASES = [
+    (variant, kind)
+    for variant, settings in fixtures.VARIANTS.items()
+    for kind in KINDS
+    if kind != "backup" or settings["backup"]
+]
+
+
+@pytest.mark.parametrize("variant, kind", CASES)
+def test_a_mid_window_file_resumes_as_the_big_batch(variant, kind, big_batches, tmp_path):
+    model = KINDS[kind](variant, FILES / variant, tmp_path)
+    plain = big_batches(variant)
+    weights, expected = model.get_weights(), plain.get_weights()
+    assert len(weights) == len(expected)
+    for i, (a, b) in enumerate(zip(weights, expected)):
+        np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL, err_msg=f"weight {i}")
+    assert int(model.optimizer.iterations.numpy()) == int(plain.optimizer.iterations.numpy())
+    assert model.skipped_windows == SKIPPED[variant]
+
