@@ -179,9 +179,6 @@ class TrainFunctions:
 
         self._skipping = skipping if batches else None
 
-    def skipping(self):
-        return self._skipping is not None
-
     def stop_skipping(self):
         self._skipping = None
 

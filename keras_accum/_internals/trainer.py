@@ -132,7 +132,6 @@ def make_replicated_function(model, replica_step, after_step=None):
     cross-replica context, where the conditional update lives. Outputs are
     reduced by `reduce_outputs`, which also works across workers.
     """
-    strategy = model.distribute_strategy
     one_step_on_data = make_step_on_data(model, replica_step, after_step)
 
     def one_step_on_iterator(iterator):
