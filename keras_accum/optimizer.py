@@ -5,7 +5,7 @@ import keras
 from keras_accum import _internals as internals
 from keras_accum import scaling
 from keras_accum.arguments import check_accum_steps, check_skip_nonfinite
-from keras_accum.window import Window
+from keras_accum.window import Window, slices
 from keras_accum.window.buffers import GradientAccumulator
 from keras_accum.window.nonfinite import NonFiniteWindows
 
@@ -39,10 +39,9 @@ class AccumOptimizer(keras.optimizers.Optimizer):
     micro-batch's number of samples, say) to weight micro-batches, which makes
     an uneven window exactly the big batch's mean; without it, micro-batches
     count equally. Sparse gradients (an `Embedding`'s `tf.IndexedSlices`)
-    are kept as slices and reach `optimizer` as the window's occurrences,
-    so its occurrence-wise sparse update is the big batch's (see
-    keras_accum/window/slices.py for when a window is summed densely
-    instead). `flush()` applies a partial window; `reset_window()`
+    are kept as slices, or per-row moments for a table smaller than the
+    window, and reach `optimizer` as an `IndexedSlices` its occurrence-wise
+    sparse update makes the big batch's step of (keras_accum/window/slices.py). `flush()` applies a partial window; `reset_window()`
     discards it.
 
     For `model.fit`, prefer `AccumModel`: it weights by samples on its own and
@@ -175,7 +174,11 @@ class AccumOptimizer(keras.optimizers.Optimizer):
             ordered[internals.build_position(self, v)] = g
         factor = scaling.into_window(weight, scaling.loss_scale_of(self.inner_optimizer))
         self._accumulator.add(
-            ordered, 1.0 if weight is None else weight, grad_scale=factor
+            ordered,
+            1.0 if weight is None else weight,
+            grad_scale=factor,
+            statistic=slices.statistic_of(self.inner_optimizer),
+            window_occurrences=self._accum_steps,
         )
         self._window.when_full(self._accum_steps, self._apply_window)
 

@@ -27,9 +27,12 @@ traced graphs, in benchmarks/step_mode_ops.md):
 - the weight folded into the scalar loss, two scalar multiplies (under loss
   scaling or float16, one multiply per gradient element instead, which
   also unscales): the buffers hold `weight * gradient`;
-- one in-place `assign_add` per variable into its buffer (slices appended
-  for sparse gradients): the window's sum, the same memory traffic as the
-  built-in's read, add and assign;
+- one in-place `assign_add` per variable into its buffer: the window's
+  sum, the same memory traffic as the built-in's read, add and assign.
+  A sparse gradient's slices are appended instead (two scatters), or,
+  once the window holds more occurrences than the table has rows, added
+  to its per-row moments (three scatter-adds: sum, statistic, count):
+  what makes Keras's occurrence-wise sparse update exact (window/slices.py);
 - `window_weight += weight`, `micro_step += 1` and the `normalise` flag,
   three scalar writes: the window's divisor, its position (so that
   `optimizer.iterations` counts updates) and its arithmetic, so that a
@@ -54,6 +57,7 @@ from keras_accum import _internals as internals
 from keras_accum import microbatch, scaling
 from keras_accum.normaliser import loss_normaliser, micro_batch_weight
 from keras_accum.plan import plan_of
+from keras_accum.window import slices
 
 
 def train_step(model, data):
@@ -97,6 +101,8 @@ def accumulate(model, plan, data):
             batch.grad_scale,
             normalise=batch.normalise,
             variables=variables,
+            statistic=slices.statistic_of(model.optimizer),
+            window_occurrences=lambda: _window_batches(model, plan, x),
         )
 
     if plan.splits:
@@ -107,6 +113,16 @@ def accumulate(model, plan, data):
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     batch = micro_batch_gradients(model, x, y, sample_weight, variables)
     return _write(model, x, y, sample_weight, batch, None, add)
+
+
+def _window_batches(model, plan, x):
+    """How many of this batch a window holds at most: `accum_steps` full
+    (first-seen) batches. Derived from shapes, so a constant under XLA."""
+    full = model._batch_size_seen
+    if full is None:
+        return plan.accum_steps
+    n = internals.batch_size(x)
+    return plan.accum_steps * ((full + n - 1) // n)
 
 
 def batch_to_optimizer(model, plan, data):

@@ -203,7 +203,10 @@ def test_under_xla_the_window_is_padded_to_static_shapes():
     acc.add([tf.IndexedSlices(tf.ones((4, 3)), tf.constant([3, 3, 5, 0]))], weight=1.0)
     window = acc.window_gradients
     compiled = tf.function(lambda: window()[0], jit_compile=True)()
-    assert compiled.values.shape == (20, 3)  # padded: static shapes
+    # Padded, static shapes: the buffer, then as many again for a window of
+    # moments (both branches of the conditional have one shape; no step
+    # traced here recorded a window's size, see test_small_tables.py).
+    assert compiled.values.shape == (40, 3)
     eager = window()[0]
     assert eager.values.shape == (4, 3)  # only the window's slices
     np.testing.assert_array_equal(
@@ -349,31 +352,49 @@ def test_resume_mid_window_from_a_tf_train_checkpoint(tmp_path):
     assert_weights_close(uninterrupted, resumed, rtol=0, atol=0)
 
 
-def test_a_window_saved_before_slices_is_applied_as_its_dense_sum():
+def _legacy_window(optimizer, x, y):
     # Files written before slices existed hold every window as a dense sum
     # (and no entry saying which variables are sparse).
-    x, y = token_data(32)
     source = net(AccumModel, accum_steps=N)
-    source.compile(OPTIMIZERS["adam"](), loss())
+    source.compile(optimizer(), loss())
     for part in (slice(0, 8), slice(8, 16)):
         source.train_on_batch(x[part], y[part])
     store = {}
     acc = internals.accumulator(source)
     acc.save_own_variables(store)
     table_sum = sparse.dense_sum(acc.acc_grads[0], acc.slice_indices[0], acc.slice_counts[0])
-    old = {k: v for k, v in store.items() if not k.startswith(("slice_", "sparse"))}
+    old = {k: v for k, v in store.items() if not k.startswith(("slice_", "sparse", "statistic"))}
     old["acc_grad_0"] = table_sum.numpy()
     loaded = net(AccumModel, accum_steps=N)
-    loaded.compile(OPTIMIZERS["adam"](), loss())
+    loaded.compile(optimizer(), loss())
     loaded.optimizer.build(loaded.trainable_variables)
     internals.accumulator(loaded).load_own_variables(old)
-    for part in (slice(16, 24), slice(24, 32)):  # the window goes on, densely
-        loaded.train_on_batch(x[part], y[part])
-    assert int(loaded.optimizer.iterations) == 1
+    assert int(internals.accumulator(loaded).slice_counts[0].numpy()) == sparse.DENSE
+    return loaded
+
+
+def test_a_window_saved_before_slices_is_applied_as_its_dense_sum():
+    x, y = token_data(32)
+    loaded = _legacy_window(OPTIMIZERS["adam"], x, y)
+    loaded.flush()
     dense = net(DenseGradientModel)
     dense.compile(OPTIMIZERS["adam"](), loss())
-    dense.train_on_batch(x, y)
+    dense.train_on_batch(x[:16], y[:16])
     assert_weights_close(dense, loaded)
+
+
+def test_a_window_saved_before_slices_goes_on_losing_nothing():
+    # Its dense part counts one occurrence per row, the rest is kept as
+    # moments: SGD, which only sums occurrences, is then the big batch.
+    x, y = token_data(32)
+    loaded = _legacy_window(OPTIMIZERS["sgd_momentum"], x, y)
+    for part in (slice(16, 24), slice(24, 32)):
+        loaded.train_on_batch(x[part], y[part])
+    assert int(loaded.optimizer.iterations) == 1
+    plain = net()
+    plain.compile(OPTIMIZERS["sgd_momentum"](), loss())
+    plain.train_on_batch(x, y)
+    assert_weights_close(plain, loaded)
 
 
 def test_snapshot_and_restore_bring_back_the_slices():
@@ -393,43 +414,41 @@ def test_snapshot_and_restore_bring_back_the_slices():
     np.testing.assert_array_equal(after.values.numpy(), before.values.numpy())
 
 
-# -- the representation rule: slices while they fit, else the dense sum ---------
+# -- slices while they fit, per-row moments beyond (tests/test_small_tables.py) ---
 
 
-@pytest.mark.parametrize("name", ["adam", "sgd_momentum"])
-def test_window_bigger_than_the_table_is_the_dense_sum(name):
-    # 32 samples x 6 tokens per window over a 40-row table: dense.
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_window_bigger_than_the_table_is_still_the_big_batch(name):
+    # 32 samples x 6 tokens per window over a 40-row table: moments.
     x, y = token_data()
-    accum = net(AccumModel, vocab=40, accum_steps=N)
-    accum.compile(OPTIMIZERS[name](), loss())
-    accum.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)
-    dense = dense_reference(x, y, OPTIMIZERS[name], vocab=40)
-    assert_weights_close(dense, accum)
-    accum.train_on_batch(x[:MICRO], y[:MICRO])  # 48 tokens: already dense
-    assert int(internals.accumulator(accum).slice_counts[0].numpy()) == -1
-    if name == "sgd_momentum":  # SGD sums occurrences: the big batch either way
-        plain = net(vocab=40)
-        plain.compile(OPTIMIZERS[name](), loss())
-        plain.fit(x, y, batch_size=MICRO * N, epochs=2, shuffle=False, verbose=0)
-        accum.reset_window()
-        assert_weights_close(plain, accum)
+    plain, accum = fit_pair(
+        lambda: net(AccumModel, vocab=40, accum_steps=N), lambda: net(vocab=40),
+        x, y, OPTIMIZERS[name],
+    )
+    assert_weights_close(plain, accum)
+    accum.train_on_batch(x[:MICRO], y[:MICRO])  # 48 tokens: moments at once
+    assert int(internals.accumulator(accum).slice_counts[0].numpy()) == sparse.MOMENTS
+    if name in OCCURRENCE_WISE:  # the test can tell the summed window apart
+        dense = dense_reference(x, y, OPTIMIZERS[name], vocab=40)
+        moved = np.abs(table(plain) - table(net(vocab=40))).max()
+        assert np.abs(table(plain) - table(dense)).max() > 0.01 * moved
 
 
-def test_a_micro_batch_that_overflows_spills_the_window_losing_nothing():
+def test_a_micro_batch_that_overflows_turns_the_window_into_moments_losing_nothing():
     # 8 + 8 samples (96 tokens) fit a 110-row table (room for 110 slices); a
-    # third micro-batch of 16 samples (96 tokens more) does not:
-    # the window becomes the dense sum, all of it.
+    # third micro-batch of 16 samples (96 tokens more) does not: the
+    # window's slices become per-row moments, all of them.
     x, y = token_data(32)
     accum = net(AccumModel, vocab=110, accum_steps=3)
-    accum.compile(OPTIMIZERS["sgd_momentum"](), loss())
+    accum.compile(OPTIMIZERS["adam"](), loss())
     for part in (slice(0, 8), slice(8, 16)):
         accum.train_on_batch(x[part], y[part])
     assert int(internals.accumulator(accum).slice_counts[0].numpy()) == 96
     accum.train_on_batch(x[16:], y[16:])
-    dense = net(DenseGradientModel, vocab=110)
-    dense.compile(OPTIMIZERS["sgd_momentum"](), loss())
-    dense.train_on_batch(x, y)
-    assert_weights_close(dense, accum)
+    plain = net(vocab=110)
+    plain.compile(OPTIMIZERS["adam"](), loss())
+    plain.train_on_batch(x, y)
+    assert_weights_close(plain, accum)
 
 
 def test_slices_are_appended_and_a_new_window_starts_by_count():
@@ -553,16 +572,16 @@ def test_slices_fill_the_buffer_to_capacity_then_spill():
         tf.convert_to_tensor(window).numpy(), expected / 2, rtol=1e-6
     )
     add([1])
-    assert int(acc.slice_counts[0].numpy()) == -1  # one more: the dense sum
+    assert int(acc.slice_counts[0].numpy()) == sparse.MOMENTS  # one more: moments
     np.testing.assert_allclose(
         tf.convert_to_tensor(acc.window_gradients()[0]).numpy(), expected / 3, rtol=1e-6
     )
 
 
-def test_a_spilled_window_stays_the_dense_sum_to_its_end():
-    # Once a window is the dense sum it stays so until applied, however few
-    # slices come next; checked by values, not by an error: a GPU drops an
-    # out-of-range scatter silently where the CPU refuses it.
+def test_a_window_of_moments_stays_moments_to_its_end():
+    # Once a window is kept as moments it stays so until applied, however
+    # few slices come next; checked by values, not by an error: a GPU drops
+    # an out-of-range scatter silently where the CPU refuses it.
     acc = GradientAccumulator()
     weights = tf.Variable(tf.zeros((10, 2)))
     acc.build([weights], accum_steps=4)
@@ -574,12 +593,13 @@ def test_a_spilled_window_stays_the_dense_sum_to_its_end():
         np.add.at(expected, ids, values)
         acc.add([tf.IndexedSlices(tf.constant(values), tf.constant(ids))], weight=1.0)
 
-    add([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0])  # 11 slices, 10 rows: dense at once
-    assert int(acc.slice_counts[0].numpy()) == -1
+    add([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0])  # 11 slices, 10 rows: moments at once
+    assert int(acc.slice_counts[0].numpy()) == sparse.MOMENTS
     np.testing.assert_allclose(acc.acc_grads[0].numpy(), expected, rtol=1e-6)
     add([3])  # would fit as slices on their own
     add([3, 7])
-    assert int(acc.slice_counts[0].numpy()) == -1
+    assert int(acc.slice_counts[0].numpy()) == sparse.MOMENTS
+    np.testing.assert_array_equal(acc.slice_indices[0].numpy(), [2, 1, 1, 3, 1, 1, 1, 2, 1, 1])
     np.testing.assert_allclose(acc.acc_grads[0].numpy(), expected, rtol=1e-6)
     np.testing.assert_allclose(
         tf.convert_to_tensor(acc.window_gradients()[0]).numpy(), expected / 3, rtol=1e-6

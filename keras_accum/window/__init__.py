@@ -6,7 +6,8 @@ The window's state has three parts, each in a module of its own:
 
 - the gradient buffers (buffers.py: the arithmetic; binding.py: which
   variables they belong to; file_format.py: how they are saved; slices.py:
-  sparse gradients kept as slices; replicas.py: per-replica state);
+  sparse gradients kept as slices or per-row moments; trace.py: what the
+  step being traced added; replicas.py: per-replica state);
 - the BatchNormalization moments pooled over the window (batchnorm.py);
 - the skip policy (nonfinite.py), asked once per window.
 

@@ -7,8 +7,6 @@ belong to is binding.py's; how they are written to files, file_format.py's;
 whether a window is applied or skipped, the window's (window/__init__.py).
 """
 
-import weakref
-
 import keras
 import tensorflow as tf
 
@@ -16,6 +14,7 @@ from keras_accum import _internals as internals
 from keras_accum import scaling
 from keras_accum.arguments import check_accum_dtype
 from keras_accum.window import binding, file_format, replicas, slices
+from keras_accum.window.trace import StepTrace
 
 
 def buffer_dtype(variable_dtype, requested=None):
@@ -52,14 +51,21 @@ class GradientAccumulator(tf.Module, internals.SavedState):
             weighted gradients: float32 (float64 for float64 variables) unless
             `dtype` asks otherwise. For a variable whose gradient is
             `tf.IndexedSlices` (an `Embedding`'s), the buffer holds the
-            window's slices instead, one per row, while they fit
-            (slices.py): the window is then handed to the optimizer as one
-            `IndexedSlices` of all its occurrences, as the big batch's
-            gradient is, for Keras's occurrence-wise sparse updates.
+            window's slices instead, one per row, while they fit, then the
+            per-row sums of its occurrences (slices.py): either way the
+            window reaches the optimizer as an `IndexedSlices` that Keras's
+            occurrence-wise sparse update makes the big batch's step of.
         slice_indices: per buffer, the table row of each slice it holds
-            (one int per row of the variable).
-        slice_counts: per buffer, how many slices it holds; -1 when it
-            holds the dense sum instead.
+            (one int per row of the variable); per row, its occurrences,
+            once the window is kept as moments.
+        slice_counts: per buffer, how many slices it holds; below zero
+            what it holds instead (`slices.MOMENTS`, `slices.DENSE`).
+        acc_stats: per sparse buffer (by its index as a string), the
+            per-row sums of its occurrences' statistic once the window is
+            kept as moments; made when the buffer is first given slices.
+        statistic: which statistic (`slices.SQUARE` or `slices.ABS`, as the
+            optimizer reads it: `slices.statistic_of`). Saved like
+            `sparse`.
         window_variables: the variables the buffers belong to, one each, by
             identity; None for a window restored from a file until it is
             bound to a model's variables (binding.py). A window is only
@@ -108,9 +114,11 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         # slices it holds (slices.py); -1 when it holds a dense sum.
         self.slice_indices = []
         self.slice_counts = []
+        self.acc_stats = {}
+        self.statistic = slices.SQUARE
         self.binding = binding.Binding()
-        # The buffers the step being traced adds dense gradients to.
-        self._dense_trace = _DenseTrace()
+        # What the step being traced adds: which buffers dense gradients.
+        self._trace = StepTrace()
         self.absent = frozenset()
         self.sparse = frozenset()
         self._built = False
@@ -173,6 +181,7 @@ class GradientAccumulator(tf.Module, internals.SavedState):
                 self.acc_grads = []
                 self.slice_indices = []
                 self.slice_counts = []
+            self.acc_stats.clear()
             for i, v in enumerate(variables):
                 self.acc_grads.append(
                     tf.Variable(
@@ -202,7 +211,8 @@ class GradientAccumulator(tf.Module, internals.SavedState):
             self.binding.variables = variables
         self._built = True
 
-    def add(self, grads, weight, grad_scale=None, normalise=True, variables=None):
+    def add(self, grads, weight, grad_scale=None, normalise=True, variables=None,
+            statistic=slices.SQUARE, window_occurrences=1):
         """Adds one micro-batch: `acc_grads += grad_scale * grads`, and `weight`.
 
         Args:
@@ -216,21 +226,36 @@ class GradientAccumulator(tf.Module, internals.SavedState):
             normalise: whether the window's gradient is a mean (divided by
                 the window's weight); False for a sum.
             variables: the variables `grads` belong to, checked when traced.
+            statistic: what the optimizer reads of sparse occurrences
+                (`slices.statistic_of(optimizer)`).
+            window_occurrences: how many times this micro-batch's
+                occurrences a window can hold at most (accum_steps, times
+                full batch over this one's size), or a function giving it:
+                the static size a window of moments is handed over in
+                under XLA.
         """
         binding.check_gradients(self, grads, variables)
         self.absent = frozenset(i for i, g in enumerate(grads) if g is None)
         self.sparse = frozenset(
             i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)
         )
-        self._dense_trace.record(
-            i for i, g in enumerate(grads) if g is not None and i not in self.sparse
+        self.statistic = statistic
+        if self.sparse and callable(window_occurrences):
+            window_occurrences = window_occurrences()
+        self._trace.record(
+            (i for i, g in enumerate(grads) if g is not None and i not in self.sparse),
+            {
+                i: tf.cast(window_occurrences, tf.int32) * tf.shape(grads[i].indices)[0]
+                for i in self.sparse
+            },
         )
         for i, (buf, g) in enumerate(zip(self.acc_grads, grads)):
             if g is None:
                 continue
             if i in self.sparse:
                 values = _scaled(tf.cast(g.values, buf.dtype), grad_scale)
-                slices.append(*self._slices(i), g, values)
+                stats = internals.replica_component(self.stats_of(i))
+                slices.append(*self._slices(i), g, values, stats, statistic)
             else:
                 buf.assign_add(_scaled(tf.cast(g, buf.dtype), grad_scale))
         self.window_weight.assign_add(tf.cast(weight, tf.float32))
@@ -254,10 +279,16 @@ class GradientAccumulator(tf.Module, internals.SavedState):
             if i in self.absent:
                 grads.append(None)
             elif i in self.sparse:
-                # One IndexedSlices of the window's occurrences: the big
-                # batch's gradient, for Keras's own sparse update.
+                # One IndexedSlices that Keras's own sparse update makes the
+                # big batch's step of: its occurrences, or their moments.
+                stats = self.acc_stats.get(str(i))
+                padded = internals.in_xla_context()
                 window = slices.window_slices(
-                    *self._slices(i), padded=internals.in_xla_context()
+                    *self._slices(i),
+                    padded=padded,
+                    stats=None if stats is None else internals.replica_component(stats),
+                    kind=self.statistic,
+                    capacity=self._trace.capacity(i) if padded else None,
                 )
                 grads.append(
                     tf.IndexedSlices(
@@ -272,6 +303,28 @@ class GradientAccumulator(tf.Module, internals.SavedState):
                 )
         return grads
 
+    def stats_of(self, i):
+        """Buffer i's per-row statistic sums (slices.py), made when first
+        needed: only sparse buffers have one. Made in cross-replica context
+        and outside any `tf.function`, as the buffers are (replicas.py)."""
+        key = str(i)
+        if key not in self.acc_stats:
+            buf = self.acc_grads[i]
+
+            def make():
+                if key not in self.acc_stats:
+                    with tf.init_scope(), replicas.scope_of(self.strategy):
+                        self.acc_stats[key] = tf.Variable(
+                            tf.zeros(buf.shape, buf.dtype),
+                            trainable=False,
+                            name=f"acc_stats_{i}",
+                            **replicas.variable_arguments(self.strategy, replicas.SUMMED),
+                        )
+                return self.acc_stats[key]
+
+            return replicas.in_cross_replica_context(make)
+        return self.acc_stats[key]
+
     def _slices(self, i):
         # This replica's own buffers: each replica keeps its own slices.
         return [
@@ -284,7 +337,7 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         if not len(buf.shape):
             return buf
         storage, indices, count = self._slices(i)
-        if self._dense_trace.holds(i):
+        if self._trace.holds(i):
             # In the trace that adds this buffer a dense gradient it holds a
             # dense sum: read as it is. A conditional per variable would sit
             # in the step's graph at every micro-batch, taken or not
@@ -374,41 +427,10 @@ class GradientAccumulator(tf.Module, internals.SavedState):
             *self.acc_grads,
             *self.slice_indices,
             *self.slice_counts,
+            # Last: made later than the rest (a snapshot taken before one
+            # was made restores the others and leaves it unread).
+            *(self.acc_stats[k] for k in sorted(self.acc_stats, key=int)),
         ]
-
-
-class _DenseTrace:
-    """Which buffers the graph being traced adds dense gradients to.
-
-    Recorded by `GradientAccumulator.add` when traced; a window applied in
-    that graph (or a branch inside it) reads those buffers as dense sums.
-    Out of sight of `tf.Module` tracking; the graph by weak reference, so a
-    window does not keep a traced function's graph alive.
-    """
-
-    __slots__ = ("graph", "indices")
-
-    def __init__(self):
-        self.graph = None
-        self.indices = frozenset()
-
-    def record(self, indices):
-        self.indices = frozenset(indices)
-        self.graph = None if tf.executing_eagerly() else weakref.ref(
-            tf.compat.v1.get_default_graph()
-        )
-
-    def holds(self, i):
-        """Whether buffer `i` was given a dense gradient in the graph being traced."""
-        traced = None if self.graph is None else self.graph()
-        if traced is None or i not in self.indices or tf.executing_eagerly():
-            return False
-        graph = tf.compat.v1.get_default_graph()
-        while graph is not None:
-            if graph is traced:
-                return True
-            graph = getattr(graph, "outer_graph", None)
-        return False
 
 
 _VARIABLE_TYPES = (tf.Variable, keras.Variable)

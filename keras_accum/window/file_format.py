@@ -14,7 +14,12 @@ files written by earlier releases:
 - `shares`, `replicas`: int64, see above;
 - `sparse`: int8 per buffer, 1 where the buffer holds slices;
 - `slice_counts_<i>`, `slice_indices_<i>`, `slice_values_<i>`: each local
-  replica's slice count, then the live slices one replica after another.
+  replica's slice count, then the live slices one replica after another;
+- `slice_stats_<i>`, `row_counts_<i>`: for the replicas whose window is
+  kept as moments (count `slices.MOMENTS`), the sums of their statistic
+  and their occurrence counts per row (their sums are `acc_grad_<i>`);
+- `statistic`: int8, 1 where the statistic is the absolute value (Adamax),
+  0 for squares.
 
 Example:
 
@@ -46,6 +51,7 @@ def save_window(acc, store):
     store["shares"] = np.int64(replicas.shares(strategy))
     store["replicas"] = np.int64(replicas.replicas(strategy))
     store["sparse"] = np.array([i in acc.sparse for i in range(count)], "int8")
+    store["statistic"] = np.int8(acc.statistic == slices.ABS)
     for i, buf in enumerate(acc.acc_grads):
         if i in acc.sparse:
             _save_slices(acc, store, i)
@@ -69,6 +75,20 @@ def _save_slices(acc, store, i):
     store[f"acc_grad_{i}"] = (
         sum(dense[1:], dense[0]) if dense else np.zeros(shape, dtype)
     )
+    if slices.MOMENTS in counts:
+        # Moments add up over replicas: saved as their sum. A replica
+        # still holding an older file's dense sum counts one per row.
+        stats = here(acc.stats_of(i))
+        statistic = lambda v: np.abs(v) if acc.statistic == slices.ABS else v**2  # noqa: E731
+        store[f"slice_stats_{i}"] = sum(
+            st.numpy() if n == slices.MOMENTS else statistic(s.numpy())
+            for s, st, n in zip(storages, stats, counts) if n < 0
+        )
+        store[f"row_counts_{i}"] = sum(
+            ix.numpy().astype("int64") if n == slices.MOMENTS else np.ones(shape[0], "int64")
+            for ix, n in zip(indices, counts) if n < 0
+        )
+        counts = [slices.MOMENTS if n < 0 else n for n in counts]
     store[f"slice_counts_{i}"] = np.array(counts, "int64")
     store[f"slice_indices_{i}"] = np.concatenate(
         [ix for _, ix, _ in live] or [np.zeros([0], "int64")]
@@ -90,10 +110,13 @@ def load_window(acc, store):
     expected = {"micro_step", "window_weight", "accum_steps"} | {
         f"acc_grad_{i}" for i in range(n)
     }
-    optional = {"normalise", "has_gradient", "shares", "replicas", "sparse"}
+    optional = {"normalise", "has_gradient", "shares", "replicas", "sparse", "statistic"}
     optional |= {
-        f"slice_{what}_{i}" for i in range(n) for what in ("counts", "indices", "values")
+        f"slice_{what}_{i}"
+        for i in range(n)
+        for what in ("counts", "indices", "values", "stats")
     }
+    optional |= {f"row_counts_{i}" for i in range(n)}
     if not expected <= keys or keys - expected - optional:
         raise ValueError(
             "The checkpoint's accumulation state is incomplete or not "
@@ -148,8 +171,10 @@ def load_window(acc, store):
     acc.sparse = frozenset(
         () if legacy else (int(i) for i in np.flatnonzero(entry("sparse")))
     )
+    if "statistic" in keys:
+        acc.statistic = slices.ABS if int(entry("statistic")) else slices.SQUARE
     for count in acc.slice_counts:
-        replicas.assign_all(local(count), -1 if legacy and micro_step else 0)
+        replicas.assign_all(local(count), slices.DENSE if legacy and micro_step else 0)
     for i in acc.sparse:
         _load_slices(acc, store, i)
 
@@ -167,13 +192,26 @@ def _load_slices(acc, store, i):
     indices = np.asarray(store[f"slice_indices_{i}"])
     values = np.asarray(store[f"slice_values_{i}"])
     dense = np.asarray(store[f"acc_grad_{i}"])
+    moments = slices.MOMENTS in counts
+    if moments:
+        stats = local(acc.stats_of(i))
+        shares = [
+            (dense, np.asarray(store[f"slice_stats_{i}"]),
+             np.asarray(store[f"row_counts_{i}"]))
+        ]
     start, dense_given = 0, False
-    for (storage, index, count), n in zip(components, counts):
+    for r, ((storage, index, count), n) in enumerate(zip(components, counts)):
         count.assign(n)
         if n < 0:
-            # The dense share on the first replica that spilled, zeros on
-            # the others: summed over replicas, the saved sum.
-            storage.assign(np.zeros_like(dense) if dense_given else dense)
+            # The dense share (or moments) on the first replica that
+            # spilled, zeros on the others: summed over replicas, the saved.
+            if moments:
+                share = shares[0] if not dense_given else [np.zeros_like(a) for a in shares[0]]
+                storage.assign(share[0])
+                stats[r].assign(share[1])
+                index.assign(share[2].astype(index.dtype.as_numpy_dtype))
+            else:
+                storage.assign(np.zeros_like(dense) if dense_given else dense)
             dense_given = True
         elif n > 0:
             rows = slice(start, start + n)
@@ -186,7 +224,7 @@ def snapshot(acc):
     if not acc.built:
         return None
     values = [[c.numpy() for c in replicas.local(acc.strategy, v)] for v in acc.state()]
-    return values, acc.absent, acc.sparse
+    return values, acc.absent, acc.sparse, acc.statistic
 
 
 def restore(acc, snapshot):
@@ -194,7 +232,7 @@ def restore(acc, snapshot):
     if snapshot is None:
         acc._unbuild()
         return
-    values, acc.absent, acc.sparse = snapshot
+    values, acc.absent, acc.sparse, acc.statistic = snapshot
     for v, local_values in zip(acc.state(), values):
         for component, value in zip(replicas.local(acc.strategy, v), local_values):
             component.assign(value)

@@ -48,6 +48,16 @@ def scope_of(strategy):
     return contextlib.nullcontext()
 
 
+def in_cross_replica_context(make):
+    """`make()`, called in cross-replica context: from inside a replica
+    (a step being traced under a strategy), through `merge_call`, where a
+    strategy's variables can be made."""
+    context = tf.distribute.get_replica_context()
+    if tf.distribute.has_strategy() and context is not None:
+        return context.merge_call(lambda _: make())
+    return make()
+
+
 def local(strategy, variable):
     """`variable`'s components on this process's replicas (no collective)."""
     if strategy is None:

@@ -1,44 +1,66 @@
-"""Sparse (`tf.IndexedSlices`) gradients kept as slices over a window.
+"""Sparse (`tf.IndexedSlices`) gradients over a window: the occurrences
+while they fit, per-row moments beyond.
 
 Keras's optimizers apply an `IndexedSlices` gradient occurrence by
-occurrence: Adam, RMSprop and Adagrad square each occurrence's values
-before summing the occurrences of a row, so a token seen k times in a batch
-adds `sum(g_i**2)` to its second moment, not `(sum g_i)**2`. Summing a
-window's slices into a dense buffer loses the occurrences. Here a window
-keeps them: each micro-batch's slices are appended to a fixed-capacity
-buffer, and the window is handed to the optimizer as ONE `IndexedSlices` of
-all its occurrences, which is exactly what the big batch's gradient is.
+occurrence: Adam, RMSprop, Adagrad and the others square each occurrence's
+values before summing the occurrences of a row, so a token seen k times in
+a batch adds `sum(g_i**2)` to its second moment, not `(sum g_i)**2`.
+Summing a window's slices into a dense buffer loses that. A window keeps,
+per sparse variable, one of two exact representations in the variable's
+gradient buffer (`storage`, the shape of the variable), an int vector with
+one entry per row (`indices`) and a `count`:
 
-The slices' values live in the variable's gradient buffer itself
-(`storage`, the shape of the variable: slice `k`'s values in row `k`), their
-row indices in an int vector with one entry per row (`indices`), and a
-`count`:
+- `count >= 0`, **slices**: the window's `count` occurrences, slice `k`'s
+  values in `storage[k]` and its table row in `indices[k]`; rows beyond are
+  stale and never read. Handed to the optimizer as ONE `IndexedSlices` of
+  all of them, which is the big batch's gradient: exact for every
+  optimizer and option (`clipvalue` too). Starting a new window is
+  `count = 0`: no pass over the table.
+- `count == MOMENTS`, **moments**: once a window has more occurrences than
+  the table has rows, it is kept as per-row sums: `storage[r]` the sum of
+  row r's occurrences, `stats[r]` the sum of their statistic (each
+  occurrence squared, or its absolute value for Adamax: `statistic_of`),
+  and `indices[r]` how many there were. Keras's sparse updates read a row's
+  occurrences only through these sums (checked per optimizer in
+  tests/test_small_tables.py), so the window is handed to the optimizer as
+  an `IndexedSlices` synthesised to have the same per-row sums:
+  `synthesised`. O(table) memory however many tokens the window holds.
+- `count == DENSE`: the dense sum alone, one occurrence per row; only a
+  window from a file written before moments existed (applied as it was).
 
-- `count >= 0`: the window holds `count` slices in `storage[:count]` and
-  `indices[:count]`; rows beyond are stale and never read. Starting a new
-  window is `count = 0`: no dense pass over the table.
-- `count == -1`: `storage` is the dense sum of the window's gradient
-  (the representation rule below spilled the slices into it).
-
-The representation rule: slices while the window's occurrences fit in the
-buffer, `window tokens <= table rows` (values `tokens x width` within the
-table's `rows x width`). A micro-batch that would overflow it spills the
-window into the dense sum (a scatter-add, as before slices existed) and the
-window is applied as that sum, one occurrence per row: the one case where
-Keras's occurrence-wise update is not reproduced. Nothing is dropped: the
-decision is made per micro-batch at run time, so a micro-batch bigger than
-any seen before is caught too.
-
-Why a table-sized buffer and not one sized to the window: the tokens per
-micro-batch are usually unknown when the buffers are made (Keras traces
-the step with a `None` batch dimension, and the last batch is shorter or
-a later one bigger), and a window that outgrows its slices must still be
-summed somewhere without dropping anything: in place, here. The indices
-are a vector of their own, not bits in the float buffer: copies of floats
-are not bit-exact everywhere (NaN patterns are canonicalised).
+Where the moments are not enough, the README says so: `clipvalue` clips
+each occurrence, and Adamax with `clipnorm`/`global_clipnorm` needs both
+statistics.
 """
 
+import keras
 import tensorflow as tf
+
+# `count` values below zero: what the buffer holds instead of slices.
+DENSE = -1
+MOMENTS = -2
+
+# The per-occurrence statistic a window of moments keeps beside the sums.
+SQUARE = "square"
+ABS = "abs"
+
+
+def statistic_of(optimizer):
+    """The statistic of its occurrences `optimizer`'s sparse update reads.
+
+    Adamax's infinity norm reads `sum(|g_i|)` per row; every other Keras
+    optimizer `sum(g_i**2)` (or nothing beyond the sum: SGD, Lion).
+    Wrappers (`LossScaleOptimizer`, `AccumOptimizer`) are looked through.
+    """
+    inner = optimizer
+    while getattr(inner, "inner_optimizer", None) is not None:
+        inner = inner.inner_optimizer
+    return ABS if isinstance(inner, keras.optimizers.Adamax) else SQUARE
+
+
+def statistic(values, kind):
+    """Each occurrence's statistic, elementwise."""
+    return tf.abs(values) if kind == ABS else tf.square(values)
 
 
 def index_dtype(rows):
@@ -46,11 +68,12 @@ def index_dtype(rows):
     return tf.int32 if rows < 2**31 else tf.int64
 
 
-def append(storage, indices, count, slices, values):
+def append(storage, indices, count, slices, values, stats, kind=SQUARE):
     """Adds one micro-batch's `slices` (with scaled `values`) to the window.
 
     Appended as slices while they fit in `storage`; otherwise the window
-    becomes (or stays) the dense sum in `storage`.
+    becomes (or stays) per-row moments: sums in `storage`, the sums of
+    `statistic(values, kind)` in `stats`, occurrence counts in `indices`.
     """
     rows = storage.shape[0]
     idx = tf.cast(slices.indices, indices.dtype)
@@ -64,17 +87,35 @@ def append(storage, indices, count, slices, values):
         indices.scatter_update(tf.IndexedSlices(idx, positions))
         count.assign_add(n)
 
-    def to_dense():
-        def densify():
+    def to_moments():
+        def from_slices():
             # Only the live slices: the rest of the buffer is stale.
-            storage.assign(dense_sum(storage, indices, count))
+            live_values, rows_of = _padded(storage, indices, count)
+            live = tf.cast(tf.range(rows, dtype=count.dtype) < count, indices.dtype)
+            storage.assign(tf.math.unsorted_segment_sum(live_values, rows_of, rows))
+            stats.assign(
+                tf.math.unsorted_segment_sum(statistic(live_values, kind), rows_of, rows)
+            )
+            indices.assign(tf.math.unsorted_segment_sum(live, rows_of, rows))
 
-        tf.cond(count >= 0, densify, lambda: None)
+        def from_dense():
+            # A dense sum from an older file: one occurrence per row, as it
+            # would have been applied.
+            stats.assign(statistic(storage, kind))
+            indices.assign(tf.ones_like(indices))
+
+        tf.cond(
+            count >= 0,
+            from_slices,
+            lambda: tf.cond(count == DENSE, from_dense, lambda: None),
+        )
         storage.scatter_add(tf.IndexedSlices(values, idx))
-        count.assign(-1)
+        stats.scatter_add(tf.IndexedSlices(statistic(values, kind), idx))
+        indices.scatter_add(tf.IndexedSlices(tf.ones_like(idx), idx))
+        count.assign(tf.constant(MOMENTS, count.dtype))
 
     fits = tf.logical_and(count >= 0, count + n <= rows)
-    tf.cond(fits, to_slices, to_dense)
+    tf.cond(fits, to_slices, to_moments)
 
 
 def _padded(storage, indices, count):
@@ -113,29 +154,153 @@ def write_slices(storage, indices, count, values, rows):
     count.assign(n)
 
 
-def window_slices(storage, indices, count, padded=False):
+def synthesised(sums, stats, counts, kind=SQUARE, capacity=None):
+    """An `IndexedSlices` whose per-row sums of values and of
+    `statistic(values, kind)` are `sums` and `stats`, with no more
+    occurrences per row than `counts`: what Keras's sparse update makes of
+    the window's real occurrences.
+
+    Row r gets m_r occurrences: for squares, m_r - 1 copies of
+    `a = (S - d) / m` and one `b = S - (m - 1) a`, with
+    `d = sqrt((m Q - S**2) / (m - 1))`, which sum to S with squares
+    summing to Q. Real numbers exist for any `m >= S**2 / Q` (Cauchy-
+    Schwarz: the row's own occurrence count is one), so m_r is the smallest
+    such over the row's elements, and at least two (one leaves no freedom)
+    unless the row had one occurrence. For absolute values two suffice:
+    `(A + S) / 2` and `(S - A) / 2`.
+
+    `capacity` (XLA, which needs static shapes): how many occurrences the
+    window can have had; handed over as every row once (touched or not)
+    plus `capacity` slots for the extra ones, unused ones zero-valued. A
+    row whose extra occurrences do not fit gets fewer, with its sum kept
+    exact (its statistic then the nearest reachable). None: exactly the
+    occurrences needed, for the touched rows only, never more than the
+    window really had.
+    """
+    rows = sums.shape[0]
+    dtype = sums.dtype
+    counts = tf.cast(counts, tf.int32)
+    axes = list(range(1, len(sums.shape)))
+    if capacity is None:
+        # Only the rows the window touched: no more occurrences than the
+        # big batch's gradient has.
+        touched = tf.cast(tf.where(counts > 0)[:, 0], tf.int32)
+        sums, stats, counts = (tf.gather(t, touched) for t in (sums, stats, counts))
+    else:
+        touched = tf.range(rows, dtype=tf.int32)
+    if kind == ABS:
+        needed = tf.minimum(counts, 2)
+    else:
+        ratio = tf.math.divide_no_nan(tf.square(sums), stats)
+        # The tolerance: a ratio a rounding above an integer needs no more.
+        needed = tf.cast(tf.math.ceil(tf.reduce_max(ratio, axis=axes) * (1 - 1e-6)), tf.int32)
+        # At least two: one occurrence has no freedom (its square is the
+        # sum's), unless the row had just one.
+        needed = tf.minimum(tf.maximum(needed, 2), tf.maximum(counts, 1))
+    extra = tf.maximum(needed - 1, 0)
+    ends = tf.cumsum(extra)
+    if capacity is None:
+        slots = tf.reduce_sum(extra)
+    else:
+        slots = capacity
+        # Rows past the capacity get what is left (possibly nothing).
+        extra = tf.clip_by_value(slots - (ends - extra), 0, extra)
+        ends = tf.cumsum(extra)
+    total = tf.reduce_sum(extra)
+    m = tf.cast(extra + 1, dtype)
+    shape = [-1] + [1] * len(axes)
+    m = tf.reshape(m, shape)
+    if kind == ABS:
+        repeated = (stats + sums) / 2
+        first = tf.where(m > 1, (sums - stats) / 2, sums)
+    else:
+        spread = tf.sqrt(
+            tf.math.divide_no_nan(tf.maximum(m * stats - tf.square(sums), 0), m - 1)
+        )
+        repeated = (sums - spread) / m
+        first = sums - (m - 1) * repeated
+    # Extra occurrence j belongs to the row whose range of ends holds it.
+    j = tf.range(slots, dtype=tf.int32)
+    owner = tf.searchsorted(ends, j, side="right")
+    used = j < total
+    owner = tf.where(used, owner, tf.zeros_like(owner))
+    extra_values = tf.gather(repeated, owner)
+    extra_values = tf.where(
+        tf.reshape(used, shape), extra_values, tf.zeros_like(extra_values)
+    )
+    values = tf.concat([first, extra_values], 0)
+    idx = tf.concat([touched, tf.gather(touched, owner)], 0)
+    return values, idx
+
+
+def window_slices(storage, indices, count, padded=False, stats=None, kind=SQUARE,
+                  capacity=None):
     """The window's gradient as one `IndexedSlices` (unscaled sums).
 
-    Slices: the window's occurrences in order. Dense: every row once, which
-    Keras's sparse update applies as it would the dense sum. `padded`
-    hands the whole buffer (stale rows zero-valued), for XLA, which needs
-    static shapes.
+    Slices: the window's occurrences in order. Moments: `synthesised` from
+    the per-row sums. Dense (older files): every row once, which Keras's
+    sparse update applies as it would the dense sum. `padded` (XLA, which
+    needs static shapes) hands a fixed number: the whole buffer for slices
+    (stale ones zero-valued), every row plus `capacity` for moments; both
+    padded to the larger, with zero-valued occurrences.
     """
     rows = storage.shape[0]
-    dense = count < 0
+    dense_shape = tf.constant(storage.shape.as_list(), tf.int64)
     every_row = tf.range(rows, dtype=indices.dtype)
     if padded:
-        values, idx = _padded(
-            storage, indices, tf.where(dense, tf.constant(rows, count.dtype), count)
+        # No recorded size (no step traced here): room for as many more.
+        capacity = rows if capacity is None else capacity
+        return _padded_window(
+            storage, indices, count, stats, kind, capacity, every_row, dense_shape
         )
-        idx = tf.where(dense, every_row, idx)
-    else:
-        n = tf.maximum(count, 0)
-        live = tf.range(n)
+    n = tf.maximum(count, 0)
+    live = tf.range(n)
+
+    def moments():
+        values, idx = synthesised(storage.read_value(), stats.read_value(), indices, kind)
+        return values, tf.cast(idx, indices.dtype)
+
+    def not_moments():
         # sparse_read: only the window's rows are read, not the table.
+        dense = count < 0
         values = tf.cond(dense, storage.read_value, lambda: storage.sparse_read(live))
         idx = tf.cond(dense, lambda: every_row, lambda: indices.sparse_read(live))
-    return tf.IndexedSlices(values, idx, tf.constant(storage.shape.as_list(), tf.int64))
+        return values, idx
+
+    if stats is None:
+        values, idx = not_moments()
+    else:
+        values, idx = tf.cond(count == MOMENTS, moments, not_moments)
+    return tf.IndexedSlices(values, idx, dense_shape)
+
+
+def _padded_window(storage, indices, count, stats, kind, capacity, every_row, dense_shape):
+    rows = storage.shape[0]
+
+    def slices_padded():
+        values, idx = _padded(
+            storage, indices, tf.where(count < 0, tf.constant(rows, count.dtype), count)
+        )
+        return values, tf.where(count < 0, every_row, idx)
+
+    if stats is None:
+        values, idx = slices_padded()
+        return tf.IndexedSlices(values, idx, dense_shape)
+
+    def slices_padded_to_moments():
+        # Both branches of the conditional have one static shape.
+        values, idx = slices_padded()
+        zeros = tf.zeros(tf.concat([[capacity], tf.shape(values)[1:]], 0), values.dtype)
+        return tf.concat([values, zeros], 0), tf.concat([idx, tf.zeros([capacity], idx.dtype)], 0)
+
+    def moments():
+        values, idx = synthesised(
+            storage.read_value(), stats.read_value(), indices, kind, capacity
+        )
+        return values, tf.cast(idx, indices.dtype)
+
+    values, idx = tf.cond(count == MOMENTS, moments, slices_padded_to_moments)
+    return tf.IndexedSlices(values, idx, dense_shape)
 
 
 def values_of(grad):

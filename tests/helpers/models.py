@@ -317,3 +317,44 @@ class TiedLM(keras.Model):
     @classmethod
     def from_config(cls, config):
         return cls(**config)
+
+
+# -- small tables: more occurrences per window than rows ---------------------------
+
+# A 2-row (segment), a 7-row (day of week) and a 60-row table, one column of
+# tokens each: every window of 32 samples x SMALL_LENGTH tokens has many
+# times more occurrences than the tables have rows.
+SMALL_TABLES, SMALL_LENGTH = (2, 7, 60), 10
+
+
+@keras.saving.register_keras_serializable(package="keras_accum_tests")
+class TokenColumn(keras.layers.Layer):
+    """Column `k` of a (batch, tables, length) batch of token ids, plus
+    `shift` modulo `rows` when given (a second read of the same table)."""
+
+    def __init__(self, k, shift=0, rows=None, **kwargs):
+        super().__init__(**kwargs)
+        self.k, self.shift, self.rows = k, shift, rows
+
+    def call(self, tokens):
+        column = tokens[:, self.k]
+        return column if self.rows is None else (column + self.shift) % self.rows
+
+    def get_config(self):
+        return {**super().get_config(), "k": self.k, "shift": self.shift, "rows": self.rows}
+
+
+def small_tables_net(cls=keras.Model, tables=SMALL_TABLES, mask_zero=False, tied=False, **kwargs):
+    """Three Embedding tables (2, 7, 60 rows) over data.small_table_data,
+    pooled, then Dense. `tied`: the 60-row table is read twice."""
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((len(tables), SMALL_LENGTH), dtype="int32")
+    parts = []
+    for k, rows in enumerate(tables):
+        layer = keras.layers.Embedding(rows, 4, mask_zero=mask_zero, name=f"table_{rows}")
+        h = layer(TokenColumn(k)(inputs))
+        if tied and k == len(tables) - 1:
+            h = h + layer(TokenColumn(0, shift=1, rows=rows)(inputs))
+        parts.append(keras.layers.GlobalAveragePooling1D()(h))
+    h = keras.layers.Dense(8, activation="tanh")(keras.layers.Concatenate()(parts))
+    return cls(inputs, keras.layers.Dense(3)(h), **kwargs)

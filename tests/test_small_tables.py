@@ -1,0 +1,431 @@
+"""Embedding tables smaller than a window, at big-batch parity.
+
+A 2-row table (BERT's segment embedding), a 7-row one (day of week) and a
+60-row one, read by windows of 4 x 8 samples x 10 tokens: every window has
+many times more occurrences than the tables have rows, so it is kept as
+per-row moments (window/slices.py), not as its occurrences. Every reference
+is a plain `keras.Model` on the big batch with Keras's own sparse update.
+"""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import internals
+from helpers.assertions import ATOL, assert_weights_close
+from helpers.data import small_table_data
+from helpers.internals import GradientAccumulator, sparse
+from helpers.models import SMALL_TABLES, loss, small_tables_net
+from helpers.processes import run_python, script
+
+import keras_accum
+from keras_accum import AccumModel, AccumOptimizer
+
+MICRO, N = 8, 4
+
+
+def _optimizer(name, **kwargs):
+    cls = getattr(keras.optimizers, name, None)
+    if cls is None:
+        pytest.skip(f"keras.optimizers.{name} is not in Keras {keras.__version__}")
+    return lambda: cls(**kwargs)
+
+
+# Every Keras optimizer whose sparse update reads a row's occurrences only
+# through their sum and the sum of their squares (or absolute values):
+# name -> (class, arguments).
+REPRODUCED = {
+    "adam": ("Adam", dict(learning_rate=0.01)),
+    "adam_amsgrad": ("Adam", dict(learning_rate=0.01, amsgrad=True)),
+    "adamw": ("AdamW", dict(learning_rate=0.01, weight_decay=0.1)),
+    "rmsprop": ("RMSprop", dict(learning_rate=0.01)),
+    "rmsprop_momentum": ("RMSprop", dict(learning_rate=0.01, momentum=0.5)),
+    "adagrad": ("Adagrad", dict(learning_rate=0.1)),
+    "adadelta": ("Adadelta", dict(learning_rate=1.0)),
+    "adamax": ("Adamax", dict(learning_rate=0.01)),
+    "adafactor": ("Adafactor", dict(learning_rate=0.01)),
+    "nadam": ("Nadam", dict(learning_rate=0.01)),
+    "ftrl": ("Ftrl", dict(learning_rate=0.1)),
+    "lamb": ("Lamb", dict(learning_rate=0.01)),
+    "lion": ("Lion", dict(learning_rate=0.001)),
+    "muon": ("Muon", dict(learning_rate=0.01)),
+    "sgd_momentum": ("SGD", dict(learning_rate=0.5, momentum=0.9)),
+    "sgd_nesterov": ("SGD", dict(learning_rate=0.5, momentum=0.9, nesterov=True)),
+    "adam_clipnorm": ("Adam", dict(learning_rate=0.01, clipnorm=0.1)),
+    "adam_global_clipnorm": ("Adam", dict(learning_rate=0.01, global_clipnorm=0.1)),
+}
+# The README's list of what moments cannot reproduce (its occurrences are
+# needed): each tested to differ from the big batch.
+NOT_REPRODUCED = {
+    "adam_clipvalue": ("Adam", dict(learning_rate=0.01, clipvalue=0.01)),
+    "adamax_clipnorm": ("Adamax", dict(learning_rate=0.01, clipnorm=0.1)),
+}
+
+
+def optimizer(name):
+    cls, kwargs = {**REPRODUCED, **NOT_REPRODUCED}[name]
+    return _optimizer(cls, **kwargs)
+
+
+def fit_pair(make_accum, x, y, make_optimizer, make_plain=small_tables_net,
+             accum_batch=MICRO, epochs=2, **compile_kwargs):
+    fit = dict(epochs=epochs, shuffle=False, verbose=0)
+    plain = make_plain()
+    plain.compile(make_optimizer(), loss(), **compile_kwargs)
+    plain.fit(x, y, batch_size=MICRO * N, **fit)
+    accum = make_accum()
+    accum.compile(make_optimizer(), loss(), **compile_kwargs)
+    accum.fit(x, y, batch_size=accum_batch, **fit)
+    return plain, accum
+
+
+def assert_kept_as_moments(model):
+    """The next micro-batch leaves every table's window as moments."""
+    x, y = small_table_data(MICRO, seed=11)
+    model.train_on_batch(x, y)
+    counts = internals.accumulator(model).slice_counts
+    assert [int(counts[i].numpy()) for i in range(len(SMALL_TABLES))] == [
+        sparse.MOMENTS
+    ] * len(SMALL_TABLES)
+    model.reset_window()
+
+
+def tables(model):
+    return [model.get_layer(f"table_{rows}").get_weights()[0] for rows in SMALL_TABLES]
+
+
+# -- what each optimizer reads of a row's occurrences ---------------------------
+
+
+def _occurrences(rng, rows, width=3, n=40):
+    idx = rng.integers(0, rows - 1, size=n)  # the last row is never touched
+    return idx, (rng.normal(size=(n, width)) + 0.5).astype("float32")
+
+
+def _moments(idx, values, rows, kind):
+    sums = np.zeros((rows,) + values.shape[1:], "float32")
+    stats = np.zeros_like(sums)
+    np.add.at(sums, idx, values)
+    np.add.at(stats, idx, np.abs(values) if kind == sparse.ABS else values**2)
+    return sums, stats, np.bincount(idx, minlength=rows).astype("int32")
+
+
+def _apply_all(make, gradients, rows=6):
+    opt = make()
+    variable = keras.Variable(np.ones((rows, 3), "float32"))
+    opt.build([variable])
+    for idx, values in gradients:
+        opt.apply(
+            [tf.IndexedSlices(tf.constant(values), tf.constant(idx), tf.constant([rows, 3]))],
+            [variable],
+        )
+    return [variable.numpy()] + [np.asarray(v) for v in opt.variables]
+
+
+@pytest.mark.parametrize("name", sorted({**REPRODUCED, **NOT_REPRODUCED}))
+def test_an_optimizer_reads_a_rows_occurrences_only_through_its_moments(name):
+    # Keras's own sparse update of real occurrences against one of the
+    # synthesised IndexedSlices with the same per-row moments, three steps.
+    make = optimizer(name)
+    kind = sparse.statistic_of(make())
+    rng = np.random.default_rng(0)
+    real = [_occurrences(rng, 6) for _ in range(3)]
+    synthesised = []
+    for idx, values in real:
+        sums, stats, counts = _moments(idx, values, 6, kind)
+        v, i = sparse.synthesised(tf.constant(sums), tf.constant(stats), tf.constant(counts), kind)
+        assert len(i) <= len(idx)  # never more occurrences than the real ones
+        synthesised.append((i.numpy(), v.numpy()))
+    expected, got = _apply_all(make, real), _apply_all(make, synthesised)
+    close = all(np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(expected, got))
+    assert close == (name in REPRODUCED)
+
+
+def test_synthesised_occurrences_have_the_windows_sums_and_fit_a_capacity():
+    rng = np.random.default_rng(2)
+    idx, values = _occurrences(rng, 5, n=60)
+    for kind in (sparse.SQUARE, sparse.ABS):
+        sums, stats, counts = _moments(idx, values, 5, kind)
+        for capacity in (None, 200, 7):
+            v, i = sparse.synthesised(
+                tf.constant(sums), tf.constant(stats), tf.constant(counts), kind, capacity
+            )
+            v, i = v.numpy(), i.numpy()
+            if capacity is not None:
+                assert len(i) == 5 + capacity  # static: every row once, then the extra
+            got = _moments(i, v, 5, kind)
+            np.testing.assert_allclose(got[0], sums, rtol=1e-5, atol=1e-5)
+            if capacity != 7:  # room for all: the statistic too
+                np.testing.assert_allclose(got[1], stats, rtol=1e-5, atol=1e-5)
+
+
+# -- fit: the big batch's training --------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(REPRODUCED))
+def test_small_tables_match_the_big_batch(name):
+    x, y = small_table_data(92)  # windows of 8+8+8+8, 8+8+8+8, 8+8+8+4
+    plain, accum = fit_pair(lambda: small_tables_net(AccumModel, accum_steps=N), x, y, optimizer(name))
+    assert internals.sparse_indices(accum) == set(range(len(SMALL_TABLES)))
+    assert_weights_close(plain, accum)
+    assert_kept_as_moments(accum)
+
+
+@pytest.mark.parametrize("name", sorted(NOT_REPRODUCED))
+def test_what_moments_cannot_reproduce_differs_as_the_readme_says(name):
+    x, y = small_table_data(92)
+    plain, accum = fit_pair(lambda: small_tables_net(AccumModel, accum_steps=N), x, y, optimizer(name))
+    gap = max(np.abs(a - b).max() for a, b in zip(tables(plain), tables(accum)))
+    assert gap > 100 * ATOL
+
+
+def test_the_summed_window_is_far_from_the_big_batch():
+    # What the tests above would see if the window were summed densely.
+    class DenseGradientModel(keras.Model):
+        def train_step(self, data):
+            x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+            with tf.GradientTape() as tape:
+                value = self.compute_loss(x, y, self(x, training=True))
+            grads = tape.gradient(value, self.trainable_variables)
+            self.optimizer.apply(
+                [tf.convert_to_tensor(g) for g in grads], self.trainable_variables
+            )
+            return {"loss": value}
+
+    x, y = small_table_data(92)
+    plain, dense = fit_pair(
+        lambda: small_tables_net(DenseGradientModel), x, y, optimizer("adam"), accum_batch=MICRO * N
+    )
+    gap = max(np.abs(a - b).max() for a, b in zip(tables(plain), tables(dense)))
+    assert gap > 1000 * ATOL
+
+
+WAYS_IN = {
+    "functional": lambda: small_tables_net(AccumModel, accum_steps=N),
+    "fit_accum_steps": lambda: small_tables_net(AccumModel),
+    "wrap": lambda: keras_accum.wrap(small_tables_net(), accum_steps=N),
+    "micro_batch_size_and_window": lambda: small_tables_net(
+        AccumModel, accum_steps=2, micro_batch_size=MICRO
+    ),
+}
+
+
+@pytest.mark.parametrize("way", sorted(WAYS_IN))
+def test_every_way_in(way):
+    x, y = small_table_data(92)
+    plain = small_tables_net()
+    plain.compile(optimizer("adam")(), loss())
+    plain.fit(x, y, batch_size=MICRO * N, epochs=2, shuffle=False, verbose=0)
+    accum = WAYS_IN[way]()
+    accum.compile(optimizer("adam")(), loss())
+    batch = {"micro_batch_size_and_window": 2 * MICRO}.get(way, MICRO)
+    extra = {"fit_accum_steps": dict(accum_steps=N)}.get(way, {})
+    accum.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0, **extra)
+    assert_weights_close(plain, accum)
+
+
+def test_accum_optimizer_on_a_plain_model():
+    # Keras's fit weighs micro-batches equally: equal windows (96 = 3 x 32).
+    x, y = small_table_data(96)
+    plain, accum = fit_pair(
+        small_tables_net, x, y,
+        lambda: AccumOptimizer(keras.optimizers.Adam(0.01), accum_steps=N),
+    )
+    reference = small_tables_net()
+    reference.compile(keras.optimizers.Adam(0.01), loss())
+    reference.fit(x, y, batch_size=MICRO * N, epochs=2, shuffle=False, verbose=0)
+    assert_weights_close(reference, accum)
+
+
+def test_jit_compile():
+    # The last window (8+8+8+4) is applied in the compiled step at the short
+    # batch: moments handed over in the static size of 4 full batches.
+    x, y = small_table_data(92)
+    plain, accum = fit_pair(
+        lambda: small_tables_net(AccumModel, accum_steps=N), x, y, optimizer("adam"),
+        jit_compile=True,
+    )
+    assert accum.jit_compile
+    assert_weights_close(plain, accum)
+
+
+def test_jit_compile_needs_room_for_the_whole_window_at_a_short_batch():
+    # One row read by every token of the 2-row table, one class: the row's
+    # occurrences are nearly alike, so the window needs nearly all of its
+    # 280 occurrences; closed by a batch of 4, it still gets room for 4 full
+    # batches of 8 (not 4 of 4).
+    x, y = small_table_data(92)
+    x[:, 0] = 1
+    y[:] = 0
+    plain, accum = fit_pair(
+        lambda: small_tables_net(AccumModel, accum_steps=N), x, y, optimizer("adam"),
+        jit_compile=True,
+    )
+    assert_weights_close(plain, accum)
+
+
+def test_mask_zero():
+    x, y = small_table_data(92)
+    plain, accum = fit_pair(
+        lambda: small_tables_net(AccumModel, mask_zero=True, accum_steps=N), x, y,
+        optimizer("adam"), make_plain=lambda: small_tables_net(mask_zero=True),
+    )
+    assert_weights_close(plain, accum)
+
+
+def test_a_table_read_twice():
+    x, y = small_table_data(92)
+    plain, accum = fit_pair(
+        lambda: small_tables_net(AccumModel, tied=True, accum_steps=N), x, y,
+        optimizer("rmsprop"), make_plain=lambda: small_tables_net(tied=True),
+    )
+    assert internals.sparse_indices(accum) == set(range(len(SMALL_TABLES)))
+    assert_weights_close(plain, accum)
+
+
+@pytest.fixture
+def mixed_float16():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    yield
+    keras.mixed_precision.set_global_policy("float32")
+
+
+def test_mixed_float16_within_the_float16_envelope(mixed_float16):
+    x, y = small_table_data(92)
+    make = lambda: small_tables_net(AccumModel, accum_steps=N)  # noqa: E731
+    plain, accum = fit_pair(make, x, y, optimizer("adam"))
+    gap = max(np.abs(a - b).max() for a, b in zip(tables(plain), tables(accum)))
+    # The envelope: how far float16 itself moves the big batch (the same big
+    # batch trained in float32); the wrong answer, the summed window, is
+    # thousands of tolerances away (above).
+    keras.mixed_precision.set_global_policy("float32")
+    exact, _ = fit_pair(make, x, y, optimizer("adam"), epochs=2)
+    envelope = max(np.abs(a - b).max() for a, b in zip(tables(plain), tables(exact)))
+    assert 0 < gap <= 2 * envelope
+
+
+# -- resuming a window of moments -------------------------------------------------
+
+
+def _batches(x, y):
+    return [(x[i : i + MICRO], y[i : i + MICRO]) for i in range(0, len(x), MICRO)]
+
+
+def _compiled(make=lambda: small_tables_net(AccumModel, accum_steps=N)):
+    model = make()
+    model.compile(optimizer("adam")(), loss())
+    return model
+
+
+def _save_and_load(kind, model, tmp_path):
+    if kind == "weights":
+        model.save_weights(tmp_path / "w.weights.h5")
+        resumed = _compiled()
+        resumed.optimizer.build(resumed.trainable_variables)  # as fit() would
+        resumed.load_weights(tmp_path / "w.weights.h5")
+        return resumed
+    if kind == "keras":
+        model.save(tmp_path / "m.keras")
+        return keras.models.load_model(tmp_path / "m.keras")
+    path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(str(tmp_path / "c"))
+    resumed = _compiled()
+    resumed.optimizer.build(resumed.trainable_variables)
+    # A checkpoint restores into a window that exists (as tests/test_sparse.py).
+    resumed.train_on_batch(*small_table_data(MICRO, seed=11))
+    tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).restore(path)
+    return resumed
+
+
+@pytest.mark.parametrize("kind", ["weights", "keras", "checkpoint"])
+def test_resume_mid_window(kind, tmp_path):
+    x, y = small_table_data(64)
+    batches = _batches(x, y)
+    uninterrupted = _compiled()
+    for batch in batches:
+        uninterrupted.train_on_batch(*batch)
+    first = _compiled()
+    for batch in batches[:6]:  # one window applied, two micro-batches pending
+        first.train_on_batch(*batch)
+    counts = internals.accumulator(first).slice_counts
+    assert int(counts[0].numpy()) == sparse.MOMENTS
+    resumed = _save_and_load(kind, first, tmp_path)
+    assert internals.pending(resumed) == 2
+    for batch in batches[6:]:
+        resumed.train_on_batch(*batch)
+    assert_weights_close(uninterrupted, resumed, rtol=0, atol=0)
+    plain = small_tables_net()
+    plain.compile(optimizer("adam")(), loss())
+    plain.fit(x, y, batch_size=MICRO * N, shuffle=False, verbose=0)
+    assert_weights_close(plain, uninterrupted)
+
+
+def test_interrupted_mid_window_resumes_from_a_backup(tmp_path):
+    from helpers.training import InterruptAt
+
+    x, y = small_table_data(92)
+
+    def fit(model, callbacks=()):
+        backup = keras_accum.BackupAndRestore(tmp_path)
+        return model.fit(
+            x, y, batch_size=MICRO, epochs=3, shuffle=False, verbose=0,
+            callbacks=[*callbacks, backup],
+        )
+
+    with pytest.raises(KeyboardInterrupt):
+        fit(_compiled(), [InterruptAt(1, 5)])  # the second epoch's window half done
+    resumed = _compiled()
+    assert len(fit(resumed).history["loss"]) == 2
+    plain = small_tables_net()
+    plain.compile(optimizer("adam")(), loss())
+    plain.fit(x, y, batch_size=MICRO * N, epochs=3, shuffle=False, verbose=0)
+    assert_weights_close(plain, resumed)
+
+
+def test_snapshot_and_restore_bring_back_the_moments():
+    acc = GradientAccumulator()
+    weights = tf.Variable(tf.ones((3, 2)))
+    acc.build([weights], accum_steps=4)
+    acc.add([tf.IndexedSlices(tf.ones((5, 2)), tf.constant([1, 1, 0, 2, 1]))], weight=1.0)
+    assert int(acc.slice_counts[0].numpy()) == sparse.MOMENTS
+    snapshot = acc.snapshot()
+    before = tf.convert_to_tensor(acc.window_gradients()[0]).numpy()
+    acc.add([tf.IndexedSlices(3 * tf.ones((4, 2)), tf.constant([0, 0, 0, 2]))], weight=1.0)
+    acc.restore(snapshot)
+    np.testing.assert_array_equal(tf.convert_to_tensor(acc.window_gradients()[0]).numpy(), before)
+    np.testing.assert_array_equal(acc.slice_indices[0].numpy(), [1, 3, 1])
+
+
+# -- memory ---------------------------------------------------------------------------
+
+
+def test_a_sparse_windows_memory_is_at_most_three_tables():
+    # The README's figure: the sums and the statistic, one float32 table
+    # each, plus one int32 per row and a counter.
+    model = _compiled()
+    x, y = small_table_data(MICRO)
+    model.train_on_batch(x, y)
+    acc = internals.accumulator(model)
+    for i, rows in enumerate(SMALL_TABLES):
+        table = 4 * rows * 4  # float32 table of width 4
+        held = sum(
+            v.numpy().nbytes
+            for v in (acc.acc_grads[i], acc.stats_of(i), acc.slice_indices[i], acc.slice_counts[i])
+        )
+        assert held <= 3 * table
+    # Dense variables get no statistic buffer.
+    assert sorted(acc.acc_stats) == [str(i) for i in range(len(SMALL_TABLES))]
+
+
+# -- across replicas -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("replicas", [1, 2], ids=["one_replica", "two_replicas"])
+def test_mirrored_strategy_matches_the_big_batch(replicas):
+    result = run_python(script("mirrored_sparse_checks.py"), str(replicas), "small", timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert sorted(out) == ["adam_vs_mirrored_big_batch", "adam_vs_one_device_big_batch"]
+    for name, diff in out.items():
+        assert diff <= ATOL, (name, diff)
