@@ -5,6 +5,7 @@
     nox -s tests -- tests/test_saving.py     # pytest arguments, every pair
     nox -s "tests(floor)" -- -n 2 -m "not slow"
     nox -s "tests(next)"                     # the next Keras (a pinned nightly)
+    nox -s "core(floor)" -- -n 2             # CI's subset (CORE) on one pair
     nox -s kerashub                          # KerasHub models (tests/test_kerashub.py)
 
 Each session installs keras_accum with its pair into its own virtualenv
@@ -26,6 +27,21 @@ PAIRS = {
     "next": ("2.21.0", "nightly:3.16.0.dev2026102704"),
 }
 
+# What CI runs on the next and the floor pair (the newest runs the whole
+# suite): what another Keras breaks first, each checked against the plain
+# big batch or a reviewed fingerprint: its internals (test_keras_internals),
+# the public surface and its errors (test_api), big-batch equality on the
+# reference models (test_exactness), files written by the last release
+# (test_file_compat) and the traced step (test_step_graph). The whole suite
+# on every pair, `nox`, runs before a release: CI keeps within its time.
+CORE = [
+    "tests/test_keras_internals.py",
+    "tests/test_api.py",
+    "tests/test_exactness.py",
+    "tests/test_file_compat.py",
+    "tests/test_step_graph.py",
+]
+
 # KerasHub's release tested by the `kerashub` session, on the newest pair.
 KERAS_HUB = "0.32.0"
 
@@ -39,6 +55,16 @@ def tests(session, pair):
     _install(session, tensorflow, keras)
     _print_versions(session)
     session.run("python", "-m", "pytest", *session.posargs)
+
+
+@nox.session
+@nox.parametrize("pair", list(PAIRS), ids=list(PAIRS))
+def core(session, pair):
+    """The CORE tests on one pair (CI's run on the next and floor pairs)."""
+    tensorflow, keras = PAIRS[pair]
+    _install(session, tensorflow, keras)
+    _print_versions(session)
+    session.run("python", "-m", "pytest", *CORE, *session.posargs)
 
 
 @nox.session

@@ -50,11 +50,8 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         acc_grads: one buffer per variable of the window holding the sum of
             weighted gradients: float32 (float64 for float64 variables) unless
             `dtype` asks otherwise. For a variable whose gradient is
-            `tf.IndexedSlices` (an `Embedding`'s), the buffer holds the
-            window's slices instead, one per row, while they fit, then the
-            per-row sums of its occurrences (slices.py): either way the
-            window reaches the optimizer as an `IndexedSlices` that Keras's
-            occurrence-wise sparse update makes the big batch's step of.
+            `tf.IndexedSlices` (an `Embedding`'s): the window's slices while
+            they fit, then the per-row sums of its occurrences (slices.py).
         slice_indices: per buffer, the table row of each slice it holds
             (one int per row of the variable); per row, its occurrences,
             once the window is kept as moments.
@@ -279,51 +276,19 @@ class GradientAccumulator(tf.Module, internals.SavedState):
             if i in self.absent:
                 grads.append(None)
             elif i in self.sparse:
-                # One IndexedSlices that Keras's own sparse update makes the
-                # big batch's step of: its occurrences, or their moments.
-                stats = self.acc_stats.get(str(i))
-                padded = internals.in_xla_context()
-                window = slices.window_slices(
-                    *self._slices(i),
-                    padded=padded,
-                    stats=None if stats is None else internals.replica_component(stats),
-                    kind=self.statistic,
-                    capacity=self._trace.capacity(i) if padded else None,
-                )
-                grads.append(
-                    tf.IndexedSlices(
-                        tf.cast(window.values * tf.cast(inv, buf.dtype), v.dtype),
-                        window.indices,
-                        window.dense_shape,
-                    )
-                )
+                grads.append(_sparse_window_gradient(self, i, inv, v.dtype))
             else:
                 grads.append(
-                    tf.cast(self._dense_sum(i) * tf.cast(inv, buf.dtype), v.dtype)
+                    tf.cast(_dense_sum(self, i) * tf.cast(inv, buf.dtype), v.dtype)
                 )
         return grads
 
     def stats_of(self, i):
         """Buffer i's per-row statistic sums (slices.py), made when first
-        needed: only sparse buffers have one. Made in cross-replica context
-        and outside any `tf.function`, as the buffers are (replicas.py)."""
-        key = str(i)
-        if key not in self.acc_stats:
-            buf = self.acc_grads[i]
-
-            def make():
-                if key not in self.acc_stats:
-                    with tf.init_scope(), replicas.scope_of(self.strategy):
-                        self.acc_stats[key] = tf.Variable(
-                            tf.zeros(buf.shape, buf.dtype),
-                            trainable=False,
-                            name=f"acc_stats_{i}",
-                            **replicas.variable_arguments(self.strategy, replicas.SUMMED),
-                        )
-                return self.acc_stats[key]
-
-            return replicas.in_cross_replica_context(make)
-        return self.acc_stats[key]
+        needed: only sparse buffers have one."""
+        if str(i) not in self.acc_stats:
+            return replicas.in_cross_replica_context(lambda: _make_stats(self, i))
+        return self.acc_stats[str(i)]
 
     def _slices(self, i):
         # This replica's own buffers: each replica keeps its own slices.
@@ -331,26 +296,6 @@ class GradientAccumulator(tf.Module, internals.SavedState):
             internals.replica_component(v)
             for v in (self.acc_grads[i], self.slice_indices[i], self.slice_counts[i])
         ]
-
-    def _dense_sum(self, i):
-        buf = self.acc_grads[i]
-        if not len(buf.shape):
-            return buf
-        storage, indices, count = self._slices(i)
-        if self._trace.holds(i):
-            # In the trace that adds this buffer a dense gradient it holds a
-            # dense sum: read as it is. A conditional per variable would sit
-            # in the step's graph at every micro-batch, taken or not
-            # (benchmarks/step_mode_ops.md).
-            return storage.read_value()
-        # Slices in a buffer not known to be sparse: a window restored by
-        # `tf.train.Checkpoint` (which does not save `sparse`) and flushed
-        # before a step is traced. Summed, as their dense gradient.
-        return tf.cond(
-            count > 0,
-            lambda: slices.dense_sum(storage, indices, count),
-            storage.read_value,
-        )
 
     def apply(self, optimizer, total_weight=None, grads=None):
         """Applies the window's gradient to its variables through `optimizer`;
@@ -431,6 +376,59 @@ class GradientAccumulator(tf.Module, internals.SavedState):
             # was made restores the others and leaves it unread).
             *(self.acc_stats[k] for k in sorted(self.acc_stats, key=int)),
         ]
+
+
+def _sparse_window_gradient(acc, i, inv, dtype):
+    # One IndexedSlices that Keras's own sparse update makes the big batch's
+    # step of: the window's occurrences, or their moments (slices.py).
+    stats = acc.acc_stats.get(str(i))
+    padded = internals.in_xla_context()
+    window = slices.window_slices(
+        *acc._slices(i),
+        padded=padded,
+        stats=None if stats is None else internals.replica_component(stats),
+        kind=acc.statistic,
+        capacity=acc._trace.capacity(i) if padded else None,
+    )
+    values = window.values * tf.cast(inv, window.values.dtype)
+    return tf.IndexedSlices(tf.cast(values, dtype), window.indices, window.dense_shape)
+
+
+def _make_stats(acc, i):
+    # In cross-replica context and outside any tf.function, as the buffers
+    # are made (replicas.py); tracked by the dict, so a checkpoint restores it.
+    key = str(i)
+    if key not in acc.acc_stats:
+        buf = acc.acc_grads[i]
+        with tf.init_scope(), replicas.scope_of(acc.strategy):
+            acc.acc_stats[key] = tf.Variable(
+                tf.zeros(buf.shape, buf.dtype),
+                trainable=False,
+                name=f"acc_stats_{i}",
+                **replicas.variable_arguments(acc.strategy, replicas.SUMMED),
+            )
+    return acc.acc_stats[key]
+
+
+def _dense_sum(acc, i):
+    buf = acc.acc_grads[i]
+    if not len(buf.shape):
+        return buf
+    storage, indices, count = acc._slices(i)
+    if acc._trace.holds(i):
+        # In the trace that adds this buffer a dense gradient it holds a
+        # dense sum: read as it is. A conditional per variable would sit
+        # in the step's graph at every micro-batch, taken or not
+        # (benchmarks/step_mode_ops.md).
+        return storage.read_value()
+    # Slices in a buffer not known to be sparse: a window restored by
+    # `tf.train.Checkpoint` (which does not save `sparse`) and flushed
+    # before a step is traced. Summed, as their dense gradient.
+    return tf.cond(
+        count > 0,
+        lambda: slices.dense_sum(storage, indices, count),
+        storage.read_value,
+    )
 
 
 _VARIABLE_TYPES = (tf.Variable, keras.Variable)

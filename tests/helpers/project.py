@@ -28,11 +28,16 @@ def blocks(text):
     return [Block(m) for m in _BLOCK.finditer(text)]
 
 
-def nox_pairs():
-    """noxfile.py's `PAIRS`: name -> (TensorFlow, Keras), read without nox."""
+def nox_constant(name):
+    """A constant of noxfile.py (`PAIRS`, `CORE`), read without nox."""
     tree = ast.parse((ROOT / "noxfile.py").read_text())
     node = next(
         n for n in tree.body
-        if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "PAIRS"
+        if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == name
     )
     return ast.literal_eval(node.value)
+
+
+def nox_pairs():
+    """noxfile.py's `PAIRS`: name -> (TensorFlow, Keras)."""
+    return nox_constant("PAIRS")
