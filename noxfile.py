@@ -51,20 +51,21 @@ nox.options.sessions = ["tests"]
 @nox.session
 @nox.parametrize("pair", list(PAIRS), ids=list(PAIRS))
 def tests(session, pair):
-    tensorflow, keras = PAIRS[pair]
-    _install(session, tensorflow, keras)
-    _print_versions(session)
-    session.run("python", "-m", "pytest", *session.posargs)
+    _tests(session, pair)
 
 
 @nox.session
 @nox.parametrize("pair", list(PAIRS), ids=list(PAIRS))
 def core(session, pair):
     """The CORE tests on one pair (CI's run on the next and floor pairs)."""
+    _tests(session, pair, *CORE)
+
+
+def _tests(session, pair, *paths):
     tensorflow, keras = PAIRS[pair]
     _install(session, tensorflow, keras)
     _print_versions(session)
-    session.run("python", "-m", "pytest", *CORE, *session.posargs)
+    session.run("python", "-m", "pytest", *paths, *session.posargs)
 
 
 @nox.session

@@ -17,7 +17,7 @@ from helpers import internals
 from helpers.assertions import ATOL, assert_weights_close
 from helpers.data import small_table_data
 from helpers.internals import GradientAccumulator, sparse
-from helpers.models import SMALL_TABLES, loss, small_tables_net
+from helpers.models import SMALL_TABLES, DenseGradientModel, loss, small_tables_net
 from helpers.processes import run_python, script
 
 import keras_accum
@@ -183,17 +183,6 @@ def test_what_moments_cannot_reproduce_differs_as_the_readme_says(name):
 
 def test_the_summed_window_is_far_from_the_big_batch():
     # What the tests above would see if the window were summed densely.
-    class DenseGradientModel(keras.Model):
-        def train_step(self, data):
-            x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
-            with tf.GradientTape() as tape:
-                value = self.compute_loss(x, y, self(x, training=True))
-            grads = tape.gradient(value, self.trainable_variables)
-            self.optimizer.apply(
-                [tf.convert_to_tensor(g) for g in grads], self.trainable_variables
-            )
-            return {"loss": value}
-
     x, y = small_table_data(92)
     plain, dense = fit_pair(
         lambda: small_tables_net(DenseGradientModel), x, y, optimizer("adam"), accum_batch=MICRO * N

@@ -21,7 +21,7 @@ from helpers.data import TEXT_TOKENS as TOKENS
 from helpers.data import TEXT_VOCAB as VOCAB
 from helpers.data import token_data
 from helpers.internals import GradientAccumulator, NonFiniteWindows, Window, sparse
-from helpers.models import loss
+from helpers.models import DenseGradientModel, loss
 from helpers.models import text_net as net
 from helpers.processes import run_python, script
 
@@ -82,21 +82,6 @@ WAYS_IN = {
         lambda: _seeded(PlainTextNet),
     ),
 }
-
-
-class DenseGradientModel(keras.Model):
-    """A plain model whose optimizer sees the summed (dense) embedding gradient:
-    what the window was applied as before slices, and in the dense fallback."""
-
-    def train_step(self, data):
-        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
-        with tf.GradientTape() as tape:
-            value = self.compute_loss(x, y, self(x, training=True))
-        grads = tape.gradient(value, self.trainable_variables)
-        self.optimizer.apply(
-            [tf.convert_to_tensor(g) for g in grads], self.trainable_variables
-        )
-        return {"loss": value}
 
 
 def table(model):

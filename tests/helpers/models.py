@@ -9,6 +9,7 @@ run.
 
 import keras
 import numpy as np
+import tensorflow as tf
 from keras import ops
 
 import keras_accum
@@ -317,6 +318,22 @@ class TiedLM(keras.Model):
     @classmethod
     def from_config(cls, config):
         return cls(**config)
+
+
+class DenseGradientModel(keras.Model):
+    """A plain model whose optimizer sees the summed (dense) embedding
+    gradient, one occurrence per row: a window summed densely (Keras's
+    `gradient_accumulation_steps`, and keras_accum before slices)."""
+
+    def train_step(self, data):
+        x, y, _ = keras.utils.unpack_x_y_sample_weight(data)
+        with tf.GradientTape() as tape:
+            value = self.compute_loss(x, y, self(x, training=True))
+        grads = tape.gradient(value, self.trainable_variables)
+        self.optimizer.apply(
+            [tf.convert_to_tensor(g) for g in grads], self.trainable_variables
+        )
+        return {"loss": value}
 
 
 # -- small tables: more occurrences per window than rows ---------------------------
