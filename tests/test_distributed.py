@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from helpers import internals
 from helpers.assertions import ATOL, FLOAT16_ATOL, FLOAT16_RTOL, RTOL, assert_history_close
-from helpers.data import make_data
-from helpers.models import OPTIMIZERS, functional, loss
+from helpers.data import make_data, small_table_data
+from helpers.models import OPTIMIZERS, functional, loss, small_tables_net
 from helpers.processes import run_python, run_workers, script
 
 # Keras 3.8's metric variables are not summed over replicas when read: what
@@ -156,6 +156,17 @@ def reference_fit(optimizer, batch_size):
         validation_data=make_data(20, seed=3),
     )
     return model, history
+
+
+def test_small_tables_across_workers_match_the_one_process_big_batch(workers):
+    # Windows of moments: each worker's statistic buffers are made in its
+    # traced replica step (through merge_call), its own share summed by the
+    # optimizer's all-reduce as the big batch's occurrences are.
+    reference = small_tables_net()
+    reference.compile(OPTIMIZERS["adam"](), loss())
+    reference.fit(*small_table_data(92), batch_size=32, epochs=2, shuffle=False, verbose=0)
+    for worker in workers:
+        assert_close_to(worker["small_tables"], reference)
 
 
 def test_plain_keras_fit_fails_across_workers(workers):

@@ -155,10 +155,10 @@ def write_slices(storage, indices, count, values, rows):
 
 
 def synthesised(sums, stats, counts, kind=SQUARE, capacity=None):
-    """An `IndexedSlices` whose per-row sums of values and of
+    """`(values, rows)` of occurrences whose per-row sums of values and of
     `statistic(values, kind)` are `sums` and `stats`, with no more
-    occurrences per row than `counts`: what Keras's sparse update makes of
-    the window's real occurrences.
+    occurrences per row than `counts`: as an `IndexedSlices`, what Keras's
+    sparse update makes the same step of as of the window's real ones.
 
     Row r gets m_r occurrences: for squares, m_r - 1 copies of
     `a = (S - d) / m` and one `b = S - (m - 1) a`, with

@@ -24,8 +24,8 @@ strategy = tf.distribute.MultiWorkerMirroredStrategy()
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from helpers import internals  # noqa: E402
-from helpers.data import make_data  # noqa: E402
-from helpers.models import OPTIMIZERS, functional, loss  # noqa: E402
+from helpers.data import make_data, small_table_data  # noqa: E402
+from helpers.models import OPTIMIZERS, functional, loss, small_tables_net  # noqa: E402
 
 from keras_accum import AccumModel  # noqa: E402
 
@@ -89,6 +89,14 @@ def main():
     model = compiled(1)
     history = model.fit(train, epochs=2, verbose=0, validation_data=val)
     out["accum_1"] = {"weights": weights(model), "history": history.history}
+
+    # Tables smaller than a window (2, 7, 60 rows): kept as moments, whose
+    # statistic buffers every worker makes inside the traced replica step.
+    with strategy.scope():
+        model = small_tables_net(AccumModel, accum_steps=4)
+        model.compile(OPTIMIZERS["adam"](), loss())
+    model.fit(dataset(*small_table_data(92)), epochs=2, verbose=0)
+    out["small_tables"] = weights(model)
 
     # skip_nonfinite: a NaN in one worker's share of a micro-batch of the
     # second window (samples 40-43 go to worker 0, 44-47 to worker 1), each
