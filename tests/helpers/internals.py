@@ -70,7 +70,7 @@ def window_variables(model):
 def local_window(model):
     """The values of the window's state on this process's replicas, read
     without a collective: one list of arrays per state variable."""
-    values, _, _ = file_format.snapshot(accumulator(model))
+    values = file_format.snapshot(accumulator(model))[0]
     return values
 
 
