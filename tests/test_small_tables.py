@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import internals
+from helpers import internals, training
 from helpers.assertions import ATOL, assert_weights_close
 from helpers.data import small_table_data
 from helpers.internals import GradientAccumulator, sparse
@@ -71,14 +71,10 @@ def optimizer(name):
 
 def fit_pair(make_accum, x, y, make_optimizer, make_plain=small_tables_net,
              accum_batch=MICRO, epochs=2, **compile_kwargs):
-    fit = dict(epochs=epochs, shuffle=False, verbose=0)
-    plain = make_plain()
-    plain.compile(make_optimizer(), loss(), **compile_kwargs)
-    plain.fit(x, y, batch_size=MICRO * N, **fit)
-    accum = make_accum()
-    accum.compile(make_optimizer(), loss(), **compile_kwargs)
-    accum.fit(x, y, batch_size=accum_batch, **fit)
-    return plain, accum
+    return training.fit_pair(
+        make_accum, make_plain, x, y, make_optimizer, MICRO * N, accum_batch,
+        epochs, **compile_kwargs,
+    )
 
 
 def assert_kept_as_moments(model):

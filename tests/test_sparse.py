@@ -14,7 +14,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import internals
+from helpers import internals, training
 from helpers.assertions import ATOL, assert_trained, assert_weights_close
 from helpers.data import TEXT_LENGTH as LENGTH
 from helpers.data import TEXT_TOKENS as TOKENS
@@ -89,14 +89,9 @@ def table(model):
 
 
 def fit_pair(make_accum, make_plain, x, y, optimizer, epochs=2, **compile_kwargs):
-    fit = dict(epochs=epochs, shuffle=False, verbose=0)
-    plain = make_plain()
-    plain.compile(optimizer(), loss(), **compile_kwargs)
-    plain.fit(x, y, batch_size=MICRO * N, **fit)
-    accum = make_accum()
-    accum.compile(optimizer(), loss(), **compile_kwargs)
-    accum.fit(x, y, batch_size=MICRO, **fit)
-    return plain, accum
+    return training.fit_pair(
+        make_accum, make_plain, x, y, optimizer, MICRO * N, MICRO, epochs, **compile_kwargs
+    )
 
 
 def dense_reference(x, y, optimizer, vocab=VOCAB, epochs=2):

@@ -30,3 +30,18 @@ class InterruptAt(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if (self._epoch, batch) == self.at:
             raise KeyboardInterrupt
+
+
+def fit_pair(make_accum, make_plain, x, y, make_optimizer, big_batch, accum_batch,
+             epochs=2, **compile_kwargs):
+    """The plain model on the big batch and the accumulating one on
+    `accum_batch`, each compiled with its own `make_optimizer()` and the
+    tests' loss, trained alike: `(plain, accum)`."""
+    fit = dict(epochs=epochs, shuffle=False, verbose=0)
+    plain = make_plain()
+    plain.compile(make_optimizer(), loss(), **compile_kwargs)
+    plain.fit(x, y, batch_size=big_batch, **fit)
+    accum = make_accum()
+    accum.compile(make_optimizer(), loss(), **compile_kwargs)
+    accum.fit(x, y, batch_size=accum_batch, **fit)
+    return plain, accum
