@@ -137,6 +137,24 @@ def check_skip_nonfinite(skip_nonfinite):
     return skip_nonfinite
 
 
+def check_noise_scale(noise_scale):
+    """Returns `noise_scale` (a bool), or raises naming what was received.
+
+    Example:
+
+    ```python
+    check_noise_scale(True)  # True
+    ```
+    """
+    if not isinstance(noise_scale, bool):
+        raise TypeError(
+            "`noise_scale` must be True (measure the gradient noise scale "
+            "and log it every epoch) or False. "
+            f"Received: noise_scale={noise_scale!r}."
+        )
+    return noise_scale
+
+
 def check_accum_dtype(accum_dtype):
     """Returns `accum_dtype` as a floating `tf.DType` (None stays None: the
     default rule, see `window.buffers.buffer_dtype`), or raises.
@@ -170,6 +188,7 @@ class AccumSettings(NamedTuple):
         skip_nonfinite: whether non-finite windows are skipped (bool).
         batchnorm: 'window' or 'micro_batch'.
         micro_batch_size: an int, "auto", or None (whole batches).
+        noise_scale: whether the gradient noise scale is measured (bool).
     """
 
     accum_steps: int = 1
@@ -177,6 +196,7 @@ class AccumSettings(NamedTuple):
     skip_nonfinite: bool = False
     batchnorm: str = BATCHNORM_PER_WINDOW
     micro_batch_size: object = None
+    noise_scale: bool = False
 
     def config(self):
         """The settings as `get_config` writes them (defaults left out, as
@@ -189,6 +209,8 @@ class AccumSettings(NamedTuple):
         config["batchnorm"] = self.batchnorm
         if self.micro_batch_size is not None:
             config["micro_batch_size"] = self.micro_batch_size
+        if self.noise_scale:
+            config["noise_scale"] = True
         return config
 
 
@@ -198,6 +220,7 @@ def accum_settings(
     skip_nonfinite=False,
     batchnorm=BATCHNORM_PER_WINDOW,
     micro_batch_size=None,
+    noise_scale=False,
 ):
     """Checks every setting of an `AccumModel`; returns them as `AccumSettings`.
 
@@ -213,6 +236,7 @@ def accum_settings(
         skip_nonfinite=check_skip_nonfinite(skip_nonfinite),
         batchnorm=check_batchnorm(batchnorm),
         micro_batch_size=check_micro_batch_size(micro_batch_size),
+        noise_scale=check_noise_scale(noise_scale),
     )
 
 

@@ -10,6 +10,8 @@ with one_fit(model, callbacks, accum_steps=8, micro_batch_size=None) as callback
 """
 
 import contextlib
+import math
+import warnings
 
 import keras
 
@@ -38,6 +40,12 @@ class EpochEndFlush(keras.callbacks.Callback):
         super().__init__()
         self._accum_model = model
         self._trained = False
+        self._warned = False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        noise = self._accum_model._window.noise
+        if noise is not None:
+            noise.start_epoch()
 
     def on_train_batch_end(self, batch, logs=None):
         self._trained = True
@@ -47,8 +55,31 @@ class EpochEndFlush(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self._flush()
-        if logs is not None and self._accum_model.skip_nonfinite:
-            logs["skipped_windows"] = self._accum_model.skipped_windows
+        model = self._accum_model
+        if logs is not None and model.skip_nonfinite:
+            logs["skipped_windows"] = model.skipped_windows
+        if model._window.noise is not None:
+            self._log_noise_scale(logs)
+
+    def _log_noise_scale(self, logs):
+        # After the flush: the epoch's last window is in the estimate.
+        model = self._accum_model
+        value = model._window.noise.end_epoch()
+        model._noise_scale = value
+        if logs is not None:
+            logs["noise_scale"] = value
+        if math.isnan(value) and not self._warned:
+            self._warned = True
+            warnings.warn(
+                "noise_scale is NaN: no window of this epoch had two "
+                "micro-batches or more, and the noise scale is measured by "
+                "comparing a window's gradient with its micro-batches' "
+                f"(accum_steps={model.accum_steps}, micro_batch_size="
+                f"{model.micro_batch_size!r}). Train with accum_steps >= 2, "
+                "a micro_batch_size below the batch size, or two replicas; "
+                "a loss summed rather than averaged is not measured either.",
+                stacklevel=2,
+            )
 
     def _flush(self):
         # An epoch that trained on no data (Keras warns that the input ran

@@ -43,6 +43,7 @@ from keras_accum.train_functions import TrainFunctionSlot
 from keras_accum.window import Window
 from keras_accum.window.batchnorm import BatchNormMoments
 from keras_accum.window.buffers import GradientAccumulator
+from keras_accum.window.noise_scale import NoiseScale
 from keras_accum.window.nonfinite import NonFiniteWindows
 
 
@@ -91,6 +92,14 @@ class AccumModel(
             (`chosen_micro_batch_size`); the failed attempt leaves no trace,
             so the training is unchanged. One device (or a strategy with one
             replica, e.g. `MirroredStrategy()` on one GPU) only.
+        noise_scale: if True, the gradient noise scale `B_simple` (the
+            batch size beyond which a bigger batch stops buying fewer
+            steps; McCandlish et al. 2018) is estimated from each window's
+            micro-batches and logged by `fit` as `noise_scale`, in samples,
+            every epoch; `noise_scale` holds the last estimate. Needs two
+            micro-batches per update (`accum_steps >= 2`, a split batch,
+            or two replicas): else the estimate is NaN, with a warning.
+            Measuring changes nothing else in the training. Default False.
         **kwargs: passed to `keras.Model`.
 
     Example:
@@ -125,16 +134,19 @@ class AccumModel(
         skip_nonfinite=False,
         batchnorm="window",
         micro_batch_size=None,
+        noise_scale=False,
         **kwargs,
     ):
         settings = arguments.accum_settings(
-            accum_steps, accum_dtype, skip_nonfinite, batchnorm, micro_batch_size
+            accum_steps, accum_dtype, skip_nonfinite, batchnorm, micro_batch_size,
+            noise_scale,
         )
         self._init_model(super().__init__, args, kwargs)
         # The batch size the step splits into micro-batches, learnt from the
         # first training batch (see _maybe_symbolic_build).
         self._batch_size_seen = None
         self._auto_micro_batch = AutoMicroBatch()
+        self._noise_scale = None
         TrainFunctionSlot.owner(self)
         self._configure(settings)
 
@@ -145,7 +157,10 @@ class AccumModel(
         self._accumulator = GradientAccumulator(dtype=settings.accum_dtype)
         self._nonfinite = NonFiniteWindows() if settings.skip_nonfinite else None
         self._batchnorm = BatchNormMoments(self, settings.batchnorm)
-        self._window = Window(self._accumulator, self._batchnorm, self._nonfinite)
+        # Held by the window only (not an attribute of the model): a
+        # measurement, not saved in files.
+        noise = NoiseScale() if settings.noise_scale else None
+        self._window = Window(self._accumulator, self._batchnorm, self._nonfinite, noise)
 
     # -- the train function: one owner (train_functions.py) --------------------
 
@@ -190,6 +205,27 @@ class AccumModel(
         ```
         """
         return 0 if self._nonfinite is None else int(self._nonfinite.skipped.numpy())
+
+    @property
+    def noise_scale(self):
+        """The last epoch's gradient noise scale `B_simple`, in samples.
+
+        None until an epoch of `fit` trained with `noise_scale=True`; NaN
+        if that epoch had no window of two micro-batches or more. The
+        estimate of each epoch is also logged as `noise_scale`. Batches up
+        to about this size train in proportionally fewer steps; beyond it,
+        a bigger batch mostly costs more samples (docs: noise scale).
+
+        Example:
+
+        ```python
+        model = keras_accum.AccumModel(inputs, outputs, accum_steps=4, noise_scale=True)
+        model.compile("adam", "sparse_categorical_crossentropy")
+        history = model.fit(x, y, batch_size=32, epochs=3, verbose=0)
+        print(model.noise_scale, history.history["noise_scale"])
+        ```
+        """
+        return self._noise_scale
 
     @property
     def accum_steps(self):

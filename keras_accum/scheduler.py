@@ -1,6 +1,8 @@
-"""`AccumScheduler`: change `accum_steps` at epoch boundaries (batch-size warm-up)."""
+"""`AccumScheduler`: change `accum_steps` at epoch boundaries (batch-size warm-up),
+from a schedule or from the measured gradient noise scale."""
 
 import inspect
+import math
 import numbers
 
 import keras
@@ -34,7 +36,17 @@ class AccumScheduler(keras.callbacks.Callback):
             checked here, and so is that a callable takes one argument; its
             values are checked for every epoch of the `fit` before training
             starts.
+            Or "noise_scale": a warm-up that follows the gradient noise
+            scale the model measures (`noise_scale=True`): at the start of
+            each epoch for which an estimate exists (the previous epoch's,
+            `model.noise_scale`),
+            `accum_steps = min(max_accum_steps, max(current,
+            round(noise_scale / samples_per_step)))`, `samples_per_step`
+            being the batch `fit` draws (global under a strategy): it only
+            grows. A NaN estimate keeps the current value.
         verbose: 1 prints a message when the value changes.
+        max_accum_steps: with "noise_scale" (and only then, where it is
+            required): the largest `accum_steps` to grow to.
 
     Example:
 
@@ -47,12 +59,22 @@ class AccumScheduler(keras.callbacks.Callback):
 
     # or as a function of the epoch
     keras_accum.AccumScheduler(lambda epoch: min(2 ** epoch, 8))
+
+    # or grown to the measured noise scale, up to 32 micro-batches
+    model = keras_accum.AccumModel(inputs, outputs, accum_steps=2, noise_scale=True)
+    model.compile("adam", "sparse_categorical_crossentropy")
+    grow = keras_accum.AccumScheduler("noise_scale", max_accum_steps=32)
+    model.fit(x, y, batch_size=32, epochs=10, callbacks=[grow])
     ```
     """
 
-    def __init__(self, schedule, verbose=0):
+    def __init__(self, schedule, verbose=0, max_accum_steps=None):
         super().__init__()
-        if isinstance(schedule, dict):
+        self.max_accum_steps = _check_max_accum_steps(schedule, max_accum_steps)
+        if schedule == NOISE_SCALE:
+            self._table = None
+            self._schedule = self._from_noise_scale
+        elif isinstance(schedule, dict):
             self._table = _checked_table(schedule)
             self._schedule = self._lookup
         elif callable(schedule):
@@ -61,8 +83,9 @@ class AccumScheduler(keras.callbacks.Callback):
             self._schedule = schedule
         else:
             raise TypeError(
-                "`schedule` must be a dict {epoch: accum_steps} or a callable "
-                "epoch -> accum_steps. "
+                "`schedule` must be a dict {epoch: accum_steps}, a callable "
+                'epoch -> accum_steps, or "noise_scale". '
+                + _not_noise_scale(schedule) +
                 f"Received: schedule={schedule!r} (of type {type(schedule).__name__})."
             )
         self.schedule = schedule
@@ -75,6 +98,15 @@ class AccumScheduler(keras.callbacks.Callback):
                 break
             value = steps
         return value
+
+    def _from_noise_scale(self, epoch):
+        measured = self.model.noise_scale
+        size = self.model._batch_size_seen
+        if measured is None or math.isnan(measured) or not size:
+            return None
+        current = self.model.accum_steps
+        wanted = self.max_accum_steps if math.isinf(measured) else round(measured / size)
+        return min(self.max_accum_steps, max(current, wanted))
 
     def _value(self, epoch):
         value = self._schedule(epoch)
@@ -89,7 +121,15 @@ class AccumScheduler(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         self._check_model()
-        if self._table is None:
+        if self.schedule == NOISE_SCALE:
+            if not self.model._settings.noise_scale:
+                raise ValueError(
+                    'AccumScheduler("noise_scale") follows the noise scale '
+                    "the model measures, and this model does not measure "
+                    "it: make it with `noise_scale=True` (AccumModel or "
+                    "keras_accum.wrap)."
+                )
+        elif self._table is None:
             # A callable is checked for every epoch before the first step.
             for epoch in range(self.params.get("epochs") or 0):
                 self._value(epoch)
@@ -114,6 +154,40 @@ class AccumScheduler(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
             logs["accum_steps"] = self.model.accum_steps
+
+
+NOISE_SCALE = "noise_scale"
+
+
+def _not_noise_scale(schedule):
+    if isinstance(schedule, str):
+        return 'A string must be "noise_scale". '
+    return ""
+
+
+def _check_max_accum_steps(schedule, max_accum_steps):
+    if schedule == NOISE_SCALE:
+        if max_accum_steps is None:
+            raise ValueError(
+                'AccumScheduler("noise_scale") needs `max_accum_steps`, the '
+                "largest accum_steps to grow to, e.g. "
+                'AccumScheduler("noise_scale", max_accum_steps=32). '
+                "Received: max_accum_steps=None."
+            )
+        try:
+            return check_accum_steps(max_accum_steps)
+        except (TypeError, ValueError) as error:
+            raise type(error)(
+                str(error).replace("accum_steps", "max_accum_steps")
+            ) from None
+    if max_accum_steps is not None:
+        raise ValueError(
+            '`max_accum_steps` is for AccumScheduler("noise_scale"); a '
+            "dict or callable schedule sets accum_steps itself. "
+            f"Received: max_accum_steps={max_accum_steps!r} with "
+            f"schedule={schedule!r}."
+        )
+    return None
 
 
 def _check_takes_an_epoch(schedule):

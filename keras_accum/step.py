@@ -57,7 +57,7 @@ from keras_accum import _internals as internals
 from keras_accum import microbatch, scaling
 from keras_accum.normaliser import loss_normaliser, micro_batch_weight
 from keras_accum.plan import plan_of
-from keras_accum.window import slices
+from keras_accum.window import noise_scale, slices
 
 
 def train_step(model, data):
@@ -105,14 +105,30 @@ def accumulate(model, plan, data):
             window_occurrences=lambda: _window_batches(model, plan, x),
         )
 
+    noise = model._window.noise
+
+    def add_measured(batch, sums):
+        add(batch)
+        if sums is not None:
+            noise.record(sums)
+
     if plan.splits:
-        x, y, sample_weight, batch, moments = split_gradients(
+        x, y, sample_weight, batch, moments, sums = split_gradients(
             model, plan, data, variables
         )
-        return _write(model, x, y, sample_weight, batch, moments, add)
+        return _write(model, x, y, sample_weight, batch, moments, add_measured, sums)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     batch = micro_batch_gradients(model, x, y, sample_weight, variables)
-    return _write(model, x, y, sample_weight, batch, None, add)
+    sums = _measured(model, [batch])
+    return _write(model, x, y, sample_weight, batch, None, add_measured, sums)
+
+
+def _measured(model, parts):
+    # The noise scale's per-micro-batch sums, when measured (noise_scale.py):
+    # of losses averaged over the batch only (a sum has no mean gradient).
+    if model._window.noise is None or not parts[0].normalise:
+        return None
+    return noise_scale.micro_batch_sums(parts)
 
 
 def _window_batches(model, plan, x):
@@ -130,42 +146,54 @@ def batch_to_optimizer(model, plan, data):
     micro-batches, goes straight to the optimizer; no buffers."""
     internals.build_compiled_loss(model, data)
     variables = model.trainable_variables
-    x, y, sample_weight, batch, moments = split_gradients(model, plan, data, variables)
+    x, y, sample_weight, batch, moments, sums = split_gradients(
+        model, plan, data, variables
+    )
 
-    def update(batch):
+    def update(batch, sums):
         total = batch.weight
         context = tf.distribute.get_replica_context()
-        if context is not None and context.num_replicas_in_sync > 1:
+        replicated = context is not None and context.num_replicas_in_sync > 1
+        if replicated:
             # As for a window across replicas (Window.apply): the optimizer
             # sums replicas' gradients of losses Keras divided by the
             # number of replicas.
             total = context.all_reduce(tf.distribute.ReduceOp.SUM, total)
             total = total / context.num_replicas_in_sync
         model._window.moments.apply()
-        scale = scaling.out_of_window(
-            batch.normalise, total, scaling.loss_scale_of(model.optimizer)
-        )
-        model.optimizer.apply(
-            [
-                None if g is None else tf.cast(microbatch.scaled(g, scale), v.dtype)
-                for g, v in zip(batch.grads, variables)
-            ],
-            variables,
-        )
+        loss_scale = scaling.loss_scale_of(model.optimizer)
+        scale = scaling.out_of_window(batch.normalise, total, loss_scale)
+        grads = [
+            None if g is None else tf.cast(microbatch.scaled(g, scale), v.dtype)
+            for g, v in zip(batch.grads, variables)
+        ]
+        if sums is not None:
+            # The batch is the window: its estimate goes straight to the epoch.
+            window = [g for g in grads if g is not None]
+            if replicated:
+                # Two reductions: one all-reduce packs tensors of one dtype.
+                sums = context.all_reduce(tf.distribute.ReduceOp.SUM, sums)
+                window = context.all_reduce(tf.distribute.ReduceOp.SUM, window)
+            norm = noise_scale.squared_norm(window)
+            if loss_scale is not None:
+                norm = norm / tf.square(tf.cast(loss_scale, tf.float64))
+            model._window.noise.add_window(sums, norm)
+        model.optimizer.apply(grads, variables)
 
-    return _write(model, x, y, sample_weight, batch, moments, update)
+    return _write(model, x, y, sample_weight, batch, moments, update, sums)
 
 
-def _write(model, x, y, sample_weight, batch, moments, update):
-    """The step's one state-writing tail: moments, `update(batch)`, loss,
-    metrics. With `moments` (a split batch's, deferred), every write waits
-    for all of the batch's gradients."""
+def _write(model, x, y, sample_weight, batch, moments, update, sums=None):
+    """The step's one state-writing tail: moments, `update(batch, sums)`,
+    loss, metrics. With `moments` (a split batch's, deferred), every write
+    waits for all of the batch's gradients. `sums`: the noise scale's, or
+    None."""
     after = [] if moments is None else microbatch.control_after(batch)
     with tf.control_dependencies(after):
         if moments is not None:
             model._window.moments.record(moments)
         internals.track_loss(model, batch.loss, batch.num_samples)
-        update(batch)
+        update(batch, sums)
         return model.compute_metrics(x, y, batch.y_pred, sample_weight=sample_weight)
 
 
@@ -207,7 +235,8 @@ def micro_batch_gradients(model, x, y, sample_weight, variables, moments=None, l
 def split_gradients(model, plan, data, variables):
     """The batch's summed gradients from micro-batches of `plan.split_size`
     samples, in tensors; no state is written but by the layers' forward
-    passes. Returns `(x, y, sample_weight, batch, moments)`."""
+    passes. Returns `(x, y, sample_weight, batch, moments, sums)`, `sums`
+    the noise scale's over the micro-batches (None when not measured)."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     moments = []
     parts = []
@@ -236,4 +265,4 @@ def split_gradients(model, plan, data, variables):
                 y_pred=microbatch.drop_rows(step.y_pred, rows),
             )
         )
-    return x, y, sample_weight, microbatch.combine(parts), moments
+    return x, y, sample_weight, microbatch.combine(parts), moments, _measured(model, parts)

@@ -91,9 +91,9 @@ class TrainFunctions:
                 model.optimizer,
             )
         elif plan.splits and model.built:
-            # The batch's pooled moments are applied in the step: their
-            # variables are made now, outside any replica.
-            window.moments.build(model.distribute_strategy)
+            # The batch's pooled moments (and noise scale) are applied in
+            # the step: their variables are made now, outside any replica.
+            window.build_parts(model.distribute_strategy)
         captured = _captured(model, plan)
         entry = None if force else self._cache.get(plan.cache_key)
         if entry is not None and _same_capture(entry[0], captured):

@@ -141,6 +141,7 @@ def wrap(
     skip_nonfinite=False,
     batchnorm="window",
     micro_batch_size=None,
+    noise_scale=False,
 ):
     """Returns an `AccumModel` that trains `model`'s own layers and weights.
 
@@ -160,6 +161,8 @@ def wrap(
         micro_batch_size: split each batch into micro-batches of this many
             samples inside the step, or "auto" to find the size that fits
             memory; see `AccumModel`. Default None.
+        noise_scale: measure the gradient noise scale and log it every
+            epoch; see `AccumModel`. Default False.
 
     Returns:
         An `AccumModel`, not yet compiled.
@@ -177,6 +180,7 @@ def wrap(
         skip_nonfinite=skip_nonfinite,
         batchnorm=batchnorm,
         micro_batch_size=micro_batch_size,
+        noise_scale=noise_scale,
     )
     accum_steps = checked.accum_steps
     if not isinstance(model, keras.Model):

@@ -9,11 +9,13 @@ The window's state has three parts, each in a module of its own:
   sparse gradients kept as slices or per-row moments; trace.py: what the
   step being traced added; replicas.py: per-replica state);
 - the BatchNormalization moments pooled over the window (batchnorm.py);
-- the skip policy (nonfinite.py), asked once per window.
+- the skip policy (nonfinite.py), asked once per window;
+- optionally, the gradient noise scale measured from it (noise_scale.py).
 
 `Window` composes them, so that every part obeys the same decision: a
 window skipped for a non-finite gradient moves neither the weights nor the
-moving statistics; a discarded window drops both; a snapshot holds both.
+moving statistics (nor adds to the noise scale); a discarded window drops
+them all; a snapshot holds the state.
 
 Example:
 
@@ -24,8 +26,11 @@ window.when_full(4, lambda: window.apply(optimizer, strategy))
 ```
 """
 
+import tensorflow as tf
+
 from keras_accum import _internals as internals
 from keras_accum import scaling
+from keras_accum.window import noise_scale
 
 
 class Window:
@@ -35,6 +40,7 @@ class Window:
         buffers: the `GradientAccumulator`.
         moments: the `BatchNormMoments`, or None (an optimizer's window).
         skip: the skip policy (`NonFiniteWindows`), or None: always apply.
+        noise: the `NoiseScale` measured from the window, or None.
 
     Example:
 
@@ -44,10 +50,11 @@ class Window:
     ```
     """
 
-    def __init__(self, buffers, moments=None, skip=None):
+    def __init__(self, buffers, moments=None, skip=None, noise=None):
         self.buffers = buffers
         self.moments = moments
         self.skip = skip
+        self.noise = noise
         # Held by the buffers too only so that files keep their layout: Keras
         # saves an object at the first attribute path that reaches it, and
         # the skip count has always been reached through the buffers.
@@ -62,12 +69,18 @@ class Window:
         refused with an error naming them (binding.py).
         """
         self.buffers.bind(variables, accum_steps=accum_steps, strategy=strategy)
-        if self.moments is not None:
-            self.moments.build(strategy)
+        self.build_parts(strategy)
         if not optimizer.built:
             # Built here, eagerly: the optimizer first runs inside a
             # conditional branch, where it cannot create its variables.
             optimizer.build(self.buffers.window_variables)
+
+    def build_parts(self, strategy):
+        """Makes the moments' and the noise scale's variables (eagerly)."""
+        if self.moments is not None:
+            self.moments.build(strategy)
+        if self.noise is not None:
+            self.noise.build(strategy)
 
     def prepare_apply(self, variables, optimizer, strategy):
         """Eagerly, before an open window is applied outside a step (`flush`).
@@ -117,15 +130,25 @@ class Window:
             self._apply_across_replicas(optimizer, strategy)
             return
         buffers = self.buffers
-        if self.skip is None:
+        if self.skip is None and self.noise is None:
             buffers.apply(optimizer)
             self._apply_moments()
             return
-        grads = buffers.window_gradients(scaling.loss_scale_of(optimizer))
+        loss_scale = scaling.loss_scale_of(optimizer)
+        grads = buffers.window_gradients(loss_scale)
 
         def apply():
+            if self.noise is not None:
+                self.noise.close_window(
+                    _unscaled(noise_scale.squared_norm(grads), loss_scale),
+                    buffers.micro_step,
+                )
             buffers.apply(optimizer, grads=grads)
             self._apply_moments()
+
+        if self.skip is None:
+            apply()
+            return
 
         self.skip.one_device(grads, optimizer, apply, self.discard)
 
@@ -138,7 +161,13 @@ class Window:
         total = buffers.window_weight.read_value() / strategy.num_replicas_in_sync
 
         def apply():
-            strategy.run(lambda: buffers.apply(optimizer, total))
+            if self.noise is None:
+                strategy.run(lambda: buffers.apply(optimizer, total))
+            else:
+                # Read before the update starts a new window.
+                steps = buffers.micro_step.read_value() * strategy.num_replicas_in_sync
+                norm = strategy.run(lambda: _apply_measured(buffers, optimizer, total))
+                self.noise.close_window(strategy.experimental_local_results(norm)[0], steps)
             strategy.run(self._apply_moments)
 
         if self.skip is None:
@@ -163,6 +192,8 @@ class Window:
         self.buffers.reset()
         if self.moments is not None:
             self.moments.reset()
+        if self.noise is not None:
+            self.noise.discard_window()
 
     def snapshot(self):
         """All of this process's window state as numpy, for `restore`."""
@@ -175,3 +206,23 @@ class Window:
         self.buffers.restore(buffers)
         if self.moments is not None:
             self.moments.restore(moments)
+
+
+def _apply_measured(buffers, optimizer, total):
+    # In each replica: the window's gradient, its global squared norm (the
+    # one all-reduce measuring adds), then the update as without measuring.
+    loss_scale = scaling.loss_scale_of(optimizer)
+    grads = buffers.window_gradients(loss_scale, total)
+    context = tf.distribute.get_replica_context()
+    summed = context.all_reduce(
+        tf.distribute.ReduceOp.SUM, [g for g in grads if g is not None]
+    )
+    buffers.apply(optimizer, grads=grads)
+    return _unscaled(noise_scale.squared_norm(summed), loss_scale)
+
+
+def _unscaled(squared_norm, loss_scale):
+    if loss_scale is None:
+        return squared_norm
+    scale = tf.cast(loss_scale, tf.float64)
+    return squared_norm / (scale * scale)

@@ -1,0 +1,263 @@
+"""The gradient noise scale, measured from the window: how big a batch pays.
+
+A window holds what McCandlish et al. (2018, "An Empirical Model of
+Large-Batch Training", appendix A) need to estimate the *simple noise
+scale* `B_simple = tr(Sigma) / |G|^2`, the batch size beyond which a bigger
+batch stops buying fewer steps: the gradients of its micro-batches (batch
+`b_j`) and of the window (batch `B`). For a micro-batch's mean gradient
+`E|g_j|^2 = |G|^2 + tr(Sigma) / b_j`, and for the window's
+`E|G_B|^2 = |G|^2 + tr(Sigma) / B`. With `S` the mean of `|g_j|^2` over the
+window's micro-batches, `a` the mean of `1 / b_j`, `c = 1 / B` and
+`L = |G_B|^2`:
+
+    tr(Sigma) ~ (S - L) / (a - c)        |G|^2 ~ (L a - S c) / (a - c)
+
+which, with equal micro-batches, is the paper's pair of estimators (its
+`B_small = b`, `B_big = B`). Each window's ratio is far too noisy to read,
+so the estimate of an epoch is the ratio of the sums of the windows'
+estimates (a ratio of means, as the paper advises).
+
+What is measured, and where:
+
+- per micro-batch, in the step: the squared norm of its mean gradient over
+  every trainable variable, unscaled (loss scale, weight and Keras's
+  division by the number of replicas taken out), one pass over the
+  gradients it computed anyway; a sparse gradient's norm is of the dense
+  rows it touches (its occurrences summed per row first);
+- per window, when it is applied: the squared norm of the window's
+  gradient (across replicas, the global one: one all-reduce of the
+  gradient more per update, only when measuring);
+- under a strategy, each replica's micro-batch is a micro-batch: `b_j` is
+  the per-replica micro-batch and `B` the global window.
+
+A window with fewer than two micro-batches (in all), a window skipped or
+discarded, one whose gradient is not finite (a loss scale settling), or one
+resumed from a file (its first micro-batches were not measured), adds
+nothing. Measuring writes only its own variables: the
+training is bit-identical with it on and off (tested).
+
+Example:
+
+```python
+noise = NoiseScale()
+noise.build(strategy)                    # eagerly, before the step is traced
+noise.record(micro_batch_sums(parts))    # in the step, per micro-batch(es)
+noise.close_window(window_squared_norm)  # when the window is applied
+noise.end_epoch()                        # B_simple of the epoch, a float
+```
+"""
+
+import math
+
+import tensorflow as tf
+
+from keras_accum.window import replicas
+
+# `window_sums`, one vector so that a read across replicas is one reduction.
+SQUARES, INVERSE_SIZES, MICRO_BATCHES, SAMPLES, STEPS = range(5)
+# `epoch_sums`.
+TRACE, SIGNAL, WINDOWS = range(3)
+
+
+class NoiseScale:
+    """The window's measurement of the gradient noise scale (module doc).
+
+    Not saved in files: it is a measurement, made again from the windows
+    trained after a resume, not training state.
+
+    Attributes:
+        window_sums: float64 vector, per replica (summed across replicas):
+            over the open window's micro-batches, the sum of their mean
+            gradients' squared norms (`SQUARES`), of `1 / b_j`
+            (`INVERSE_SIZES`), their number (`MICRO_BATCHES`) and samples
+            (`SAMPLES`), and the train steps that recorded them (`STEPS`:
+            a window whose steps were not all recorded is not estimated).
+        epoch_sums: float64 vector, the same on every replica: this epoch's
+            sums of the windows' `tr(Sigma)` (`TRACE`) and `|G|^2`
+            (`SIGNAL`) estimates, and the windows estimated (`WINDOWS`).
+
+    Example:
+
+    ```python
+    noise = NoiseScale()
+    noise.build(None)
+    noise.end_epoch()  # nan: no window measured
+    ```
+    """
+
+    def __init__(self):
+        self.window_sums = None
+        self.epoch_sums = None
+
+    @property
+    def built(self):
+        return self.window_sums is not None
+
+    def build(self, strategy):
+        """Makes the variables, outside any `tf.function` (per replica under
+        a strategy, as the window's); once."""
+        if self.built:
+            return
+        with tf.init_scope(), replicas.scope_of(strategy):
+            self.window_sums = tf.Variable(
+                tf.zeros([5], tf.float64),
+                trainable=False,
+                name="noise_scale_window",
+                **replicas.variable_arguments(strategy, replicas.SUMMED),
+            )
+            self.epoch_sums = tf.Variable(
+                tf.zeros([3], tf.float64),
+                trainable=False,
+                name="noise_scale_epoch",
+                **replicas.variable_arguments(strategy, replicas.FIRST_REPLICAS),
+            )
+
+    @property
+    def variables(self):
+        return [self.window_sums, self.epoch_sums] if self.built else []
+
+    def record(self, sums):
+        """Adds one train step's `micro_batch_sums` to the open window (in
+        the replica: no collective)."""
+        self.window_sums.assign_add(sums)
+
+    def close_window(self, squared_norm, micro_steps):
+        """Adds the window's estimates to the epoch's and starts a new window.
+
+        In cross-replica context under a strategy (the window's `apply`).
+
+        Args:
+            squared_norm: `|G_B|^2`, the squared norm of the window's
+                (global, unscaled) gradient.
+            micro_steps: the train steps the window holds (its `micro_step`),
+                times the replicas: the steps a fully measured window
+                recorded.
+        """
+        sums = self.window_sums.read_value()
+        measured = tf.equal(sums[STEPS], tf.cast(micro_steps, tf.float64))
+        self.add_window(sums, squared_norm, measured)
+        self.window_sums.assign(tf.zeros_like(sums))
+
+    def add_window(self, sums, squared_norm, measured=True):
+        """Adds one window's estimates (from its `sums` over all replicas)
+        to the epoch's; the window of a split batch comes straight here."""
+        self.epoch_sums.assign_add(window_estimates(sums, squared_norm, measured))
+
+    def discard_window(self):
+        """The open window is dropped (skipped, discarded): so is its measure."""
+        if self.built:
+            self.window_sums.assign(tf.zeros_like(self.window_sums))
+
+    def start_epoch(self):
+        """Eagerly: forgets the estimates of windows before this epoch."""
+        if self.built:
+            self.epoch_sums.assign(tf.zeros_like(self.epoch_sums))
+
+    def end_epoch(self):
+        """Eagerly: the epoch's `B_simple` in samples (a float), and a new
+        epoch begins.
+
+        `nan` if no window of the epoch had two micro-batches; `inf` if the
+        noise was measured but the signal's estimate is not positive (the
+        noise dominates at every batch the windows resolve). A negative
+        value means the noise is below what the windows resolve.
+        """
+        if not self.built:
+            return math.nan
+        trace, signal, windows = (float(v) for v in self.epoch_sums.numpy())
+        self.start_epoch()
+        if windows == 0 or math.isnan(trace) or math.isnan(signal):
+            return math.nan
+        if signal <= 0:
+            return math.inf if trace > 0 else math.nan
+        return trace / signal
+
+
+def window_estimates(sums, squared_norm, measured=True):
+    """`[tr(Sigma), |G|^2, 1]` of one window from its `window_sums` and
+    `|G_B|^2`, or zeros for a window that says nothing (fewer than two
+    micro-batches, not `measured`, or not finite)."""
+    squares = sums[SQUARES]
+    count = sums[MICRO_BATCHES]
+    known = tf.logical_and(count >= 2, measured)
+    safe = tf.where(known, count, 2.0)
+    mean_square = squares / safe
+    a = sums[INVERSE_SIZES] / safe
+    c = tf.math.divide_no_nan(tf.constant(1.0, tf.float64), sums[SAMPLES])
+    gap = tf.where(known, a - c, 1.0)
+    norm = tf.cast(squared_norm, tf.float64)
+    estimates = tf.stack(
+        [(mean_square - norm) / gap, (norm * a - mean_square * c) / gap, 1.0]
+    )
+    # A window with an overflowed gradient (a loss scale still settling, a
+    # NaN sample) is left out: the optimizer skips it too, or it would make
+    # the whole epoch's estimate NaN.
+    known = tf.logical_and(known, tf.reduce_all(tf.math.is_finite(estimates)))
+    return tf.where(known, estimates, tf.zeros_like(estimates))
+
+
+def micro_batch_sums(parts, steps=1.0):
+    """`window_sums` of micro-batches `parts` (`microbatch.Gradients`).
+
+    Each part's mean gradient is `grads * grad_scale * replicas / weight`:
+    the window holds `weight * gradient` of a loss Keras divided by the
+    number of replicas. A stand-in past a short batch's end (no samples)
+    counts for nothing.
+    """
+    replicas_in_sync = tf.distribute.get_strategy().num_replicas_in_sync
+    rows = []
+    for part in parts:
+        samples = tf.cast(part.num_samples, tf.float64)
+        weight = tf.cast(part.weight, tf.float64)
+        scale = tf.math.divide_no_nan(tf.constant(float(replicas_in_sync), tf.float64), weight)
+        if part.grad_scale is not None:
+            scale = scale * tf.cast(part.grad_scale, tf.float64)
+        live = samples > 0
+        rows.append(
+            tf.where(
+                live,
+                tf.stack(
+                    [
+                        squared_norm(part.grads) * scale * scale,
+                        tf.math.divide_no_nan(tf.constant(1.0, tf.float64), samples),
+                        1.0,
+                        samples,
+                        0.0,
+                    ]
+                ),
+                tf.zeros([5], tf.float64),
+            )
+        )
+    sums = tf.add_n(rows)
+    return sums + tf.one_hot(STEPS, 5, on_value=float(steps), dtype=tf.float64)
+
+
+def squared_norm(grads):
+    """The squared norm over all of `grads` (float64; None skipped); an
+    `IndexedSlices`' of the dense gradient it stands for."""
+    total = tf.constant(0.0, tf.float64)
+    for g in grads:
+        if g is None:
+            continue
+        values = _rows_summed(g) if isinstance(g, tf.IndexedSlices) else g
+        # Squares summed in float32 (a float16 square overflows), then
+        # carried in float64: the estimator subtracts close sums.
+        square = tf.reduce_sum(tf.square(tf.cast(values, tf.float32)))
+        total = total + tf.cast(square, tf.float64)
+    return total
+
+
+def _rows_summed(slices):
+    # Occurrences summed per row, with static shapes (XLA has no `Unique`):
+    # sorted by row, each run of one row becomes one segment.
+    indices = tf.reshape(tf.cast(slices.indices, tf.int64), [-1])
+    count = tf.shape(indices)[0]
+    order = tf.argsort(indices)
+    rows = tf.gather(indices, order)
+    starts = tf.logical_or(
+        tf.equal(tf.range(count), 0), tf.not_equal(rows, tf.roll(rows, 1, 0))
+    )
+    segments = tf.cumsum(tf.cast(starts, tf.int32)) - 1
+    return tf.math.unsorted_segment_sum(
+        tf.gather(slices.values, order), segments, count
+    )

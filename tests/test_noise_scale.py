@@ -1,0 +1,446 @@
+"""`noise_scale=True`: the gradient noise scale measured from the window, and
+`AccumScheduler("noise_scale")` growing `accum_steps` to it.
+
+The reference is numpy on per-example gradients of a model whose weights do
+not move (learning rate 0): the logged value must be the estimator on the
+same windows (exact to float32), and over random epochs the estimator must
+land on the true `B_simple = tr(Sigma) / |G|^2` within its own spread.
+Measuring must change nothing else: training is bit-identical on and off.
+"""
+
+import math
+import warnings
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers.models import functional, small_tables_net
+from helpers.data import make_data, small_table_data
+from helpers.noise import (
+    estimate,
+    per_example_gradients,
+    regression_data,
+    regression_net,
+    target,
+    windows_of,
+)
+
+import keras_accum
+
+# float32 sums of squares against numpy's float64: the estimator subtracts
+# close sums (S - L), which costs a few float32 ulps of relative accuracy.
+RTOL = 1e-5
+
+
+def _fit_estimates(model, x, y, batch_size, epochs=2, **kwargs):
+    history = model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False,
+                        verbose=0, **kwargs)
+    return history.history["noise_scale"]
+
+
+# -- the estimator, exactly --------------------------------------------------
+
+WAYS = {
+    # name: (model kwargs, fit kwargs, batch size, windows_of kwargs)
+    "step mode": (dict(accum_steps=4), {}, 8, dict(accum_steps=4)),
+    "micro_batch_size": (dict(micro_batch_size=8), {}, 32, dict(micro_batch_size=8)),
+    "both": (dict(accum_steps=2, micro_batch_size=4), {}, 12,
+             dict(accum_steps=2, micro_batch_size=4)),
+    "fit(accum_steps=)": ({}, dict(accum_steps=4), 8, dict(accum_steps=4)),
+    "hidden layer": (dict(accum_steps=4, hidden=5), {}, 8, dict(accum_steps=4)),
+}
+
+
+@pytest.mark.parametrize("way", list(WAYS))
+def test_the_logged_estimate_is_the_estimator_on_per_example_gradients(way):
+    model_kwargs, fit_kwargs, batch_size, partition = WAYS[way]
+    # 92 samples: uneven windows (8 x 4 leaves a last window of 3.5 batches).
+    x, y = regression_data(92, noise=1.0)
+    model = regression_net(keras_accum.AccumModel, noise_scale=True, **model_kwargs)
+    logged = _fit_estimates(model, x, y, batch_size, **fit_kwargs)
+    grads = per_example_gradients(model, x, y)
+    expected = estimate(grads, windows_of(92, batch_size, **partition))
+    np.testing.assert_allclose(logged, [expected, expected], rtol=RTOL)
+    assert model.noise_scale == logged[-1]
+
+
+def test_wrap_measures_as_the_model_does():
+    x, y = regression_data(92, noise=1.0)
+    base = regression_net()
+    model = keras_accum.wrap(base, accum_steps=4, noise_scale=True)
+    model.compile(keras.optimizers.SGD(0.0), "mse")
+    logged = _fit_estimates(model, x, y, 8, epochs=1)
+    grads = per_example_gradients(model, x, y)
+    np.testing.assert_allclose(logged, [estimate(grads, windows_of(92, 8, 4))], rtol=RTOL)
+
+
+@pytest.mark.parametrize("mode", ["step mode", "micro_batch_size"])
+@pytest.mark.parametrize("noise", [0.3, 6.0])
+def test_the_estimate_lands_on_the_true_noise_scale(mode, noise):
+    n, epochs = 2048, 6
+    x, y = regression_data(n, noise=noise)
+    if mode == "step mode":
+        model_kwargs, batch_size, partition = dict(accum_steps=4), 8, dict(accum_steps=4)
+    else:
+        model_kwargs, batch_size, partition = dict(micro_batch_size=8), 32, dict(micro_batch_size=8)
+    model = regression_net(keras_accum.AccumModel, noise_scale=True, **model_kwargs)
+    grads = per_example_gradients(model, x, y)
+    windows = windows_of(n, batch_size, **partition)
+    rng = np.random.default_rng(0)
+    logged, expected = [], []
+    for _ in range(epochs):
+        order = rng.permutation(n)
+        logged += _fit_estimates(model, x[order], y[order], batch_size, epochs=1)
+        expected.append(estimate(grads[order], windows))
+    # Each epoch is the estimator on its own windows...
+    np.testing.assert_allclose(logged, expected, rtol=RTOL)
+    # ...and their mean is the true value within the estimator's spread: its
+    # standard deviation over random epochs (numpy, 200 epochs), 4 standard
+    # errors of a mean of `epochs` epochs.
+    spread = np.std([estimate(grads[rng.permutation(n)], windows) for _ in range(200)])
+    tolerance = 4 * spread / math.sqrt(epochs)
+    expected_mean, true_value = target(grads)
+    assert abs(np.mean(logged) - expected_mean) < tolerance
+    assert abs(expected_mean - true_value) < tolerance  # the O(B/n) term is small
+    # The tolerance is tight enough to tell the two noise levels apart: the
+    # other level's value lies outside twice it.
+    other, _ = target(per_example_gradients(
+        model, *regression_data(n, noise=6.0 if noise < 1 else 0.3)
+    ))
+    assert abs(other - expected_mean) > 2 * tolerance
+
+
+def _embedding_net(vocab, seed=2, **kwargs):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((5,), dtype="int32")
+    h = keras.layers.Embedding(vocab, 4)(inputs)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    outputs = keras.layers.Dense(1)(h)
+    model = keras_accum.AccumModel(inputs, outputs, noise_scale=True, **kwargs)
+    model.compile(keras.optimizers.SGD(0.0), "mse")
+    return model
+
+
+@pytest.mark.parametrize("vocab", [500, 12], ids=["slices", "moments"])
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_sparse_gradients_are_measured_by_their_dense_rows(vocab, jit_compile):
+    # A window of 4 x 8 x 5 = 160 tokens: kept as slices in a table of 500
+    # rows, as per-row moments in a table of 12 (window/slices.py).
+    rng = np.random.default_rng(4)
+    x = rng.integers(0, vocab, size=(92, 5)).astype("int32")
+    # Targets far from the initial predictions: a clear signal |G|^2.
+    y = (3.0 + rng.normal(size=(92, 1))).astype("float32")
+    model = _embedding_net(vocab, accum_steps=4)
+    model.jit_compile = jit_compile
+    logged = _fit_estimates(model, x, y, 8, epochs=1)
+    assert model.layers[1].embeddings.shape == (vocab, 4)
+    grads = per_example_gradients(model, x, y)
+    np.testing.assert_allclose(logged, [estimate(grads, windows_of(92, 8, 4))], rtol=RTOL)
+
+
+def test_mixed_float16_measures_the_unscaled_gradients():
+    x, y = regression_data(92, noise=1.0)
+    plain = regression_net(keras_accum.AccumModel, accum_steps=4, hidden=5, noise_scale=True)
+    expected = _fit_estimates(plain, x, y, 8, epochs=1)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = regression_net(keras_accum.AccumModel, accum_steps=4, hidden=5, noise_scale=True)
+        # A loss scale that does not overflow at the first window (the
+        # default 2**15 does, and that window is rightly left out).
+        model.compile(
+            keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.0), initial_scale=16.0),
+            "mse",
+        )
+        logged = _fit_estimates(model, x, y, 8, epochs=1)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    # float16 forward and backward passes: the gradients themselves differ
+    # from float32's by ~1e-3; a loss scale left in would be off by 2**30.
+    np.testing.assert_allclose(logged, expected, rtol=2e-2)
+
+
+# -- measuring changes nothing else ----------------------------------------
+
+def _classifier(**kwargs):
+    return functional(keras_accum.AccumModel, **kwargs)
+
+
+CONFIGS = {
+    "step mode": (dict(accum_steps=4), {}),
+    "micro_batch_size": (dict(micro_batch_size=2), {}),
+    "both": (dict(accum_steps=4, micro_batch_size=3), {}),
+    "xla": (dict(accum_steps=4), dict(jit_compile=True)),
+    "skip_nonfinite": (dict(accum_steps=4, skip_nonfinite=True), {}),
+}
+
+
+def _trained(make, x, y, noise_scale, compile_kwargs=None, batch_size=8):
+    model = make(noise_scale)
+    model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy",
+                  metrics=["accuracy"], **(compile_kwargs or {}))
+    history = model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+    return model, history.history
+
+
+def _assert_identical(on, off):
+    (model_on, history_on), (model_off, history_off) = on, off
+    for a, b in zip(model_on.get_weights(), model_off.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(model_on.optimizer.variables, model_off.optimizer.variables):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
+    assert int(model_on.optimizer.iterations) == int(model_off.optimizer.iterations) > 0
+    assert set(history_on) - set(history_off) == {"noise_scale"}
+    for key, values in history_off.items():
+        assert history_on[key] == values, key
+    assert all(np.isfinite(history_on["noise_scale"]))
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_training_is_bit_identical_with_and_without_measuring(config):
+    kwargs, compile_kwargs = CONFIGS[config]
+    x, y = make_data(92)
+
+    def make(noise_scale):
+        return _classifier(noise_scale=noise_scale, **kwargs)
+
+    _assert_identical(_trained(make, x, y, True, compile_kwargs),
+                      _trained(make, x, y, False, compile_kwargs))
+
+
+def test_training_is_bit_identical_with_and_without_measuring_sparse_and_float16():
+    x, y = small_table_data(92)
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        def make(noise_scale):
+            return small_tables_net(keras_accum.AccumModel, accum_steps=4,
+                                    noise_scale=noise_scale)
+
+        def trained(noise_scale):
+            model = make(noise_scale)
+            # A loss scale that does not overflow: every window applied.
+            model.compile(
+                keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01), initial_scale=16.0),
+                "sparse_categorical_crossentropy",
+            )
+            history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+            return model, history.history
+
+        on, off = trained(True), trained(False)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    _assert_identical(on, off)
+
+
+# -- what fit logs, and where -------------------------------------------------
+
+class _Seen(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.values = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.values.append(logs["noise_scale"])
+
+
+def test_callbacks_and_tensorboard_see_the_estimate(tmp_path):
+    pytest.importorskip("tensorboard")  # installed with tensorflow from PyPI
+    x, y = regression_data(92, noise=1.0)
+    model = regression_net(keras_accum.AccumModel, accum_steps=4, noise_scale=True)
+    seen = _Seen()
+    board = keras.callbacks.TensorBoard(str(tmp_path))
+    history = model.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[seen, board])
+    assert seen.values == history.history["noise_scale"]
+    written = []
+    for path in (tmp_path / "train").glob("events.out.tfevents.*"):
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            for value in event.summary.value:
+                if value.tag == "epoch_noise_scale":
+                    written.append(float(tf.make_ndarray(value.tensor)))
+    np.testing.assert_allclose(written, history.history["noise_scale"], rtol=1e-6)
+
+
+def test_one_micro_batch_per_update_logs_nan_with_one_warning():
+    x, y = regression_data(92, noise=1.0)
+    model = regression_net(keras_accum.AccumModel, noise_scale=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = model.fit(x, y, batch_size=8, epochs=3, verbose=0)
+    assert all(math.isnan(v) for v in history.history["noise_scale"])
+    messages = [str(w.message) for w in caught if "noise_scale is NaN" in str(w.message)]
+    assert len(messages) == 1 and "accum_steps >= 2" in messages[0]
+    assert math.isnan(model.noise_scale)
+
+
+def test_off_by_default_and_none_before_training():
+    x, y = regression_data(92, noise=1.0)
+    model = regression_net(keras_accum.AccumModel, accum_steps=4)
+    assert model.noise_scale is None
+    history = model.fit(x, y, batch_size=8, verbose=0)
+    assert "noise_scale" not in history.history and model.noise_scale is None
+
+
+def test_a_skipped_window_adds_nothing():
+    x, y = regression_data(92, noise=1.0)
+    x[40] = np.nan  # in the second window (samples 32-63)
+    model = regression_net(keras_accum.AccumModel, accum_steps=4, noise_scale=True,
+                           skip_nonfinite=True)
+    logged = _fit_estimates(model, x, y, 8, epochs=1)
+    assert model.skipped_windows == 1
+    clean = np.nan_to_num(x)
+    grads = per_example_gradients(model, clean, y)
+    windows = windows_of(92, 8, 4)
+    np.testing.assert_allclose(logged, [estimate(grads, windows[:1] + windows[2:])], rtol=RTOL)
+
+
+def test_a_window_resumed_from_a_file_is_not_estimated(tmp_path):
+    # Its first micro-batches were measured by another process: the window
+    # is left out, not estimated from part of it.
+    x, y = regression_data(92, noise=1.0)
+    first = regression_net(keras_accum.AccumModel, accum_steps=4, noise_scale=True)
+    first.fit(x[:16], y[:16], batch_size=8, verbose=0, epochs=1)  # flushed: no window
+    first.train_on_batch(x[:8], y[:8])  # an open window of 1 micro-batch
+    path = str(tmp_path / "mid.weights.h5")
+    first.save_weights(path)
+    resumed = regression_net(keras_accum.AccumModel, accum_steps=4, noise_scale=True)
+    resumed.build((None, 6))
+    resumed.load_weights(path)
+    logged = _fit_estimates(resumed, x[8:], y[8:], 8, epochs=1)
+    grads = per_example_gradients(resumed, x, y)
+    # The resumed window ends with sample 31; after it, windows from 32 on.
+    rest = [[m + 32 for m in w] for w in windows_of(60, 8, 4)]
+    np.testing.assert_allclose(logged, [estimate(grads, rest)], rtol=RTOL)
+
+
+def test_config_and_saved_file_keep_noise_scale(tmp_path):
+    model = regression_net(keras_accum.AccumModel, accum_steps=4, noise_scale=True)
+    config = model.get_config()
+    assert config["noise_scale"] is True
+    assert "noise_scale" not in regression_net(keras_accum.AccumModel).get_config()
+    clone = keras_accum.AccumModel.from_config(config)
+    assert clone._settings.noise_scale
+    x, y = regression_data(92, noise=1.0)
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    loaded.compile(keras.optimizers.SGD(0.0), "mse")
+    history = loaded.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    np.testing.assert_allclose(history.history["noise_scale"], [model.noise_scale], rtol=RTOL)
+    # The file is the unwrapped model's: no measurement in it.
+    plain = regression_net(keras_accum.AccumModel, accum_steps=4)
+    plain.fit(x, y, batch_size=8, verbose=0)
+    plain_path = str(tmp_path / "plain.keras")
+    plain.save(plain_path)
+    import zipfile
+    with zipfile.ZipFile(path) as a, zipfile.ZipFile(plain_path) as b:
+        assert sorted(a.namelist()) == sorted(b.namelist())
+
+
+@pytest.mark.parametrize(
+    "value, error", [("yes", TypeError), (1, TypeError), (None, TypeError)]
+)
+def test_bad_noise_scale_is_refused_naming_it(value, error):
+    with pytest.raises(error, match=r"noise_scale.*Received: noise_scale="):
+        functional(keras_accum.AccumModel, noise_scale=value)
+    with pytest.raises(error, match=r"noise_scale.*Received: noise_scale="):
+        keras_accum.wrap(functional(), noise_scale=value)
+
+
+# -- AccumScheduler("noise_scale") -----------------------------------------------
+
+def test_the_scheduler_grows_accum_steps_by_the_formula_and_each_epoch_is_exact():
+    # Learning rate > 0: the noise scale changes as the model trains.
+    x, y = regression_data(512, noise=2.0)
+    batch, cap, epochs = 8, 12, 5
+    model = regression_net(keras_accum.AccumModel, accum_steps=2, noise_scale=True)
+    model.compile(keras.optimizers.SGD(0.02), "mse")
+    history = model.fit(
+        x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0,
+        callbacks=[keras_accum.AccumScheduler("noise_scale", max_accum_steps=cap)],
+    ).history
+    steps, measured = history["accum_steps"], history["noise_scale"]
+    assert steps[0] == 2
+    for epoch in range(1, epochs):
+        wanted = cap if math.isinf(measured[epoch - 1]) else round(measured[epoch - 1] / batch)
+        assert steps[epoch] == min(cap, max(steps[epoch - 1], wanted)), (steps, measured)
+    assert steps[-1] > 2, (steps, measured)  # it did grow
+    assert model.accum_steps == 2  # for this fit only, as every schedule
+    # Each epoch trains as a plain model with that epoch's big batch.
+    plain = regression_net()
+    plain.compile(keras.optimizers.SGD(0.02), "mse")
+    for epoch in range(epochs):
+        plain.fit(x, y, batch_size=batch * steps[epoch], epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert int(model.optimizer.iterations) == int(plain.optimizer.iterations)
+
+
+def test_the_scheduler_keeps_the_value_on_nan_and_never_shrinks():
+    scheduler = keras_accum.AccumScheduler("noise_scale", max_accum_steps=8)
+    model = regression_net(keras_accum.AccumModel, accum_steps=3, noise_scale=True)
+    scheduler.set_model(model)
+    model._batch_size_seen = 10
+    for measured, expected in [(None, None), (math.nan, None), (5.0, 3), (44.0, 4),
+                               (math.inf, 8), (1000.0, 8), (-3.0, 3)]:
+        model._noise_scale = measured
+        assert scheduler._value(1) == expected, measured
+
+
+def test_the_scheduler_needs_a_measuring_model():
+    x, y = regression_data(92, noise=1.0)
+    model = regression_net(keras_accum.AccumModel, accum_steps=2)
+    with pytest.raises(ValueError, match="noise_scale=True"):
+        model.fit(x, y, batch_size=8, verbose=0,
+                  callbacks=[keras_accum.AccumScheduler("noise_scale", max_accum_steps=4)])
+    assert int(model.optimizer.iterations) == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(schedule="noise_scale"), ValueError, r"needs `max_accum_steps`.*None"),
+        (dict(schedule="noise_scale", max_accum_steps=0), ValueError, "max_accum_steps=0"),
+        (dict(schedule="noise_scale", max_accum_steps=2.0), TypeError, "max_accum_steps=2.0"),
+        (dict(schedule={0: 2}, max_accum_steps=4), ValueError, "max_accum_steps=4"),
+        (dict(schedule="noise"), TypeError, r'must be "noise_scale".*noise'),
+    ],
+)
+def test_bad_scheduler_arguments_are_refused_naming_them(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        keras_accum.AccumScheduler(**kwargs)
+
+
+# -- under MirroredStrategy ---------------------------------------------------
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["one_replica", "two_replicas"])
+def mirrored(request):
+    import json
+
+    from helpers.processes import run_python, script
+
+    result = run_python(script("mirrored_noise_checks.py"), str(request.param), timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    assert out["replicas"] == request.param
+    return out
+
+
+@pytest.mark.parametrize("config", ["step mode", "micro_batch_size", "both"])
+def test_under_mirrored_strategy_each_replicas_share_is_a_micro_batch(mirrored, config):
+    # b is the per-replica micro-batch, B the global window.
+    result = mirrored["estimates"][config]
+    if result["expected"] is None:  # one replica, whole batches: one micro-batch
+        assert all(math.isnan(v) for v in result["logged"])
+        return
+    np.testing.assert_allclose(result["logged"], [result["expected"]] * 2, rtol=RTOL)
+    assert result["last"] == result["logged"][-1]
+
+
+@pytest.mark.parametrize("config", ["step mode", "micro_batch_size", "both"])
+def test_under_mirrored_strategy_training_is_bit_identical(mirrored, config):
+    result = mirrored["identical"][config]
+    assert result["weights"] and result["history"]
+    assert result["iterations"][0] == result["iterations"][1] > 0
+    # Measured every epoch (inf is a measurement: the noise dominates).
+    assert not any(math.isnan(v) for v in result["noise_scale"])
