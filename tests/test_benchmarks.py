@@ -66,3 +66,20 @@ def test_before_after_runs_and_writes_its_json(tmp_path, unit):
                 assert mlp[key][mode][pair]["rounds"] == 1, (key, mode, pair)
     # Both versions were really trained, side by side.
     assert set(mlp["max_weight_difference_after_vs_before"]) == {"step", "micro"}
+
+
+def test_noise_scale_cost_runs_and_checks_bit_identity(tmp_path):
+    out = tmp_path / "noise_scale_cost.json"
+    result = run_python(
+        "-m", "benchmarks.noise_scale_cost", "--quick", "--rounds", "1",
+        "--workloads", "mlp", "embedding", "--out", str(out), timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    import json
+
+    for name, workload in json.loads(out.read_text())["workloads"].items():
+        assert workload["bit_identical_after_one_epoch"] == {"step": True, "split": True}, name
+        for key in ("ratios", "cpu_ratios"):
+            for mode in ("step", "split"):
+                assert workload[key][mode]["rounds"] == 1
+    assert "| mlp | step |" in result.stdout

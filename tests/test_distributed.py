@@ -169,6 +169,26 @@ def test_small_tables_across_workers_match_the_one_process_big_batch(workers):
         assert_close_to(worker["small_tables"], reference)
 
 
+def test_noise_scale_across_workers_is_agreed_and_changes_nothing(workers):
+    from helpers.noise import estimate, per_example_gradients, regression_data, regression_net, windows_of
+
+    for worker in workers:
+        on, off = worker["noise_scale"]["on"], worker["noise_scale"]["off"]
+        for a, b in zip(on["weights"], off["weights"]):
+            np.testing.assert_array_equal(np.array(a), np.array(b))
+        assert {k: v for k, v in on["history"].items() if k != "noise_scale"} == off["history"]
+        assert not any(np.isnan(on["history"]["noise_scale"]))
+        # Every worker logs the same value: read from the global window.
+        assert on["history"]["noise_scale"] == workers[0]["noise_scale"]["on"]["history"]["noise_scale"]
+    if len(workers) == 1:
+        # One worker: the estimator on the one-process windows, exactly.
+        x, y = regression_data(92, noise=1.0)
+        grads = per_example_gradients(regression_net(), x, y)
+        expected = estimate(grads, windows_of(92, 8, 4))
+        logged = workers[0]["noise_scale"]["still"]["history"]["noise_scale"]
+        np.testing.assert_allclose(logged, [expected] * 2, rtol=1e-5)
+
+
 def test_plain_keras_fit_fails_across_workers(workers):
     # Why AccumModel replaces Keras's symbolic build and log reduction there
     # (tensorflow/tensorflow#72388). If this starts failing, Keras fixed it

@@ -496,3 +496,21 @@ def test_the_site_and_the_readme_list_the_same_tested_pairs():
         return re.findall(r"^\| \d+\.\d+.*\|$", install, flags=re.M)
 
     assert rows(README) == rows((DOCS / "getting-started.md").read_text())
+
+
+def test_noise_scale_example_grows_the_batch_by_the_rule():
+    result = run_python(str(ROOT / "examples" / "noise_scale.py"), "--epochs", "4", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [
+        line.split() for line in result.stdout.splitlines()
+        if re.match(r"\s*\d+\s+\S+\s+\d+\s+\d+\s+\S+$", line)
+    ]
+    assert len(rows) == 4, result.stdout
+    measured = [float(r[1]) for r in rows]
+    steps = [int(r[2]) for r in rows]
+    assert all(m > 0 for m in measured), result.stdout
+    assert steps[0] == 2
+    for epoch in range(1, 4):  # min(32, max(current, round(B_simple / 16)))
+        wanted = min(32, max(steps[epoch - 1], round(measured[epoch - 1] / 16)))
+        # The printed estimate is rounded to 0.1: a tie could round either way.
+        assert abs(steps[epoch] - wanted) <= (1 if abs(measured[epoch - 1] / 16 % 1 - 0.5) < 0.01 else 0)

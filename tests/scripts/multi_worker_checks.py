@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 from helpers import internals  # noqa: E402
 from helpers.data import make_data, small_table_data  # noqa: E402
 from helpers.models import OPTIMIZERS, functional, loss, small_tables_net  # noqa: E402
+from helpers.noise import regression_data, regression_net  # noqa: E402
 
 from keras_accum import AccumModel  # noqa: E402
 
@@ -97,6 +98,17 @@ def main():
         model.compile(OPTIMIZERS["adam"](), loss())
     model.fit(dataset(*small_table_data(92)), epochs=2, verbose=0)
     out["small_tables"] = weights(model)
+
+    # The noise scale: measured on every worker alike, training unchanged.
+    regression = dataset(*regression_data(92, noise=1.0))
+    out["noise_scale"] = {}
+    for name, noise_scale, rate in (("on", True, 0.05), ("off", False, 0.05),
+                                    ("still", True, 0.0)):
+        with strategy.scope():
+            model = regression_net(AccumModel, accum_steps=4, noise_scale=noise_scale)
+            model.compile(keras.optimizers.SGD(rate), "mse")
+        history = model.fit(regression, epochs=2, verbose=0)
+        out["noise_scale"][name] = {"weights": weights(model), "history": history.history}
 
     # skip_nonfinite: a NaN in one worker's share of a micro-batch of the
     # second window (samples 40-43 go to worker 0, 44-47 to worker 1), each

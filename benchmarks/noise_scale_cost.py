@@ -1,0 +1,165 @@
+"""What `noise_scale=True` costs: the same model measuring and not, in one process.
+
+    python -m benchmarks.noise_scale_cost
+    python -m benchmarks.noise_scale_cost --rounds 101 --workloads mlp cnn embedding
+    python -m benchmarks.noise_scale_cost --quick   # smoke run, not a measurement
+
+For each workload (benchmarks/workloads.py: mlp, cnn, embedding), two pairs
+of models are built from the same seed and trained on the same data:
+
+- step mode: `AccumModel(accum_steps=N)`, micro-batch b, `noise_scale` on
+  and off;
+- split: `AccumModel(micro_batch_size=b)`, batches of N*b, on and off.
+
+Each round times one window (N micro-batches of b) through the train
+function of every model, in an order rotated by one place per round (as
+benchmarks/before_after.py's `--unit window`): short rounds pair well on a
+loaded machine. Only ratios within a round are used: the result is the
+median (min-max) over rounds of `on / off`, by wall clock and by process
+CPU time, per workload and mode. Measuring adds, per micro-batch, one pass
+over the gradients (a sum of squares) and, per window, one over the
+window's gradient: the weights must stay bit-identical (checked here too).
+
+Writes benchmarks/noise_scale_cost.json (`--out`) and prints a Markdown
+table (benchmarks/noise_scale_cost.md holds the committed run's).
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # quiet TensorFlow start-up
+
+import numpy as np  # noqa: E402
+
+from benchmarks import workloads  # noqa: E402
+from benchmarks.before_after import train_one_epoch, window_timer  # noqa: E402
+
+MODES = {
+    "step": (dict(accum_steps=workloads.ACCUM_STEPS), workloads.MICRO_BATCH),
+    "split": (
+        dict(micro_batch_size=workloads.MICRO_BATCH),
+        workloads.MICRO_BATCH * workloads.ACCUM_STEPS,
+    ),
+}
+
+
+def _model(workload, noise_scale, **kwargs):
+    import keras
+
+    import keras_accum
+
+    keras.utils.set_random_seed(workloads.SEED)
+    inputs, outputs = workload.build()
+    model = keras_accum.AccumModel(inputs, outputs, noise_scale=noise_scale, **kwargs)
+    model.compile(
+        optimizer=keras.optimizers.Adam(workloads.LEARNING_RATE),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    )
+    return model
+
+
+def _summary(values):
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "rounds": len(values),
+    }
+
+
+def run_workload(name, rounds, quick):
+    """Times the on/off pairs of one workload; returns its JSON-able result."""
+    workload = workloads.timing_workload(name, quick)
+    x, y = workload.data(np.random.default_rng(workloads.SEED))
+    models = {}
+    for mode, (kwargs, batch_size) in MODES.items():
+        for noise_scale in (True, False):
+            label = f"{mode} {'on' if noise_scale else 'off'}"
+            models[label] = (_model(workload, noise_scale, **kwargs), batch_size)
+    # One epoch of fit each (traced), then the same weights on and off?
+    for label, (model, batch_size) in models.items():
+        train_one_epoch(model, x, y, batch_size)
+    identical = {
+        mode: all(
+            np.array_equal(a, b)
+            for a, b in zip(
+                models[f"{mode} on"][0].get_weights(), models[f"{mode} off"][0].get_weights()
+            )
+        )
+        for mode in MODES
+    }
+    timers = {label: window_timer(m, x, y, b) for label, (m, b) in models.items()}
+    wall = {label: [] for label in models}
+    cpu = {label: [] for label in models}
+    order = list(models)
+    for index in range(rounds + 1):  # round 0: warm-up, dropped
+        shift = index % len(order)
+        times = {label: timers[label]() for label in order[shift:] + order[:shift]}
+        if index:
+            for label, (w, c) in times.items():
+                wall[label].append(w)
+                cpu[label].append(c)
+    result = {
+        "description": workload.description,
+        "bit_identical_after_one_epoch": identical,
+        "median_wall_seconds": {k: statistics.median(v) for k, v in wall.items()},
+        "ratios": {},
+        "cpu_ratios": {},
+    }
+    for mode in MODES:
+        for key, seconds in (("ratios", wall), ("cpu_ratios", cpu)):
+            result[key][mode] = _summary(
+                [a / b for a, b in zip(seconds[f"{mode} on"], seconds[f"{mode} off"])]
+            )
+    return result
+
+
+def markdown(results):
+    lines = [
+        "| workload | mode | on / off, wall | on / off, CPU | bit-identical |",
+        "|---|---|---|---|---|",
+    ]
+    for name, result in results["workloads"].items():
+        for mode in MODES:
+            cells = []
+            for key in ("ratios", "cpu_ratios"):
+                r = result[key][mode]
+                cells.append(f"{r['median']:.3f} ({r['min']:.2f}-{r['max']:.2f})")
+            same = "yes" if result["bit_identical_after_one_epoch"][mode] else "NO"
+            lines.append(f"| {name} | {mode} | {cells[0]} | {cells[1]} | {same} |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", nargs="+", default=list(workloads.TIMING_WORKLOADS),
+                        choices=workloads.TIMING_WORKLOADS)
+    parser.add_argument("--rounds", type=int, default=61, help="timed rounds (default: %(default)s)")
+    parser.add_argument("--quick", action="store_true", help="tiny models: a smoke run")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "noise_scale_cost.json"))
+    args = parser.parse_args(argv)
+    import keras
+    import tensorflow as tf
+
+    results = {
+        "date": datetime.date.today().isoformat(),
+        "versions": {"tensorflow": tf.__version__, "keras": keras.__version__,
+                     "python": sys.version.split()[0]},
+        "rounds": args.rounds,
+        "quick": args.quick,
+        "workloads": {},
+    }
+    for name in args.workloads:
+        print(f"{name}...", flush=True)
+        results["workloads"][name] = run_workload(name, args.rounds, args.quick)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    print(markdown(results))
+
+
+if __name__ == "__main__":
+    main()
