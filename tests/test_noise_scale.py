@@ -312,6 +312,19 @@ def test_a_window_resumed_from_a_file_is_not_estimated(tmp_path):
     np.testing.assert_allclose(logged, [estimate(grads, rest)], rtol=RTOL)
 
 
+def test_an_epoch_estimates_its_own_windows_only():
+    # Windows trained before fit (train_on_batch) or in an interrupted fit
+    # are not part of the next epoch's estimate.
+    x, y = regression_data(92, noise=1.0)
+    model = regression_net(keras_accum.AccumModel, accum_steps=4, noise_scale=True)
+    for _ in range(4):
+        model.train_on_batch(x[:8] * 10, y[:8])  # one window, far from the rest
+    assert int(model.optimizer.iterations) == 1
+    logged = _fit_estimates(model, x, y, 8, epochs=1)
+    grads = per_example_gradients(model, x, y)
+    np.testing.assert_allclose(logged, [estimate(grads, windows_of(92, 8, 4))], rtol=RTOL)
+
+
 def test_config_and_saved_file_keep_noise_scale(tmp_path):
     model = regression_net(keras_accum.AccumModel, accum_steps=4, noise_scale=True)
     config = model.get_config()

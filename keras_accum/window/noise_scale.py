@@ -240,10 +240,11 @@ def squared_norm(grads):
         if g is None:
             continue
         values = _rows_summed(g) if isinstance(g, tf.IndexedSlices) else g
-        # Squares summed in float32 (a float16 square overflows), then
-        # carried in float64: the estimator subtracts close sums.
-        square = tf.reduce_sum(tf.square(tf.cast(values, tf.float32)))
-        total = total + tf.cast(square, tf.float64)
+        # One fused pass (L2Loss: no squared temporary), in float32 (a
+        # float16 square overflows), then carried in float64: the
+        # estimator subtracts close sums.
+        half = tf.nn.l2_loss(tf.cast(values, tf.float32))
+        total = total + 2.0 * tf.cast(half, tf.float64)
     return total
 
 
