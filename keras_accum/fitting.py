@@ -75,8 +75,8 @@ class EpochEndFlush(keras.callbacks.Callback):
                 "micro-batches or more, and the noise scale is measured by "
                 "comparing a window's gradient with its micro-batches' "
                 f"(accum_steps={model.accum_steps}, micro_batch_size="
-                f"{model.micro_batch_size!r}). Train with accum_steps >= 2, "
-                "a micro_batch_size below the batch size, or two replicas; "
+                f"{model.micro_batch_size!r}). Train with accum_steps >= 2 or "
+                "a micro_batch_size below the batch size; "
                 "a loss summed rather than averaged is not measured either.",
                 stacklevel=2,
             )

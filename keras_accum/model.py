@@ -43,8 +43,8 @@ from keras_accum.train_functions import TrainFunctionSlot
 from keras_accum.window import Window
 from keras_accum.window.batchnorm import BatchNormMoments
 from keras_accum.window.buffers import GradientAccumulator
-from keras_accum.window.noise_scale import NoiseScale
-from keras_accum.window.nonfinite import NonFiniteWindows
+from keras_accum.window.noise_scale import MeasuredNoiseScale, NoiseScale
+from keras_accum.window.nonfinite import NonFiniteWindows, SkippedWindows
 
 
 @keras.saving.register_keras_serializable(package="keras_accum")
@@ -52,6 +52,8 @@ class AccumModel(
     internals.FunctionalVariants,
     internals.BuildFromFirstBatch,
     SavedWithWindow,
+    SkippedWindows,
+    MeasuredNoiseScale,
     keras.Model,
 ):
     """A `keras.Model` that accumulates gradients over `accum_steps` batches.
@@ -92,14 +94,10 @@ class AccumModel(
             (`chosen_micro_batch_size`); the failed attempt leaves no trace,
             so the training is unchanged. One device (or a strategy with one
             replica, e.g. `MirroredStrategy()` on one GPU) only.
-        noise_scale: if True, the gradient noise scale `B_simple` (the
-            batch size beyond which a bigger batch stops buying fewer
-            steps; McCandlish et al. 2018) is estimated from each window's
-            micro-batches and logged by `fit` as `noise_scale`, in samples,
-            every epoch; `noise_scale` holds the last estimate. Needs two
-            micro-batches per update (`accum_steps >= 2`, a split batch,
-            or two replicas): else the estimate is NaN, with a warning.
-            Measuring changes nothing else in the training. Default False.
+        noise_scale: if True, the gradient noise scale `B_simple`
+            (McCandlish et al. 2018) is estimated from the windows and
+            logged by `fit` as `noise_scale` every epoch (`noise_scale`
+            property); training is unchanged. Default False.
         **kwargs: passed to `keras.Model`.
 
     Example:
@@ -146,7 +144,6 @@ class AccumModel(
         # first training batch (see _maybe_symbolic_build).
         self._batch_size_seen = None
         self._auto_micro_batch = AutoMicroBatch()
-        self._noise_scale = None
         TrainFunctionSlot.owner(self)
         self._configure(settings)
 
@@ -175,57 +172,6 @@ class AccumModel(
         return step.train_step(self, data)
 
     # -- settings ------------------------------------------------------------
-
-    @property
-    def skip_nonfinite(self):
-        """Whether windows with a non-finite gradient are skipped.
-
-        Example:
-
-        ```python
-        model = keras_accum.AccumModel(inputs, outputs, skip_nonfinite=True)
-        assert model.skip_nonfinite
-        ```
-        """
-        return self._settings.skip_nonfinite
-
-    @property
-    def skipped_windows(self):
-        """Windows skipped for a non-finite gradient (0 unless `skip_nonfinite`).
-
-        `fit` also logs the count as `skipped_windows` after each epoch.
-
-        Example:
-
-        ```python
-        model = keras_accum.AccumModel(inputs, outputs, accum_steps=4, skip_nonfinite=True)
-        model.compile("adam", "sparse_categorical_crossentropy")
-        history = model.fit(x, y, batch_size=32, verbose=0)
-        assert model.skipped_windows == history.history["skipped_windows"][-1] == 0
-        ```
-        """
-        return 0 if self._nonfinite is None else int(self._nonfinite.skipped.numpy())
-
-    @property
-    def noise_scale(self):
-        """The last epoch's gradient noise scale `B_simple`, in samples.
-
-        None until an epoch of `fit` trained with `noise_scale=True`; NaN
-        if that epoch had no window of two micro-batches or more. The
-        estimate of each epoch is also logged as `noise_scale`. Batches up
-        to about this size train in proportionally fewer steps; beyond it,
-        a bigger batch mostly costs more samples (docs: noise scale).
-
-        Example:
-
-        ```python
-        model = keras_accum.AccumModel(inputs, outputs, accum_steps=4, noise_scale=True)
-        model.compile("adam", "sparse_categorical_crossentropy")
-        history = model.fit(x, y, batch_size=32, epochs=3, verbose=0)
-        print(model.noise_scale, history.history["noise_scale"])
-        ```
-        """
-        return self._noise_scale
 
     @property
     def accum_steps(self):

@@ -461,7 +461,15 @@ def test_docstring_examples_run(tmp_path, monkeypatch):
     for obj in objects:
         members.append(obj)
         if inspect.isclass(obj):
-            members += [m for n, m in vars(obj).items() if not n.startswith("_")]
+            # Its own members and those of its keras_accum base classes
+            # (the API reference shows them too), not of the internals'.
+            for base in inspect.getmro(obj):
+                module = base.__module__
+                if module.startswith("keras_accum") and "_internals" not in module:
+                    members += [
+                        m for n, m in vars(base).items()
+                        if not n.startswith("_") and not any(m is k for k in members)
+                    ]
     ran = 0
     for member in members:
         doc = inspect.getdoc(member.fget if isinstance(member, property) else member) or ""
