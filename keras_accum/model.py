@@ -89,8 +89,9 @@ class AccumModel(
             trained again on micro-batches half the size, as often as
             needed, and the size that fitted is kept
             (`chosen_micro_batch_size`); the failed attempt leaves no trace,
-            so the training is unchanged. One device (or a strategy with one
-            replica, e.g. `MirroredStrategy()` on one GPU) only.
+            so the training is unchanged. Under a multi-replica strategy
+            the size is per replica, one size agreed by every replica and
+            worker (docs/micro-batching.md).
         **kwargs: passed to `keras.Model`.
 
     Example:

@@ -107,7 +107,7 @@ def fit_with_limit(out, name, accum_steps, samples, batch, k):
     }
 
 
-def bn_dropout_net(micro_batch_size, k, accum_steps=2):
+def bn_dropout_net(micro_batch_size, k, accum_steps=2, batchnorm="window"):
     keras.utils.set_random_seed(0)
     inputs = keras.Input((FEATURES,))
     h = keras.layers.Dense(8, name="hidden")(inputs)
@@ -115,7 +115,11 @@ def bn_dropout_net(micro_batch_size, k, accum_steps=2):
     h = keras.layers.Dropout(0.5, seed=1, name="dropout")(h)
     outputs = keras.layers.Dense(CLASSES)(Limit(k, name="limit")(h))
     return keras_accum.AccumModel(
-        inputs, outputs, accum_steps=accum_steps, micro_batch_size=micro_batch_size
+        inputs,
+        outputs,
+        accum_steps=accum_steps,
+        micro_batch_size=micro_batch_size,
+        batchnorm=batchnorm,
     )
 
 
@@ -143,9 +147,12 @@ def batchnorm_retry_equals_the_integer_size(out):
 def nothing_fits_changes_nothing(out):
     # One step trained, then the limit made 0 on the small worker: every
     # attempt there runs out of memory, down to 1 sample per replica; every
-    # worker raises the same error and no value changed on any.
+    # worker raises the same error and no value changed on any. Keras's own
+    # moving-statistics updates (batchnorm="micro_batch"), which a failed
+    # attempt makes before the failing layer, differ between replicas: each
+    # replica's own copy must be put back.
     with strategy.scope():
-        model = bn_dropout_net("auto", ROOMY)
+        model = bn_dropout_net("auto", ROOMY, batchnorm="micro_batch")
         model.compile(keras.optimizers.Adam(0.01), loss(), metrics=["accuracy"])
     x, y = make_data(8)
     model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
