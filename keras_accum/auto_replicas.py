@@ -60,6 +60,14 @@ def train_function(auto, model, after_step, state):
 
     Returns:
         `function(iterator) -> logs`, as Keras's `train_function`.
+
+    Example:
+
+    ```python
+    state = StepState(lambda: written_before_gradients(model), strategy)
+    function = train_function(model._auto_micro_batch, model, after_step, state)
+    model.chosen_micro_batch_size  # the same on every worker
+    ```
     """
     strategy = model.distribute_strategy
     agree = _agreement(strategy) if internals.multi_worker(strategy) else None
@@ -228,6 +236,7 @@ def _agreement(strategy):
         return context.all_gather(tf.reshape(proposal, [1]), axis=0)
 
     @tf.function
+    @tf.autograph.experimental.do_not_convert
     def agree(proposal):
         gathered = strategy.run(gather, args=(proposal,))
         return tf.reduce_min(strategy.experimental_local_results(gathered)[0])
