@@ -11,7 +11,7 @@ up can block its device). So each step is three calls:
 1. the attempt: every local replica's forward and backward passes, its
    micro-batches' gradients summed into tensors, no state written but by the
    layers' forward passes (put back after a failure, as on one device), and
-   no collective at all (checked on its traced graph across workers);
+   no collective at all (checked on its traced graph);
 2. the agreement (across workers only): one all-gather of one integer per
    replica, the size each worker needs: no limit if its attempt succeeded,
    half its size if it ran out of memory, 0 if even one sample did not fit,
@@ -134,7 +134,6 @@ class _Phases:
         self._model = model
         self._after_step = after_step
         strategy = model.distribute_strategy
-        self._multi_worker = internals.multi_worker(strategy)
         # Per traced batch shape: where the attempt's tensors go back in.
         self._layouts = {}
         self._checked = set()
@@ -161,9 +160,10 @@ class _Phases:
         )
 
     def attempt(self, data):
-        if self._multi_worker and not self._model.run_eagerly:
+        if not self._model.run_eagerly:
             # Traced, not run, before its first run: a collective in it could
-            # block every worker as soon as one runs out of memory.
+            # block every replica as soon as one runs out of memory (across
+            # workers; and a NCCL kernel on a GPU whose peer gave up).
             self._check_no_collectives(data)
         return self._attempt(data)
 
@@ -209,8 +209,8 @@ class _Phases:
         found = sorted(_collective_ops(concrete.graph))
         if found:
             raise ValueError(
-                "micro_batch_size='auto' across workers needs a forward and "
-                "backward pass that waits for no other worker, so that one "
+                "micro_batch_size='auto' across replicas needs a forward and "
+                "backward pass that waits for no other replica, so that one "
                 "running out of memory cannot leave the others blocked; this "
                 f"model's waits in {found} (a "
                 "BatchNormalization(synchronized=True) does). Set an integer "
