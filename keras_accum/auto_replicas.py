@@ -132,7 +132,6 @@ class _Phases:
 
     def __init__(self, model, after_step):
         self._model = model
-        self._after_step = after_step
         strategy = model.distribute_strategy
         # Per traced batch shape: where the attempt's tensors go back in.
         self._layouts = {}
@@ -176,6 +175,9 @@ class _Phases:
         internals.build_compiled_loss(model, data)
         if plan.uses_buffers:
             variables = model._window.buffers.window_variables
+            if variables is None:
+                # Raises the ordinary step's error: the model is not built.
+                return step.accumulate(model, plan, data)
         else:
             variables = model.trainable_variables
         computed = step.split_gradients(model, plan, data, variables)
