@@ -119,3 +119,14 @@ def test_a_collective_in_the_forward_pass_is_refused_across_workers(runs):
         assert "Collective" in run["synchronized"]
         assert "Received: micro_batch_size='auto'" in run["synchronized"]
         assert run["synchronized_iterations"] == 0
+
+
+def test_another_error_on_one_worker_stops_every_worker(runs):
+    # Not out of memory: the failing worker raises its own error; the others
+    # raise too, instead of waiting for it in a collective.
+    if "other_error" not in runs[0]:
+        pytest.skip("one process: the error is raised once, for every replica")
+    failing, other = runs[1]["other_error"], runs[0]["other_error"]
+    assert failing.startswith("InvalidArgumentError") and "not this worker" in failing
+    assert other.startswith("AbortedError") and "Another worker's training step failed" in other
+    assert runs[0]["other_error_iterations"] == runs[1]["other_error_iterations"] == 0

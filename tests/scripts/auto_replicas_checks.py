@@ -195,6 +195,36 @@ def synchronized_batchnorm_refused(out):
     out["synchronized_iterations"] = int(model.optimizer.iterations.numpy())
 
 
+class FailsOnTheSmallWorker(keras.layers.Layer):
+    """The identity, but an assertion fails on the small worker's step."""
+
+    def call(self, x):
+        if not SMALL:
+            return x
+        check = tf.debugging.assert_less(tf.shape(x)[0], 0, message="not this worker")
+        with tf.control_dependencies([check]):
+            return tf.identity(x)
+
+
+def another_error_stops_every_worker(out):
+    # Not out of memory: the failing worker raises its own error, the other
+    # stops too (instead of waiting for it in a collective).
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((FEATURES,))
+        h = FailsOnTheSmallWorker()(keras.layers.Dense(4)(inputs))
+        model = keras_accum.AccumModel(
+            inputs, keras.layers.Dense(CLASSES)(h), micro_batch_size="auto"
+        )
+        model.compile(keras.optimizers.Adam(0.01), loss())
+    try:
+        model.fit(*make_data(16), batch_size=8, epochs=1, shuffle=False, verbose=0)
+        out["other_error"] = "trained"
+    except tf.errors.OpError as error:
+        out["other_error"] = f"{type(error).__name__}: {error.message[:200]}"
+    out["other_error_iterations"] = int(model.optimizer.iterations.numpy())
+
+
 def main():
     out = {"task": TASK, "replicas": strategy.num_replicas_in_sync}
     # 56 samples, batches of 16 (8 per replica), out of memory above 4.
@@ -206,6 +236,7 @@ def main():
     nothing_fits_changes_nothing(out)
     if not MIRRORED:
         synchronized_batchnorm_refused(out)
+        another_error_stops_every_worker(out)
     print(json.dumps(out))
 
 
