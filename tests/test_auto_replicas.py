@@ -28,7 +28,10 @@ def _last_json(result):
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module", params=["mirrored", "two_workers"])
+@pytest.fixture(
+    scope="module",
+    params=["mirrored", pytest.param("two_workers", marks=pytest.mark.multi_worker)],
+)
 def runs(request):
     """One result per process: one under MirroredStrategy, one per worker."""
     if request.param == "mirrored":
