@@ -18,6 +18,7 @@ is put back first, so the retry starts from exactly the state before it.
 
 import logging
 
+import keras
 import tensorflow as tf
 from keras import tree
 
@@ -86,24 +87,52 @@ class AutoMicroBatch:
         return function
 
     def _halve(self, data, error):
-        current = self.size or _batch_size(data)
-        if current is None or current <= 1:
+        needed = self.needed(_batch_size(data))
+        if needed < 1:
             raise tf.errors.ResourceExhaustedError(
-                error.node_def,
-                error.op,
-                "A training step ran out of memory with micro-batches of 1 "
-                "sample (micro_batch_size='auto' halved them down to 1), so "
-                "no micro-batch size fits: make the model or its inputs "
-                "smaller, or free memory. The error was: " + error.message,
+                error.node_def, error.op, NOTHING_FITS + " The error was: " + error.message
             ) from error
-        self.size = (current + 1) // 2
+        self.adopt(needed, self.size or _batch_size(data))
+
+    def needed(self, batch_size):
+        """The size a step needs after running out of memory at the current
+        one: half of it (rounding up); 0 if it was 1 already (nothing fits).
+
+        Args:
+            batch_size: the batch (per replica) the step trained on, used
+                while no size is chosen; None if unknown.
+        """
+        current = self.size or batch_size
+        if current is None or current <= 1:
+            return 0
+        return (current + 1) // 2
+
+    def adopt(self, size, current, where=""):
+        """Trains on with micro-batches of `size` (>= 1), and says so.
+
+        Args:
+            size: the new size, smaller than the one that ran out of memory.
+            current: the size that ran out of memory (for the warning).
+            where: how the warning says where memory ran out (under a
+                strategy: " on at least one replica").
+        """
+        self.size = size
         _log.warning(
-            "A training step ran out of memory with micro-batches of %d "
-            "samples; training on with micro_batch_size=%d (the same batch "
+            "A training step ran out of memory with micro-batches of %s "
+            "samples%s; training on with micro_batch_size=%d (the same batch "
             "is trained again, the training is unchanged).",
             current,
-            self.size,
+            where,
+            size,
         )
+
+
+# The error when not even micro-batches of one sample fit.
+NOTHING_FITS = (
+    "A training step ran out of memory with micro-batches of 1 sample "
+    "(micro_batch_size='auto' halved them down to 1), so no micro-batch "
+    "size fits: make the model or its inputs smaller, or free memory."
+)
 
 
 class StepState:
@@ -117,18 +146,33 @@ class StepState:
     Those variables are small (statistics, counters, totals), so they are
     copied before every attempt and put back after a failed one.
 
+    Under a strategy each replica's own copy is guarded: replicas may hold
+    different values (a BatchNormalization's moving statistics, updated by
+    each replica from its own share), and a failed attempt must change none.
+
     Args:
         variables: a callable returning the variables to guard (read at every
             snapshot: the model builds some of them in its first step).
+        strategy: the strategy the variables were made under, or None.
     """
 
-    def __init__(self, variables):
+    def __init__(self, variables, strategy=None):
         self._guarded = variables
+        self._strategy = strategy
         self._copy = None
         self._copied_for = None
 
+    def _components(self):
+        for variable in self._guarded():
+            # A Keras variable holds its backend variable as `value`.
+            inner = variable.value if isinstance(variable, keras.Variable) else variable
+            if self._strategy is None:
+                yield inner
+            else:
+                yield from self._strategy.experimental_local_results(inner)
+
     def snapshot(self):
-        variables = tuple(self._guarded())
+        variables = tuple(self._components())
         if self._copied_for != tuple(map(id, variables)):
             # Traced once per set of variables: one call per step, not one
             # read per variable.

@@ -92,8 +92,9 @@ class AccumModel(
             trained again on micro-batches half the size, as often as
             needed, and the size that fitted is kept
             (`chosen_micro_batch_size`); the failed attempt leaves no trace,
-            so the training is unchanged. One device (or a strategy with one
-            replica, e.g. `MirroredStrategy()` on one GPU) only.
+            so the training is unchanged. Under a multi-replica strategy
+            the size is per replica, one size agreed by every replica and
+            worker (docs/micro-batching.md).
         noise_scale: if True, the gradient noise scale `B_simple`
             (McCandlish et al. 2018) is estimated from the windows and
             logged by `fit` as `noise_scale` every epoch (`noise_scale`

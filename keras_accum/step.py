@@ -76,11 +76,13 @@ def train_step(model, data):
     return logs
 
 
-def accumulate(model, plan, data):
+def accumulate(model, plan, data, gradients=None):
     """Adds `data`'s gradient to the window; the logs of Keras's train_step.
 
     `TensorFlowTrainer.train_step` with the update replaced by accumulation
-    (keep in step with it: see the internals' fingerprints).
+    (keep in step with it: see the internals' fingerprints). `gradients`:
+    what `split_gradients` returned for `data`, computed in an earlier call
+    (auto_replicas.py), else computed here.
     """
     internals.build_compiled_loss(model, data)
     buffers = model._window.buffers
@@ -113,7 +115,7 @@ def accumulate(model, plan, data):
             noise.record(sums)
 
     if plan.splits:
-        x, y, sample_weight, batch, moments, sums = split_gradients(
+        x, y, sample_weight, batch, moments, sums = gradients or split_gradients(
             model, plan, data, variables
         )
         return _write(model, x, y, sample_weight, batch, moments, add_measured, sums)
@@ -141,12 +143,13 @@ def _window_batches(model, plan, x):
     return plan.accum_steps * ((full + n - 1) // n)
 
 
-def batch_to_optimizer(model, plan, data):
+def batch_to_optimizer(model, plan, data, gradients=None):
     """`accum_steps=1` with a split: the batch's gradient, summed over its
-    micro-batches, goes straight to the optimizer; no buffers."""
+    micro-batches, goes straight to the optimizer; no buffers. `gradients`:
+    as for `accumulate`."""
     internals.build_compiled_loss(model, data)
     variables = model.trainable_variables
-    x, y, sample_weight, batch, moments, sums = split_gradients(
+    x, y, sample_weight, batch, moments, sums = gradients or split_gradients(
         model, plan, data, variables
     )
 

@@ -31,7 +31,7 @@ import keras
 import tensorflow as tf
 
 from keras_accum import _internals as internals
-from keras_accum import step
+from keras_accum import auto_replicas, step
 from keras_accum.auto_micro_batch import StepState, written_before_gradients
 from keras_accum.optimizer import check_not_accumulating
 from keras_accum.plan import plan_of
@@ -116,16 +116,16 @@ class TrainFunctions:
     def _new(self, model, plan):
         strategy = model.distribute_strategy
         if plan.micro_batch_size == "auto":
+            state = StepState(lambda: written_before_gradients(model), strategy)
             if strategy.num_replicas_in_sync > 1 or internals.multi_worker(strategy):
-                raise ValueError(
-                    "`micro_batch_size='auto'` trains on one device; under "
-                    f"{type(strategy).__name__} set an integer "
-                    "`micro_batch_size` (the micro-batch per replica). "
-                    "Received: micro_batch_size='auto'."
+                # Several replicas: computed apart from every collective, so
+                # that running out of memory on one blocks no other.
+                after_step = _replica_step(model)[1] if plan.uses_buffers else None
+                return auto_replicas.train_function(
+                    model._auto_micro_batch, model, after_step, state
                 )
             return model._auto_micro_batch.train_function(
-                model, lambda: self._step_on_data(model),
-                StepState(lambda: written_before_gradients(model)),
+                model, lambda: self._step_on_data(model), state
             )
         if plan.uses_buffers:
             if internals.replicated(strategy):
@@ -146,7 +146,7 @@ class TrainFunctions:
         # split is static and exact for every batch, the short last one too.
         plan = plan_of(model)
         if plan.uses_buffers and internals.replicated(model.distribute_strategy):
-            # Under a strategy (one replica: two or more are refused), the
+            # Under a one-replica strategy (several: auto_replicas.py), the
             # window is applied in cross-replica context, as by the
             # replicated train function.
             return internals.make_step_on_data(

@@ -21,7 +21,6 @@ from helpers.assertions import assert_history_close, assert_trained, assert_weig
 from helpers.data import CLASSES, FEATURES, make_data
 from helpers.models import WAYS_IN, functional, initial_weights
 from helpers.oom import Limit, LimitedLoss
-from helpers.processes import run_python
 from helpers.project import ROOT
 
 import keras_accum
@@ -320,32 +319,6 @@ def test_readme_auto_snippet_runs():
     model = namespace["model"]
     assert int(model.optimizer.iterations) == 2
     assert model.chosen_micro_batch_size is None
-
-
-_UNDER_MIRRORED = """
-import numpy as np, keras, tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-import keras_accum
-strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
-with strategy.scope():
-    inputs = keras.Input((4,))
-    model = keras_accum.AccumModel(inputs, keras.layers.Dense(2)(inputs), micro_batch_size="auto")
-    model.compile("sgd", "mse")
-try:
-    model.fit(np.zeros((8, 4), "float32"), np.zeros((8, 2), "float32"), batch_size=4, verbose=0)
-except ValueError as error:
-    print("refused:", error)
-print("iterations:", int(model.optimizer.iterations.numpy()))
-"""
-
-
-def test_auto_is_refused_under_a_multi_replica_strategy():
-    result = run_python("-c", _UNDER_MIRRORED)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "refused: `micro_batch_size='auto'` trains on one device" in result.stdout
-    assert "MirroredStrategy set an integer `micro_batch_size`" in result.stdout
-    assert "iterations: 0" in result.stdout
 
 
 def test_fit_argument_auto_for_one_call():

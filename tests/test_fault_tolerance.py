@@ -69,10 +69,13 @@ KILL_POINTS = {
 # With a backup every 5 batches (13 an epoch): the newest both hold is 2
 # batches into the second epoch, and those 2 are skipped on resuming.
 BATCH_BACKUP = {"mid_window_batch_backups": (1, [[0, 10], [1, 2]], [[0, 10], [1, 2]])}
+# micro_batch_size="auto": worker 1 runs out of memory at the second epoch's
+# first step; killed while every worker retries it on smaller micro-batches.
+AUTO_RETRY = {"auto_retry": (1, [[1, 0]], [[1, 0]])}
 
 
 @pytest.mark.multi_worker
-@pytest.mark.parametrize("case", [*KILL_POINTS, *BATCH_BACKUP])
+@pytest.mark.parametrize("case", [*KILL_POINTS, *BATCH_BACKUP, *AUTO_RETRY])
 def test_worker_killed_then_both_restarted_end_as_uninterrupted(tmp_path, case):
     signals = tmp_path / "signals"
     signals.mkdir()
@@ -84,6 +87,9 @@ def test_worker_killed_then_both_restarted_end_as_uninterrupted(tmp_path, case):
     if case in BATCH_BACKUP:
         point, (task, held_0, held_1) = "mid_window", BATCH_BACKUP[case]
         env["SAVE_FREQ"] = "5"
+    elif case in AUTO_RETRY:
+        point, (task, held_0, held_1) = case, AUTO_RETRY[case]
+        env["AUTO"] = "1"
     else:
         point, (task, held_0, held_1) = case, KILL_POINTS[case]
     with Cluster(
@@ -122,6 +128,9 @@ def test_worker_killed_then_both_restarted_end_as_uninterrupted(tmp_path, case):
     assert runs[0]["epochs_run"] == runs[1]["epochs_run"] == EPOCHS - epoch
     for run in runs:
         assert_big_batch(run["weights"])
+    if case in AUTO_RETRY:
+        # The resumed run ran out of memory again and agreed again.
+        assert runs[0]["chosen"] == runs[1]["chosen"] == 2
 
 
 @pytest.mark.multi_worker

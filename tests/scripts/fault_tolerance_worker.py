@@ -4,11 +4,15 @@ Started by the test through tests/helpers/processes.py (TF_CONFIG,
 SIGNAL_DIR, ...). `MODE=train` fits a small AccumModel for EPOCHS epochs
 with `keras_accum.BackupAndRestore` in `BACKUP_ROOT/worker-<task>`, stopping
 at the named point the test asked for (see `processes.pause_at`), and on success
-writes its final weights to `OUT`. `MODE=misuse` records what each misuse
+writes its final weights to `OUT`; with `AUTO=1` the model trains with
+`micro_batch_size="auto"`, and worker 1 runs out of memory (genuinely:
+tests/helpers/oom.py) from the second epoch on, so every worker retries
+that epoch's first step on smaller micro-batches. `MODE=misuse` records what each misuse
 raises; `MODE=save_alone` saves after its peer has exited.
 """
 
 import json
+import logging
 import os
 import sys
 import time
@@ -26,6 +30,7 @@ import numpy as np  # noqa: E402
 from helpers import internals  # noqa: E402
 from helpers.data import make_data  # noqa: E402
 from helpers.models import OPTIMIZERS, functional, loss  # noqa: E402
+from helpers.oom import LimitedLoss  # noqa: E402
 from helpers.processes import WAIT, pause_at, task_index, wait_for_file  # noqa: E402
 from helpers.training import InterruptAt  # noqa: E402
 
@@ -44,11 +49,32 @@ def dataset():
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(MICRO_BATCH).with_options(options)
 
 
+AUTO = os.environ.get("AUTO") == "1"
+# The most samples worker 1 holds at once in auto mode, read when a step
+# runs: no limit in the first epoch, 2 (of its 4 per micro-batch) after.
+LIMIT = tf.Variable(10_000, dtype=tf.int64, trainable=False)
+
+
 def compiled():
     with strategy.scope():
-        model = functional(keras_accum.AccumModel, accum_steps=ACCUM_STEPS)
-        model.compile(OPTIMIZERS["adam"](), loss())
+        if AUTO:
+            model = functional(
+                keras_accum.AccumModel, accum_steps=ACCUM_STEPS, micro_batch_size="auto"
+            )
+            model.compile(OPTIMIZERS["adam"](), LimitedLoss(LIMIT))
+        else:
+            model = functional(keras_accum.AccumModel, accum_steps=ACCUM_STEPS)
+            model.compile(OPTIMIZERS["adam"](), loss())
     return model
+
+
+class RetryPoint(logging.Handler):
+    """Stops at "auto_retry" when every worker has agreed on a smaller size
+    and is about to train the batch again (keras_accum's warning)."""
+
+    def emit(self, record):
+        if "ran out of memory" in record.getMessage():
+            pause_at("auto_retry")
 
 
 class Points(keras.callbacks.Callback):
@@ -62,6 +88,8 @@ class Points(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
+        if AUTO and epoch >= 1 and task_index() == 1:
+            LIMIT.assign(2)
 
     def on_epoch_end(self, epoch, logs=None):
         if epoch == 1:
@@ -89,6 +117,7 @@ def pausing_saves(model):
 
 
 def train(out):
+    logging.getLogger("keras_accum").addHandler(RetryPoint())
     model = compiled()
     pausing_saves(model)
     backup = keras_accum.BackupAndRestore(
@@ -102,6 +131,7 @@ def train(out):
         dataset(), epochs=EPOCHS, verbose=0, callbacks=[Points(), backup]
     )
     out["epochs_run"] = len(history.history["loss"])
+    out["chosen"] = model.chosen_micro_batch_size if AUTO else None
     out["weights"] = [w.tolist() for w in model.get_weights()]
 
 
