@@ -439,7 +439,7 @@ def mirrored(request):
     return out
 
 
-@pytest.mark.parametrize("config", ["step mode", "micro_batch_size", "both"])
+@pytest.mark.parametrize("config", ["step mode", "micro_batch_size", "both", "auto"])
 def test_under_mirrored_strategy_each_replicas_share_is_a_micro_batch(mirrored, config):
     # b is the per-replica micro-batch, B the global window.
     result = mirrored["estimates"][config]
@@ -450,7 +450,7 @@ def test_under_mirrored_strategy_each_replicas_share_is_a_micro_batch(mirrored, 
     assert result["last"] == result["logged"][-1]
 
 
-@pytest.mark.parametrize("config", ["step mode", "micro_batch_size", "both"])
+@pytest.mark.parametrize("config", ["step mode", "micro_batch_size", "both", "auto"])
 def test_under_mirrored_strategy_training_is_bit_identical(mirrored, config):
     result = mirrored["identical"][config]
     assert result["weights"] and result["history"]

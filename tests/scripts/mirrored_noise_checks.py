@@ -45,6 +45,8 @@ CONFIGS = {
     "step mode": dict(accum_steps=4),
     "micro_batch_size": dict(micro_batch_size=4),
     "both": dict(accum_steps=2, micro_batch_size=4),
+    # No step runs out of memory: each replica's share is one micro-batch.
+    "auto": dict(accum_steps=2, micro_batch_size="auto"),
 }
 
 
@@ -60,7 +62,8 @@ def main():
         history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
         grads = per_example_gradients(model, x, y)
         windows = windows_of(
-            N, BATCH, kwargs.get("accum_steps", 1), kwargs.get("micro_batch_size"),
+            N, BATCH, kwargs.get("accum_steps", 1),
+            None if kwargs.get("micro_batch_size") == "auto" else kwargs.get("micro_batch_size"),
             replicas=REPLICAS,
         )
         out["estimates"][name] = {
