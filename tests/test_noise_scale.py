@@ -65,6 +65,28 @@ def test_the_logged_estimate_is_the_estimator_on_per_example_gradients(way):
     assert model.noise_scale == logged[-1]
 
 
+class SubclassedRegression(keras_accum.AccumModel):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+def test_a_model_fit_builds_measures_and_goes_on_measuring_after_a_recompile():
+    x, y = regression_data(92, noise=1.0)
+    keras.utils.set_random_seed(1)
+    model = SubclassedRegression(accum_steps=4, noise_scale=True)  # not built before fit
+    model.compile(keras.optimizers.SGD(0.0), "mse")
+    first = _fit_estimates(model, x, y, 8, epochs=1)
+    model.compile(keras.optimizers.Adam(0.0), "mse")
+    again = _fit_estimates(model, x, y, 8, epochs=1)
+    grads = per_example_gradients(model, x, y)
+    expected = estimate(grads, windows_of(92, 8, 4))
+    np.testing.assert_allclose(first + again, [expected, expected], rtol=RTOL)
+
+
 def test_wrap_measures_as_the_model_does():
     x, y = regression_data(92, noise=1.0)
     base = regression_net()
