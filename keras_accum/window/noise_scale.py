@@ -51,6 +51,7 @@ import math
 
 import tensorflow as tf
 
+from keras_accum import _internals as internals
 from keras_accum.window import replicas
 
 # `window_sums`, one vector so that a read across replicas is one reduction.
@@ -232,56 +233,66 @@ def micro_batch_sums(parts, steps=1.0):
     Each part's mean gradient is `grads * grad_scale * replicas / weight`:
     the window holds `weight * gradient` of a loss Keras divided by the
     number of replicas. A stand-in past a short batch's end (no samples)
-    counts for nothing.
+    counts for nothing. Built as a few vector ops over the parts, not a
+    few per part: in step mode this runs once per micro-batch, where each
+    op's dispatch shows next to a small micro-batch's step.
     """
     replicas_in_sync = tf.distribute.get_strategy().num_replicas_in_sync
-    rows = []
-    for part in parts:
-        samples = tf.cast(part.num_samples, tf.float64)
-        weight = tf.cast(part.weight, tf.float64)
-        scale = tf.math.divide_no_nan(tf.constant(float(replicas_in_sync), tf.float64), weight)
-        if part.grad_scale is not None:
-            scale = scale * tf.cast(part.grad_scale, tf.float64)
-        live = samples > 0
-        rows.append(
-            tf.where(
-                live,
-                tf.stack(
-                    [
-                        squared_norm(part.grads) * scale * scale,
-                        tf.math.divide_no_nan(tf.constant(1.0, tf.float64), samples),
-                        1.0,
-                        samples,
-                        0.0,
-                    ]
-                ),
-                tf.zeros([5], tf.float64),
-            )
-        )
-    sums = tf.add_n(rows)
-    return sums + tf.one_hot(STEPS, 5, on_value=float(steps), dtype=tf.float64)
+    sizes = _stacked([p.num_samples for p in parts])
+    scales = tf.math.divide_no_nan(
+        tf.constant(float(replicas_in_sync), tf.float64),
+        _stacked([p.weight for p in parts]),
+    )
+    if parts[0].grad_scale is not None:  # one model: all parts or none
+        scales = scales * _stacked([p.grad_scale for p in parts])
+    live = sizes > 0
+    # A stand-in's gradient is zeroed by its weight, but `where`, not a
+    # product: it may be NaN (padding through the loss), and NaN * 0 is NaN.
+    squares = tf.where(live, squared_norms([p.grads for p in parts]) * scales * scales, 0.0)
+    columns = tf.stack(
+        [squares, tf.math.divide_no_nan(1.0, sizes), tf.cast(live, tf.float64), sizes], axis=1
+    )
+    return tf.concat([tf.reduce_sum(columns, axis=0), [float(steps)]], axis=0)
+
+
+def _stacked(scalars):
+    return tf.cast(tf.stack(scalars), tf.float64)
 
 
 def squared_norm(grads):
     """The squared norm over all of `grads` (float64; None skipped); an
     `IndexedSlices`' of the dense gradient it stands for."""
-    total = tf.constant(0.0, tf.float64)
-    for g in grads:
-        if g is None:
-            continue
-        values = _rows_summed(g) if isinstance(g, tf.IndexedSlices) else g
-        # One fused pass (L2Loss: no squared temporary), in float32 (a
-        # float16 square overflows), then carried in float64: the
-        # estimator subtracts close sums.
-        half = tf.nn.l2_loss(tf.cast(values, tf.float32))
-        total = total + 2.0 * tf.cast(half, tf.float64)
-    return total
+    return squared_norms([grads])[0]
+
+
+def squared_norms(grads_lists):
+    """`squared_norm` of each list in `grads_lists` (lists of gradients of
+    the same variables), as one float64 vector."""
+    halves = [
+        [_half_square(g) for g in grads if g is not None] for grads in grads_lists
+    ]
+    if not halves[0]:
+        return tf.zeros([len(grads_lists)], tf.float64)
+    # One fused pass per gradient (L2Loss: no squared temporary), in float32
+    # (a float16 square overflows), then summed in float64: the estimator
+    # subtracts close sums.
+    table = tf.cast(tf.stack([tf.stack(row) for row in halves]), tf.float64)
+    return 2.0 * tf.reduce_sum(table, axis=1)
+
+
+def _half_square(g):
+    values = _rows_summed(g) if isinstance(g, tf.IndexedSlices) else g
+    return tf.nn.l2_loss(tf.cast(values, tf.float32))
 
 
 def _rows_summed(slices):
-    # Occurrences summed per row, with static shapes (XLA has no `Unique`):
-    # sorted by row, each run of one row becomes one segment.
+    # Occurrences summed per row. A hash of the rows (`Unique`) where it
+    # runs: about half the time of sorting them. XLA has no `Unique`: there,
+    # with static shapes, sorted by row, each run of one row one segment.
     indices = tf.reshape(tf.cast(slices.indices, tf.int64), [-1])
+    if not internals.in_xla_context():
+        rows, segments = tf.unique(indices)
+        return tf.math.unsorted_segment_sum(slices.values, segments, tf.shape(rows)[0])
     count = tf.shape(indices)[0]
     order = tf.argsort(indices)
     rows = tf.gather(indices, order)
