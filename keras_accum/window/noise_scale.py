@@ -233,9 +233,8 @@ def micro_batch_sums(parts, steps=1.0):
     Each part's mean gradient is `grads * grad_scale * replicas / weight`:
     the window holds `weight * gradient` of a loss Keras divided by the
     number of replicas. A stand-in past a short batch's end (no samples)
-    counts for nothing. Built as a few vector ops over the parts, not a
-    few per part: in step mode this runs once per micro-batch, where each
-    op's dispatch shows next to a small micro-batch's step.
+    counts for nothing. The parts' scalars are stacked into vectors, so the
+    graph is the same few ops whatever the number of parts.
     """
     replicas_in_sync = tf.distribute.get_strategy().num_replicas_in_sync
     sizes = _stacked([p.num_samples for p in parts])
