@@ -15,6 +15,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import internals
 from helpers.models import functional, small_tables_net
 from helpers.data import make_data, small_table_data
 from helpers.noise import (
@@ -159,6 +160,38 @@ def test_sparse_gradients_are_measured_by_their_dense_rows(vocab, jit_compile):
     assert model.layers[1].embeddings.shape == (vocab, 4)
     grads = per_example_gradients(model, x, y)
     np.testing.assert_allclose(logged, [estimate(grads, windows_of(92, 8, 4))], rtol=RTOL)
+
+
+# Rows of an IndexedSlices: (table rows, indices). Each case takes one way
+# of summing them: only the repeated rows (most rows seen once: a large
+# table), every row (most repeated: a small table), or none to sum.
+SPARSE_ROWS = {
+    "each row once": (100_000, np.arange(0, 64_000, 1_000)),
+    "a few repeated": (300, np.concatenate([np.arange(40), [3, 3, 7, 7, 7, 299, 299]])),
+    "most repeated": (7, np.random.default_rng(5).integers(0, 7, size=64)),
+    "one occurrence": (5, np.array([4])),
+    "none": (5, np.zeros([0], "int64")),
+}
+
+
+@pytest.mark.parametrize("rows", list(SPARSE_ROWS))
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("run", ["eager", "graph", "xla"])
+def test_a_sparse_gradients_squared_norm_is_its_dense_rows(rows, dtype, run):
+    table, indices = SPARSE_ROWS[rows]
+    values = np.random.default_rng(6).normal(size=(len(indices), 3)).astype(dtype)
+    dense = np.zeros((table, 3))
+    np.add.at(dense, indices, values.astype(np.float64))
+    slices = tf.IndexedSlices(
+        tf.constant(values), tf.constant(indices, tf.int64), tf.constant([table, 3], tf.int64)
+    )
+
+    def norm():
+        return internals.noise_scale.squared_norm([slices])
+
+    if run != "eager":
+        norm = tf.function(norm, jit_compile=run == "xla")
+    np.testing.assert_allclose(float(norm()), np.sum(dense**2), rtol=1e-6)
 
 
 def test_mixed_float16_measures_the_unscaled_gradients():

@@ -280,18 +280,49 @@ def squared_norms(grads_lists):
 
 
 def _half_square(g):
-    values = _rows_summed(g) if isinstance(g, tf.IndexedSlices) else g
-    return tf.nn.l2_loss(tf.cast(values, tf.float32))
+    if isinstance(g, tf.IndexedSlices):
+        return _sparse_half_square(g)
+    return tf.nn.l2_loss(tf.cast(g, tf.float32))
 
 
-def _rows_summed(slices):
-    # Occurrences summed per row. A hash of the rows (`Unique`) where it
-    # runs: about half the time of sorting them. XLA has no `Unique`: there,
-    # with static shapes, sorted by row, each run of one row one segment.
-    indices = tf.reshape(tf.cast(slices.indices, tf.int64), [-1])
-    if not internals.in_xla_context():
-        rows, segments = tf.unique(indices)
-        return tf.math.unsorted_segment_sum(slices.values, segments, tf.shape(rows)[0])
+def _sparse_half_square(slices):
+    # Half the squared norm of the dense gradient: occurrences summed per
+    # row first, in float32 (a float16 sum overflows). XLA has no `Unique`:
+    # there the rows are sorted.
+    values = tf.cast(slices.values, tf.float32)
+    indices = tf.reshape(slices.indices, [-1])
+    if internals.in_xla_context():
+        return tf.nn.l2_loss(_rows_summed_sorted(values, indices))
+    # A hash of the rows (`Unique`): about half the time of sorting them.
+    # Summing rows (a segment sum, ~70 ns a row on a CPU) costs more than
+    # the rest together, and a row seen once is its own sum. With `k` rows
+    # for `n` occurrences, at most `2 (n - k)` occurrences are in repeated
+    # rows: when `k > 3n / 4` (a large table) only those are summed, about
+    # twice as fast; otherwise all are, as before
+    # (benchmarks/noise_scale_cost.md, "Sparse gradients").
+    rows, segments, counts = tf.unique_with_counts(indices, out_idx=tf.int32)
+
+    def every_row():
+        return tf.nn.l2_loss(
+            tf.math.unsorted_segment_sum(values, segments, tf.size(rows))
+        )
+
+    def repeated_rows():
+        repeated = tf.gather(counts, segments) > 1
+        once = values * tf.expand_dims(tf.cast(tf.logical_not(repeated), values.dtype), 1)
+        positions = tf.where(repeated)[:, 0]
+        _, compact = tf.unique(tf.gather(segments, positions), out_idx=tf.int32)
+        summed = tf.math.unsorted_segment_sum(
+            tf.gather(values, positions), compact, tf.size(positions)
+        )
+        return tf.nn.l2_loss(once) + tf.nn.l2_loss(summed)
+
+    return tf.cond(4 * tf.size(rows) > 3 * tf.size(segments), repeated_rows, every_row)
+
+
+def _rows_summed_sorted(values, indices):
+    # With static shapes: sorted by row, each run of one row one segment.
+    indices = tf.cast(indices, tf.int64)
     count = tf.shape(indices)[0]
     order = tf.argsort(indices)
     rows = tf.gather(indices, order)
@@ -299,6 +330,4 @@ def _rows_summed(slices):
         tf.equal(tf.range(count), 0), tf.not_equal(rows, tf.roll(rows, 1, 0))
     )
     segments = tf.cumsum(tf.cast(starts, tf.int32)) - 1
-    return tf.math.unsorted_segment_sum(
-        tf.gather(slices.values, order), segments, count
-    )
+    return tf.math.unsorted_segment_sum(tf.gather(values, order), segments, count)
