@@ -83,3 +83,10 @@ def test_noise_scale_cost_runs_and_checks_bit_identity(tmp_path):
             for mode in ("step", "split"):
                 assert workload[key][mode]["rounds"] == 1
     assert "| mlp | step |" in result.stdout
+
+
+def test_sparse_norm_runs_and_both_ways_give_the_same_norm():
+    result = run_python("-m", "benchmarks.sparse_norm", "--quick", timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "µs" in line]
+    assert len(rows) == 5 and all(row.endswith("| yes |") for row in rows), result.stdout
