@@ -19,6 +19,8 @@ from helpers import internals
 from helpers.models import functional, small_tables_net
 from helpers.data import make_data, small_table_data
 from helpers.noise import (
+    embedding_data,
+    embedding_net,
     estimate,
     per_example_gradients,
     regression_data,
@@ -134,27 +136,13 @@ def test_the_estimate_lands_on_the_true_noise_scale(mode, noise):
     assert abs(other - expected_mean) > 2 * tolerance
 
 
-def _embedding_net(vocab, seed=2, **kwargs):
-    keras.utils.set_random_seed(seed)
-    inputs = keras.Input((5,), dtype="int32")
-    h = keras.layers.Embedding(vocab, 4)(inputs)
-    h = keras.layers.GlobalAveragePooling1D()(h)
-    outputs = keras.layers.Dense(1)(h)
-    model = keras_accum.AccumModel(inputs, outputs, noise_scale=True, **kwargs)
-    model.compile(keras.optimizers.SGD(0.0), "mse")
-    return model
-
-
 @pytest.mark.parametrize("vocab", [500, 12], ids=["slices", "moments"])
 @pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
 def test_sparse_gradients_are_measured_by_their_dense_rows(vocab, jit_compile):
     # A window of 4 x 8 x 5 = 160 tokens: kept as slices in a table of 500
     # rows, as per-row moments in a table of 12 (window/slices.py).
-    rng = np.random.default_rng(4)
-    x = rng.integers(0, vocab, size=(92, 5)).astype("int32")
-    # Targets far from the initial predictions: a clear signal |G|^2.
-    y = (3.0 + rng.normal(size=(92, 1))).astype("float32")
-    model = _embedding_net(vocab, accum_steps=4)
+    x, y = embedding_data(92, vocab)
+    model = embedding_net(keras_accum.AccumModel, vocab, noise_scale=True, accum_steps=4)
     model.jit_compile = jit_compile
     logged = _fit_estimates(model, x, y, 8, epochs=1)
     assert model.layers[1].embeddings.shape == (vocab, 4)
@@ -494,7 +482,7 @@ def mirrored(request):
     return out
 
 
-@pytest.mark.parametrize("config", ["step mode", "micro_batch_size", "both", "auto"])
+@pytest.mark.parametrize("config", ["step mode", "micro_batch_size", "both", "auto", "sparse"])
 def test_under_mirrored_strategy_each_replicas_share_is_a_micro_batch(mirrored, config):
     # b is the per-replica micro-batch, B the global window.
     result = mirrored["estimates"][config]

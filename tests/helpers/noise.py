@@ -35,6 +35,28 @@ def regression_net(cls=keras.Model, features=6, hidden=0, seed=1, **kwargs):
     return model
 
 
+def embedding_data(n, vocab, seed=4):
+    """Sequences of 5 ids from `vocab` rows, and targets far from the
+    initial predictions (a clear signal |G|^2)."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, vocab, size=(n, 5)).astype("int32")
+    y = (3.0 + rng.normal(size=(n, 1))).astype("float32")
+    return x, y
+
+
+def embedding_net(cls, vocab, seed=2, **kwargs):
+    """Embedding (sparse gradient), average pooling and Dense 1, compiled
+    at lr 0."""
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((5,), dtype="int32")
+    h = keras.layers.Embedding(vocab, 4)(inputs)
+    h = keras.layers.GlobalAveragePooling1D()(h)
+    outputs = keras.layers.Dense(1)(h)
+    model = cls(inputs, outputs, **kwargs)
+    model.compile(keras.optimizers.SGD(0.0), "mse")
+    return model
+
+
 def per_example_gradients(model, x, y, loss=None):
     """One row per example: its loss's gradient over every trainable
     variable, flattened (dense rows for an embedding's)."""

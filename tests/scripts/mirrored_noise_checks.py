@@ -29,6 +29,8 @@ import numpy as np  # noqa: E402
 from helpers.data import make_data  # noqa: E402
 from helpers.models import functional  # noqa: E402
 from helpers.noise import (  # noqa: E402
+    embedding_data,
+    embedding_net,
     estimate,
     per_example_gradients,
     regression_data,
@@ -55,10 +57,17 @@ def main():
     strategy = tf.distribute.MirroredStrategy(devices)
     assert strategy.num_replicas_in_sync == REPLICAS
     out = {"replicas": REPLICAS, "estimates": {}, "identical": {}}
-    x, y = regression_data(N, noise=1.0)
-    for name, kwargs in CONFIGS.items():
+    regression = regression_data(N, noise=1.0)
+    # "sparse": an Embedding's gradient (IndexedSlices) of a 500-row table,
+    # whose rows are summed before its norm (most seen once per window).
+    sparse = embedding_data(N, vocab=500)
+    for name, kwargs in {**CONFIGS, "sparse": dict(accum_steps=4)}.items():
+        x, y = sparse if name == "sparse" else regression
         with strategy.scope():
-            model = regression_net(AccumModel, noise_scale=True, **kwargs)
+            if name == "sparse":
+                model = embedding_net(AccumModel, 500, noise_scale=True, **kwargs)
+            else:
+                model = regression_net(AccumModel, noise_scale=True, **kwargs)
         history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
         grads = per_example_gradients(model, x, y)
         windows = windows_of(
