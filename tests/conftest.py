@@ -1,3 +1,22 @@
+"""The test run's set-up: tiers, two logical CPUs, threads, process groups.
+
+Tiers (docs/development.md, "Tests"), each a marker:
+
+- `unit`: pure and eager checks on tiny tensors, seconds in all
+  (`python -m pytest -m unit`);
+- `integration`: every test marked neither `unit` nor `slow` (this file
+  marks it): the comparisons with the plain big batch, graph and XLA;
+- `slow`: fresh processes (clusters, kill points, the wheel, KerasHub,
+  the docs' pages as pasted, the benchmarks' smoke runs). A test marked
+  `multi_worker`, `wheel` or `release` is `slow` too; `release` tests
+  (kill points beyond one of each cluster shape) run before a release
+  only (`python -m nox`), not in CI.
+
+The README's test command runs `-m "not slow"`; CI runs that, then
+`-m "slow and not release"` once.
+"""
+
+import json
 import os
 
 import pytest
@@ -9,24 +28,53 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # compared when they fail, as a test module's own asserts do.
 pytest.register_assert_rewrite("helpers")
 
-# Module fixtures that run a script in processes of their own (a minute or
-# more each). pytest-xdist sets a module fixture up in every worker that
-# runs one of its tests, so under `-n 2` each ran twice. The tests of one
-# such fixture and parameter go to one worker (`--dist loadgroup`, in
+from helpers import replicas  # noqa: E402
+
+# Two logical CPUs for in-process replicas, and each xdist worker's share
+# of the cores, both before TensorFlow starts its runtime.
+replicas.configure(workers=int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+# Fixtures whose set-up is expensive and shared by several tests (a
+# trained run across replicas). pytest-xdist sets a module or session
+# fixture up in every worker that runs one of its tests, so the tests of
+# one such fixture and parameter go to one worker (`--dist loadgroup`, in
 # setup.cfg); every other test is spread as before.
-PROCESS_FIXTURES = {
-    "tests/test_auto_replicas.py": ("runs",),
-    "tests/test_distributed.py": ("mirrored", "workers"),
-    "tests/test_noise_scale.py": ("mirrored",),
-}
+SHARED_FIXTURES = ("mirrored", "workers", "runs")
+# The parameters of those fixtures that read the test run's one cluster
+# (`cluster` below): their tests, in whichever file, share one group.
+ON_THE_CLUSTER = {("workers", 2), ("runs", "two_workers")}
+
+
+@pytest.fixture(scope="session")
+def cluster():
+    """The test run's one two-worker cluster on localhost: each worker runs
+    tests/scripts/cluster_checks.py once, and every test that needs a
+    cluster reads its results (one dict per worker, in task order).
+    Worker 1 is the one short of memory in the `micro_batch_size="auto"`
+    checks. Each worker is bounded by a timeout (a hang fails the tests)."""
+    from helpers.processes import run_workers, script
+
+    results = run_workers(script("cluster_checks.py"), workers=2, timeout=1200, SMALL_TASK="1")
+    for result in results:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     for item in items:
+        marks = {mark.name for mark in item.iter_markers()}
+        if marks & {"multi_worker", "wheel", "release"}:
+            item.add_marker(pytest.mark.slow)
+            marks.add("slow")
+        if not marks & {"unit", "slow"}:
+            item.add_marker(pytest.mark.integration)
         path = item.nodeid.split("::")[0]
         params = getattr(getattr(item, "callspec", None), "params", {})
-        for name in PROCESS_FIXTURES.get(path, ()):
+        if any(params.get(name, None) == value for name, value in ON_THE_CLUSTER):
+            item.add_marker(pytest.mark.xdist_group("cluster"))
+            continue
+        for name in SHARED_FIXTURES:
             if name in getattr(item, "fixturenames", ()):
                 # No "]" or "@" in a group's name: xdist reads the group
                 # from the node id after the last "@", if no "]" follows.

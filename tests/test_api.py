@@ -35,6 +35,7 @@ def reference_after(batches, make_optimizer=lambda: keras.optimizers.Adam(0.01))
     return plain
 
 
+@pytest.mark.unit
 def test_public_surface():
     assert set(keras_accum.__all__) == {
         "AccumModel",
@@ -53,12 +54,14 @@ def test_public_surface():
 
 
 @pytest.mark.parametrize("value,error", BAD_ACCUM_STEPS)
+@pytest.mark.unit
 def test_bad_accum_steps_in_constructor(value, error):
     with pytest.raises(error, match=rf"`accum_steps`.*Received: accum_steps={value!r}"):
         functional(AccumModel, accum_steps=value)
 
 
 @pytest.mark.parametrize("value,error", BAD_ACCUM_STEPS)
+@pytest.mark.unit
 def test_bad_accum_steps_in_setter_changes_nothing(value, error):
     model = functional(AccumModel, accum_steps=3)
     with pytest.raises(error, match=r"accum_steps"):
@@ -81,11 +84,13 @@ def test_bad_accum_steps_in_fit_raises_before_training(value, error):
 
 
 @pytest.mark.parametrize("value,error", BAD_ACCUM_STEPS)
+@pytest.mark.unit
 def test_bad_accum_steps_in_wrap(value, error):
     with pytest.raises(error, match=r"accum_steps"):
         keras_accum.wrap(functional(), accum_steps=value)
 
 
+@pytest.mark.unit
 def test_numpy_integer_accum_steps():
     model = functional(AccumModel, accum_steps=np.int64(4))
     assert model.accum_steps == 4 and type(model.accum_steps) is int

@@ -292,6 +292,7 @@ def test_save_resume_and_flush_in_auto_mode(tmp_path):
     assert_weights_close(plain, resumed)
 
 
+@pytest.mark.unit
 def test_auto_config_round_trip():
     model = functional(keras_accum.AccumModel, micro_batch_size="auto")
     config = model.get_config()

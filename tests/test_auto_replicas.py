@@ -1,31 +1,23 @@
-"""`micro_batch_size="auto"` under MirroredStrategy (two logical CPUs, one
+"""`micro_batch_size="auto"` under MirroredStrategy (two logical CPUs, this
 process) and MultiWorkerMirroredStrategy (two worker processes, only one of
 them short of memory): a genuine out-of-memory error on any replica is
 retried on every replica with one agreed smaller size, and the training is
 the one-device big batch's.
 
-The runs are in tests/scripts/auto_replicas_checks.py; each process is
-bounded by a timeout (a hang fails the test).
+The runs are in tests/helpers/auto_replicas.py; across workers they run
+on the test run's one cluster (`cluster` in tests/conftest.py), each
+worker bounded by a timeout (a hang fails the test).
 """
-
-import json
 
 import numpy as np
 import pytest
 from helpers.assertions import ATOL, RTOL
 from helpers.data import make_data
 from helpers.models import functional, loss
-from helpers.processes import run_python, run_workers, script
+from helpers import replicas
+from helpers.auto_replicas import AutoRuns
 
 import keras
-
-CHECKS = script("auto_replicas_checks.py")
-TIMEOUT = 900
-
-
-def _last_json(result):
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(
@@ -35,10 +27,11 @@ def _last_json(result):
 def runs(request):
     """One result per process: one under MirroredStrategy, one per worker."""
     if request.param == "mirrored":
-        results = [run_python(CHECKS, "mirrored", timeout=TIMEOUT)]
+        out = [AutoRuns(replicas.mirrored(2)).run()]
     else:
-        results = run_workers(CHECKS, workers=2, timeout=TIMEOUT, SMALL_TASK="1")
-    out = [_last_json(r) for r in results]
+        # The test run's one cluster (tests/conftest.py), worker 1 short of
+        # memory.
+        out = [worker["auto"] for worker in request.getfixturevalue("cluster")]
     assert all(o["replicas"] == 2 for o in out)
     return out
 

@@ -7,6 +7,9 @@ numbers: those depend on the machine and on its load.
 import pytest
 from helpers.processes import run_python
 
+# Each runs a benchmark in a process of its own.
+pytestmark = pytest.mark.slow
+
 IMPLEMENTATIONS = ("plain", "builtin", "gradient-accumulator", "AccumModel")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -1,9 +1,10 @@
 """Data-parallel training against one device's big batch.
 
-MirroredStrategy over two logical CPU devices runs in a fresh process
-(tests/scripts/mirrored_checks.py): logical devices must be set up before
-TensorFlow starts its runtime. MultiWorkerMirroredStrategy runs as two
-worker processes on localhost (tests/scripts/multi_worker_checks.py). Each also
+MirroredStrategy runs in this process, on the two logical CPU devices
+tests/conftest.py sets up (tests/helpers/mirrored.py trains, the tests
+here assert). MultiWorkerMirroredStrategy runs as two
+worker processes on localhost: the test run's one cluster (`cluster` in
+tests/conftest.py, running tests/scripts/cluster_checks.py). Each also
 runs with one replica (a CPU-only machine's `MirroredStrategy()`, a
 `MultiWorkerMirroredStrategy()` without TF_CONFIG): the strategy path of
 the step, where a one-replica bug would hide (issue 23).
@@ -14,10 +15,11 @@ import json
 import numpy as np
 import pytest
 from helpers import internals
+from helpers import mirrored as mirrored_runs
 from helpers.assertions import ATOL, FLOAT16_ATOL, FLOAT16_RTOL, RTOL, assert_history_close
 from helpers.data import make_data, small_table_data
 from helpers.models import OPTIMIZERS, functional, loss, small_tables_net
-from helpers.processes import run_python, run_workers, script
+from helpers.processes import run_python, script
 
 # Keras 3.8's metric variables are not summed over replicas when read: what
 # it logs under a strategy (for plain models too) is not the one-device
@@ -27,9 +29,7 @@ METRICS_EXACT = internals.keras_internals.metrics_summed_over_replicas()
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["one_replica", "two_replicas"])
 def mirrored(request):
-    result = run_python(script("mirrored_checks.py"), str(request.param), timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = json.loads(result.stdout.strip().splitlines()[-1])
+    out = mirrored_runs.checks(request.param)
     assert out["replicas"] == request.param
     return out
 
@@ -122,17 +122,23 @@ def test_skip_nonfinite_every_replica_agrees(mirrored):
 # -- MultiWorkerMirroredStrategy: two worker processes -------------------------
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["one_worker", "two_workers"])
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(1, marks=pytest.mark.slow),  # a process of its own
+        pytest.param(2, marks=pytest.mark.multi_worker),
+    ],
+    ids=["one_worker", "two_workers"],
+)
 def workers(request):
-    checks = script("multi_worker_checks.py")
     if request.param == 1:
         # MultiWorkerMirroredStrategy() with no TF_CONFIG: one worker.
-        results = [run_python(checks, timeout=900)]
-    else:
-        results = run_workers(checks, workers=request.param, timeout=900)
-    for result in results:
+        result = run_python(script("cluster_checks.py"), timeout=900)
         assert result.returncode == 0, result.stderr[-3000:]
-    out = [json.loads(r.stdout.strip().splitlines()[-1]) for r in results]
+        out = [json.loads(result.stdout.strip().splitlines()[-1])["distributed"]]
+    else:
+        # The test run's one cluster (tests/conftest.py).
+        out = [worker["distributed"] for worker in request.getfixturevalue("cluster")]
     assert [w["replicas"] for w in out] == [request.param] * request.param
     return out
 

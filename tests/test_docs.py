@@ -43,6 +43,7 @@ def code_blocks(language):
     return re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
 
 
+@pytest.mark.unit
 def test_ci_runs_the_readme_test_command():
     development = README.split("## Development", 1)[1]
     command = code_blocks("bash")[-1].strip()
@@ -63,6 +64,7 @@ def test_readme_quickstart_runs():
     assert model.accum_steps == 8
 
 
+@pytest.mark.slow  # the example, in a process of its own
 def test_quickstart_example_matches_the_big_batch():
     result = run_python(str(ROOT / "examples" / "quickstart.py"))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -82,6 +84,7 @@ def test_quickstart_example_matches_the_big_batch():
     reason="this Keras does not sum metrics over replicas (Keras 3.8): the "
     "example's accuracies are not one process's",
 )
+@pytest.mark.multi_worker
 def test_multi_worker_example_matches_one_process():
     # Starts two workers itself; both must report what one process with the
     # big batch reports.
@@ -92,6 +95,7 @@ def test_multi_worker_example_matches_one_process():
     assert "worker 0 of 2" in result.stdout and "worker 1 of 2" in result.stdout
 
 
+@pytest.mark.unit
 def test_import_refuses_another_keras_backend(monkeypatch):
     import importlib
 
@@ -197,9 +201,13 @@ print("ran", flush=True)
 """
 
 
-@pytest.mark.parametrize(
-    "path", [p for p in PAGES if runnable(p)], ids=page_id
-)
+def _page_param(path):
+    # A two-devices page runs in processes of its own: the slow tier.
+    two_devices = path.read_text().startswith("<!-- docs-test: two-devices -->")
+    return pytest.param(path, id=page_id(path), marks=[pytest.mark.slow] if two_devices else [])
+
+
+@pytest.mark.parametrize("path", [_page_param(p) for p in PAGES if runnable(p)])
 def test_page_code_runs(path, tmp_path, monkeypatch):
     import json
 
@@ -395,6 +403,7 @@ def _check_test_paths(args, errors):
             errors.append(f"no test file {arg}")
 
 
+@pytest.mark.unit
 def test_shell_commands_name_what_the_project_has():
     errors = []
     for path in PAGES:
@@ -410,6 +419,7 @@ def test_shell_commands_name_what_the_project_has():
     assert not errors, errors
 
 
+@pytest.mark.unit
 def test_docs_page_has_the_readme_test_command_and_ci_builds_the_site():
     page = (DOCS / "development.md").read_text()
     assert code_blocks("bash")[-1].strip() in page
@@ -418,12 +428,14 @@ def test_docs_page_has_the_readme_test_command_and_ci_builds_the_site():
     assert build in (ROOT / ".ci" / "run").read_text().splitlines()
 
 
+@pytest.mark.unit
 def test_docs_pictures_are_the_committed_results():
     assert (DOCS / "assets" / "results.png").read_bytes() == (
         ROOT / "benchmarks" / "results.png"
     ).read_bytes(), "copy benchmarks/results.png to docs/assets/"
 
 
+@pytest.mark.unit
 def test_every_page_is_in_the_nav_and_every_public_name_in_the_api_reference():
     import keras_accum
 
@@ -440,6 +452,7 @@ def test_every_page_is_in_the_nav_and_every_public_name_in_the_api_reference():
     assert sorted(re.findall(r"`(\w+)`", names)) == sorted(keras_accum.__all__)
 
 
+@pytest.mark.unit
 def test_readme_stays_the_front_door():
     assert len(README.splitlines()) <= 300
     assert 'python -m pip install ".[tensorflow]"' in README.split("## Install", 1)[1][:300]
@@ -488,6 +501,7 @@ def test_docstring_examples_run(tmp_path, monkeypatch):
     not __import__("importlib").util.find_spec("mkdocs"),
     reason='the docs extra is not installed: python -m pip install -e ".[docs]"',
 )
+@pytest.mark.slow  # mkdocs, in a process of its own
 def test_site_builds_strictly_without_warnings(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
@@ -498,6 +512,7 @@ def test_site_builds_strictly_without_warnings(tmp_path):
     assert "WARNING" not in result.stderr, result.stderr[-3000:]
 
 
+@pytest.mark.unit
 def test_the_site_and_the_readme_list_the_same_tested_pairs():
     def rows(text):
         install = text.split("## Install", 1)[1].split("\n## ", 1)[0]
@@ -506,6 +521,7 @@ def test_the_site_and_the_readme_list_the_same_tested_pairs():
     assert rows(README) == rows((DOCS / "getting-started.md").read_text())
 
 
+@pytest.mark.slow  # the example, in a process of its own
 def test_noise_scale_example_grows_the_batch_by_the_rule():
     result = run_python(str(ROOT / "examples" / "noise_scale.py"), "--epochs", "4", timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

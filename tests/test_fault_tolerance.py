@@ -18,10 +18,11 @@ import keras
 import numpy as np
 import pytest
 from helpers import internals
+from helpers import mirrored as mirrored_runs
 from helpers.assertions import ATOL, RTOL, assert_no_open_window, assert_weights_close
 from helpers.data import make_data
 from helpers.models import OPTIMIZERS, AccumNet, PlainNet, functional, loss, subclassed
-from helpers.processes import Cluster, run_python, run_workers, script, wait_for_file
+from helpers.processes import Cluster, run_workers, script, wait_for_file
 from helpers.training import InterruptAt
 
 import keras_accum
@@ -74,8 +75,19 @@ BATCH_BACKUP = {"mid_window_batch_backups": (1, [[0, 10], [1, 2]], [[0, 10], [1,
 AUTO_RETRY = {"auto_retry": (1, [[1, 0]], [[1, 0]])}
 
 
+# CI runs one kill point of each cluster shape (epoch backups, backups every
+# 5 batches, "auto"); the others run before a release (`release`).
+IN_CI = {"own_backup_write", *BATCH_BACKUP, *AUTO_RETRY}
+
+
 @pytest.mark.multi_worker
-@pytest.mark.parametrize("case", [*KILL_POINTS, *BATCH_BACKUP, *AUTO_RETRY])
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(case, marks=[] if case in IN_CI else [pytest.mark.release])
+        for case in [*KILL_POINTS, *BATCH_BACKUP, *AUTO_RETRY]
+    ],
+)
 def test_worker_killed_then_both_restarted_end_as_uninterrupted(tmp_path, case):
     signals = tmp_path / "signals"
     signals.mkdir()
@@ -178,6 +190,7 @@ def test_saving_and_loading_need_no_peer(tmp_path):
     assert run["pending_after_failed_load"] == 2
 
 
+@pytest.mark.unit
 def test_restore_point_is_the_newest_every_worker_holds():
     restore_point = internals.restore_point
     # Worker 1 died before its backup at the end of epoch 2; worker 0 wrote it.
@@ -205,6 +218,7 @@ def test_restore_point_refuses_what_cannot_resume(workers, expected):
         internals.restore_point(workers)
 
 
+@pytest.mark.unit
 def test_restore_point_across_workers_needs_double_checkpoint():
     with pytest.raises(ValueError, match="double_checkpoint=True.*Received: double_checkpoint=False"):
         internals.restore_point([("/b/w0", []), ("/b/w1", [])], double_checkpoint=False)
@@ -339,6 +353,7 @@ def test_a_model_fit_builds_resumes_from_its_backup(tmp_path):
 
 
 @pytest.mark.parametrize("save_freq", [0, "batch", 2.0, True])
+@pytest.mark.unit
 def test_save_freq_is_checked(save_freq):
     with pytest.raises(ValueError, match=rf"Received: save_freq={save_freq!r}"):
         keras_accum.BackupAndRestore("/tmp/unused", save_freq=save_freq)
@@ -395,10 +410,8 @@ def test_interrupted_while_skipping_then_resumed_again(tmp_path):
 
 
 @pytest.mark.parametrize("replicas", [1, 2], ids=["one_replica", "two_replicas"])
-def test_mirrored_strategy_backup_and_mid_window_save_are_exact(replicas):
-    result = run_python(script("mirrored_backup_checks.py"), str(replicas), timeout=RUN)
-    assert result.returncode == 0, result.stderr[-3000:]
-    run = json.loads(result.stdout.strip().splitlines()[-1])
+def test_mirrored_strategy_backup_and_mid_window_save_are_exact(replicas, tmp_path):
+    run = mirrored_runs.backup_checks(replicas, tmp_path)
     assert run["epochs_resumed"] == run["epochs_resumed_batches"] == 2
     assert run["pending_loaded"] == 2
     plain = plain_big_batch()

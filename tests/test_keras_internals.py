@@ -17,6 +17,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
+from helpers import internals as test_internals
 from helpers.internals import GradientAccumulator
 from helpers.internals import keras_internals as internals
 from helpers.internals import keras_versions as versions
@@ -39,12 +40,14 @@ def test_mirrored_keras_source_is_unchanged(name):
         )
 
 
+@pytest.mark.unit
 def test_every_reviewed_keras_has_a_fingerprint_of_each_mirrored_function():
     for name, known in internals.MIRRORED_SOURCES.items():
         versions = " ".join(known.values()).split()
         assert sorted(versions) == sorted(internals.REVIEWED_KERAS), name
 
 
+@pytest.mark.unit
 def test_every_keras_src_name_keras_accum_uses_is_found():
     # A name that `reach` could not find would make a stand-in that raises
     # when used; on a supported Keras there must be none.
@@ -52,6 +55,7 @@ def test_every_keras_src_name_keras_accum_uses_is_found():
         pytest.fail(MESSAGE.format(found=keras.__version__, what=", ".join(versions.MOVED)))
 
 
+@pytest.mark.unit
 def test_a_name_keras_removed_raises_naming_version_change_and_newest_keras():
     missing = versions.reach("keras.src.losses.loss", "no_such_name", "nor_this")
     try:
@@ -92,6 +96,7 @@ def test_unreviewed_keras_warns_once_naming_what_changed(monkeypatch):
     assert list(changed) == ["apply_mask"]
 
 
+@pytest.mark.slow  # imports keras_accum in a fresh process
 def test_a_keras_that_renamed_the_trainer_still_imports_and_says_so():
     # What Keras 3.16 did to 3.15 (`TensorFlowTrainer` -> `Trainer`), done
     # again to whichever name this Keras has: `import keras_accum` must
@@ -137,6 +142,7 @@ def test_a_keras_that_renamed_the_trainer_still_imports_and_says_so():
         ("2.18.0", "2.18.1", r"needs Keras 3.*tf_keras.*TF_USE_LEGACY_KERAS"),
     ],
 )
+@pytest.mark.unit
 def test_unsupported_versions_are_refused_naming_the_range(
     keras_version, tensorflow_version, message
 ):
@@ -145,17 +151,17 @@ def test_unsupported_versions_are_refused_naming_the_range(
 
 
 @pytest.mark.parametrize("versions", [("3.8.0", "2.18.1"), ("3.13.2", "2.20.0"), ("3.15.1", "2.21.0"), ("3.16.0.dev2026", "2.22.0rc1")])
+@pytest.mark.unit
 def test_supported_versions_are_accepted(versions):
     internals.check_versions(*versions)
 
 
+@pytest.mark.unit
 def test_saving_visits_every_attribute_of_our_state():
     # Keras's saving skips the attributes a fresh object of `_obj_type()`'s
     # kind has; none of ours may be among them, and the kind must be one
     # this Keras knows.
-    from keras.src.saving import saving_lib
-
-    skipped = saving_lib.get_attr_skipset(GradientAccumulator()._obj_type())
+    skipped = test_internals.saving_skipset(GradientAccumulator())
     for attribute in ("nonfinite", "acc_grads", "micro_step", "_windows", "skipped"):
         assert attribute not in skipped
 
@@ -173,7 +179,7 @@ def test_compiled_loss_terms_are_recorded_once_each():
     with internals.recording_loss_calls(model, lambda fn, *_: seen.append(fn.name)):
         model.compute_loss(x, y, model(x))
     assert sorted(seen) == ["mae", "mse"]
-    assert len(model._compile_loss._flat_losses[0]) == 4  # (path, fn, weight, name)
+    assert len(internals.compiled_loss_terms(model)[0]) == 4  # (path, fn, weight, name)
 
 
 @pytest.mark.parametrize(
@@ -187,6 +193,7 @@ def test_model_private_attributes_exist(attribute):
         pytest.fail(MESSAGE.format(found=keras.__version__, what=f"Model.{attribute}"))
 
 
+@pytest.mark.unit
 def test_functional_init_arguments_signature_detection():
     a, b = keras.Input((2,)), keras.Input((2,))
     assert internals.functional_init_arguments((a, b), {})
@@ -195,6 +202,7 @@ def test_functional_init_arguments_signature_detection():
     assert issubclass(internals.Functional, keras.Model)
 
 
+@pytest.mark.unit
 def test_keras_still_rebases_model_subclasses_called_functionally():
     # The behaviour AccumModel.__new__ guards against; if Keras stops doing
     # this, the guard may be simplified.
@@ -206,6 +214,7 @@ def test_keras_still_rebases_model_subclasses_called_functionally():
     assert Probe.__bases__ == (internals.Functional,)
 
 
+@pytest.mark.unit
 def test_tf_keras_objects_are_refused_saying_why():
     # Under TF_USE_LEGACY_KERAS=1, `tf.keras` hands out tf_keras (Keras 2)
     # objects while `import keras` stays Keras 3; stand-ins from a module of
@@ -223,6 +232,7 @@ def test_tf_keras_objects_are_refused_saying_why():
     assert "tf_keras" not in str(plain.value)
 
 
+@pytest.mark.unit
 def test_tensorflow_still_reads_its_frequent_retracing_flag():
     # internals.without_retracing_warning sets it on the flush functions.
     import tensorflow as tf
@@ -237,10 +247,11 @@ def test_tensorflow_still_reads_its_frequent_retracing_flag():
         )
 
 
+@pytest.mark.unit
 def test_backup_and_restore_batch_counting_is_still_keras_own(tmp_path):
     # internals.backup_* set and call these on keras_accum.BackupAndRestore.
     callback = keras.callbacks.BackupAndRestore(str(tmp_path), save_freq=2)
-    source = inspect.getsource(keras.callbacks.BackupAndRestore._should_save_on_batch)
+    source = inspect.getsource(test_internals.keras_backup_batch_rule())
     for name in ("_last_batch_seen", "_batches_seen_since_last_saving"):
         if name not in source or not hasattr(callback, name):
             pytest.fail(MESSAGE.format(found=keras.__version__, what=f"BackupAndRestore.{name}"))
@@ -250,6 +261,7 @@ def test_backup_and_restore_batch_counting_is_still_keras_own(tmp_path):
     ]
 
 
+@pytest.mark.unit
 def test_the_internals_package_re_exports_every_public_name():
     # `from keras_accum import _internals as internals` is the one way in:
     # every public name of its modules is the package's, in `__all__`.
@@ -280,6 +292,7 @@ def test_the_internals_package_re_exports_every_public_name():
     "attribute",
     ["_trainable_variables", "_trainable_variables_indices", "_var_key", "_get_variable_index", "_variables"],
 )
+@pytest.mark.unit
 def test_optimizer_private_attributes_exist(attribute):
     optimizer = keras.optimizers.Adam()
     optimizer.build([keras.Variable([1.0]), keras.Variable([2.0, 3.0])])
@@ -287,6 +300,7 @@ def test_optimizer_private_attributes_exist(attribute):
         pytest.fail(MESSAGE.format(found=keras.__version__, what=f"Optimizer.{attribute}"))
 
 
+@pytest.mark.unit
 def test_optimizer_bookkeeping_is_the_build_order_and_own_variables():
     variables = [keras.Variable([1.0]), keras.Variable([2.0, 3.0]), keras.Variable([4.0])]
     optimizer = keras.optimizers.Adam()
@@ -303,6 +317,7 @@ def test_optimizer_bookkeeping_is_the_build_order_and_own_variables():
     assert len(unknown) == 1 and unknown[0] is extra
 
 
+@pytest.mark.unit
 def test_keras_backups_go_through_keras_accum_backup_and_restore(tmp_path, monkeypatch):
     # Keras's BackupAndRestore writes its backups in `_save_model`, from
     # on_epoch_end and on_train_batch_end; keras_accum's routes it to its own.
@@ -313,8 +328,8 @@ def test_keras_backups_go_through_keras_accum_backup_and_restore(tmp_path, monke
         pytest.fail(MESSAGE.format(found=keras.__version__, what="BackupAndRestore._save_model"))
     callback = keras_accum.BackupAndRestore(str(tmp_path))
     saved = []
-    monkeypatch.setattr(callback, "_save_epoch_end", lambda: saved.append("ours"))
-    callback._save_model()
+    monkeypatch.setattr(callback, test_internals.EPOCH_END_BACKUP, lambda: saved.append("ours"))
+    test_internals.keras_backup_write(callback)
     assert saved == ["ours"]
 
 
@@ -363,6 +378,7 @@ def _private_reaches(path):
     return sorted(found)
 
 
+@pytest.mark.unit
 def test_only_the_internals_package_reaches_into_keras():
     import keras_accum
 
@@ -380,6 +396,7 @@ def test_only_the_internals_package_reaches_into_keras():
     )
 
 
+@pytest.mark.unit
 def test_every_private_name_listed_is_one_the_internals_package_uses():
     # Keeps PRIVATE_NAMES the package's own list, not a guess.
     import keras_accum

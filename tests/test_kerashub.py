@@ -26,6 +26,10 @@ from helpers.project import PAGES, blocks  # noqa: E402
 
 import keras_accum  # noqa: E402
 
+# KerasHub models, and processes of their own: the slow tier (CI runs it
+# in the `kerashub` nox session, with keras-hub installed).
+pytestmark = pytest.mark.slow
+
 MODELS = {"gpt2": (hub.gpt2, hub.gpt2_data), "bert": (hub.bert, hub.bert_data)}
 
 

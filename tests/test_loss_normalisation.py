@@ -222,6 +222,7 @@ def test_a_fully_masked_window_gives_a_zero_gradient_like_the_big_batch():
 @pytest.mark.parametrize(
     "case", ["unmasked", "masked", "sample_weight"]
 )
+@pytest.mark.unit
 def test_the_normaliser_is_the_divisor_keras_applies(case):
     # mean loss x normaliser == the sum of the loss elements Keras counts:
     # exactly what makes a window divide like the big batch. (Keras needs a

@@ -5,11 +5,14 @@ what CI runs."""
 import configparser
 import re
 
+import pytest
+
 from helpers.internals import keras_internals as internals
 from helpers.processes import run_python
 from helpers.project import ROOT, nox_constant, nox_pairs
 
 
+@pytest.mark.unit
 def test_readme_install_table_lists_the_tested_pairs():
     install = (ROOT / "README.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(
@@ -20,6 +23,7 @@ def test_readme_install_table_lists_the_tested_pairs():
     assert sorted(rows) == sorted(nox_pairs().values())
 
 
+@pytest.mark.unit
 def test_setup_cfg_admits_every_tested_pair_and_nothing_older():
     config = configparser.ConfigParser()
     config.read(ROOT / "setup.cfg")
@@ -32,14 +36,17 @@ def test_setup_cfg_admits_every_tested_pair_and_nothing_older():
         internals.check_versions(keras, tensorflow)  # raises if refused
 
 
+@pytest.mark.unit
 def test_ci_runs_the_next_pair_the_floor_pair_and_kerashub():
     run = (ROOT / ".ci" / "run").read_text()
     pairs = nox_pairs()
     assert pairs["floor"] == ("2.18.1", "3.8.0") and pairs["colab"] == ("2.20.0", "3.13.2")
     assert pairs["next"][1].startswith("nightly:3.16")
-    nox_lines = [line for line in run.splitlines() if "-m nox" in line]
+    # The slow tier once, on the newest pair, after the README's command.
+    assert 'python -m pytest -n 2 -m "slow and not release"' in run.splitlines()
+    nox_lines = [line for line in run.splitlines() if line.startswith("python -m nox")]
     # The next and floor pairs run the core tests (noxfile.py's CORE), for
-    # CI's time; the newest pair runs the whole suite (the README command).
+    # CI's time; the newest pair runs every tier but `release`.
     assert nox_lines[0].endswith('-s "core(next)" -- -n 2'), nox_lines
     assert nox_lines[1].endswith('-s "core(floor)" -- -n 2'), nox_lines
     core = nox_constant("CORE")
@@ -47,6 +54,7 @@ def test_ci_runs_the_next_pair_the_floor_pair_and_kerashub():
     assert nox_lines[2].endswith("-s kerashub -- -n 2"), nox_lines
 
 
+@pytest.mark.slow  # a fresh process
 def test_import_on_an_older_keras_names_the_supported_range():
     result = run_python(
         "-c", "import keras; keras.__version__ = '3.4.1'; import keras_accum"
@@ -58,6 +66,7 @@ def test_import_on_an_older_keras_names_the_supported_range():
     ), result.stderr[-2000:]
 
 
+@pytest.mark.slow  # a fresh process
 def test_import_without_tensorflow_says_what_to_install():
     # sys.modules[name] = None makes `import tensorflow` raise ImportError.
     result = run_python("-c", "import sys; sys.modules['tensorflow'] = None; import keras_accum")

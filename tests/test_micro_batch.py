@@ -288,6 +288,7 @@ def test_resume_mid_window(tmp_path):
     assert_weights_close(plain, resumed)
 
 
+@pytest.mark.unit
 def test_config_round_trip():
     model = functional(AccumModel, accum_steps=2, micro_batch_size=8)
     clone = AccumModel.from_config(model.get_config())
@@ -412,6 +413,7 @@ BAD = [
 
 
 @pytest.mark.parametrize("value,error", BAD)
+@pytest.mark.unit
 def test_bad_micro_batch_size_in_constructor_and_wrap(value, error):
     message = rf"`micro_batch_size` must be.*Received: micro_batch_size={value!r}"
     with pytest.raises(error, match=message):
@@ -434,6 +436,7 @@ def test_bad_micro_batch_size_in_setter_and_fit_change_nothing(value, error):
     assert not model.built or int(model.optimizer.iterations) == 0
 
 
+@pytest.mark.unit
 def test_auto_and_numpy_integers_are_accepted():
     assert functional(AccumModel, micro_batch_size="auto").micro_batch_size == "auto"
     size = functional(AccumModel, micro_batch_size=np.int64(8)).micro_batch_size

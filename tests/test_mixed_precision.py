@@ -135,6 +135,7 @@ def test_float16_variables_get_float32_buffers_and_accum_dtype_overrides():
 
 
 @pytest.mark.parametrize("value", ["int32", "nonsense", 3])
+@pytest.mark.unit
 def test_bad_accum_dtype(value):
     with pytest.raises(ValueError, match=rf"`accum_dtype` must be a floating-point dtype.*Received: accum_dtype={value!r}"):
         AccumModel(accum_dtype=value)

@@ -374,7 +374,7 @@ def test_config_and_saved_file_keep_noise_scale(tmp_path):
     assert config["noise_scale"] is True
     assert "noise_scale" not in regression_net(keras_accum.AccumModel).get_config()
     clone = keras_accum.AccumModel.from_config(config)
-    assert clone._settings.noise_scale
+    assert internals.settings(clone).noise_scale
     x, y = regression_data(92, noise=1.0)
     model.fit(x, y, batch_size=8, shuffle=False, verbose=0)
     path = str(tmp_path / "m.keras")
@@ -396,6 +396,7 @@ def test_config_and_saved_file_keep_noise_scale(tmp_path):
 @pytest.mark.parametrize(
     "value, error", [("yes", TypeError), (1, TypeError), (None, TypeError)]
 )
+@pytest.mark.unit
 def test_bad_noise_scale_is_refused_naming_it(value, error):
     with pytest.raises(error, match=r"noise_scale.*Received: noise_scale="):
         functional(keras_accum.AccumModel, noise_scale=value)
@@ -432,15 +433,15 @@ def test_the_scheduler_grows_accum_steps_by_the_formula_and_each_epoch_is_exact(
     assert int(model.optimizer.iterations) == int(plain.optimizer.iterations)
 
 
+@pytest.mark.unit
 def test_the_scheduler_keeps_the_value_on_nan_and_never_shrinks():
     scheduler = keras_accum.AccumScheduler("noise_scale", max_accum_steps=8)
     model = regression_net(keras_accum.AccumModel, accum_steps=3, noise_scale=True)
     scheduler.set_model(model)
-    model._batch_size_seen = 10
     for measured, expected in [(None, None), (math.nan, None), (5.0, 3), (44.0, 4),
                                (math.inf, 8), (1000.0, 8), (-3.0, 3)]:
-        model._noise_scale = measured
-        assert scheduler._value(1) == expected, measured
+        internals.pretend_measured(model, batch_size=10, noise_scale=measured)
+        assert internals.scheduled_value(scheduler, 1) == expected, measured
 
 
 def test_the_scheduler_needs_a_measuring_model():
@@ -462,6 +463,7 @@ def test_the_scheduler_needs_a_measuring_model():
         (dict(schedule="noise"), TypeError, r'must be "noise_scale".*noise'),
     ],
 )
+@pytest.mark.unit
 def test_bad_scheduler_arguments_are_refused_naming_them(kwargs, error, match):
     with pytest.raises(error, match=match):
         keras_accum.AccumScheduler(**kwargs)
@@ -471,13 +473,9 @@ def test_bad_scheduler_arguments_are_refused_naming_them(kwargs, error, match):
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["one_replica", "two_replicas"])
 def mirrored(request):
-    import json
+    from helpers import mirrored as mirrored_runs
 
-    from helpers.processes import run_python, script
-
-    result = run_python(script("mirrored_noise_checks.py"), str(request.param), timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = json.loads(result.stdout.strip().splitlines()[-1])
+    out = mirrored_runs.noise_checks(request.param)
     assert out["replicas"] == request.param
     return out
 

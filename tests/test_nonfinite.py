@@ -151,6 +151,7 @@ def test_mixed_float16_keeps_the_loss_scale_behaviour():
     assert skipping.skipped_windows == 2
 
 
+@pytest.mark.unit
 def test_accum_optimizer_skips_a_nan_window():
     model = functional()
     opt = AccumOptimizer(keras.optimizers.Adam(0.02), accum_steps=2, skip_nonfinite=True)
@@ -177,6 +178,7 @@ def test_accum_optimizer_skips_a_nan_window():
 
 
 @pytest.mark.parametrize("kind", sorted(WAYS_IN))  # never built before fit
+@pytest.mark.unit
 def test_serialisation_round_trip(kind):
     model = WAYS_IN[kind](accum_steps=3, skip_nonfinite=True)[0]()
     config = keras.saving.serialize_keras_object(model)
@@ -190,6 +192,7 @@ def test_serialisation_round_trip(kind):
     ).skip_nonfinite
 
 
+@pytest.mark.unit
 def test_accum_optimizer_serialisation_round_trip():
     opt = AccumOptimizer(keras.optimizers.Adam(), accum_steps=3, skip_nonfinite=True)
     clone = keras.optimizers.deserialize(keras.optimizers.serialize(opt))
@@ -248,6 +251,7 @@ def test_weights_saved_without_skipping_load_with_a_count_of_zero(tmp_path):
     ids=["AccumModel", "wrap", "AccumOptimizer"],
 )
 @pytest.mark.parametrize("value", ["yes", 1, None])
+@pytest.mark.unit
 def test_bad_skip_nonfinite(make, value):
     with pytest.raises(
         TypeError, match=rf"`skip_nonfinite` must be True or False. Received: skip_nonfinite={value!r}"

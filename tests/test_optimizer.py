@@ -82,6 +82,7 @@ def test_weights_make_uneven_windows_and_flush_exact(compiled):
     assert int(opt.iterations) == 2
 
 
+@pytest.mark.unit
 def test_apply_gradients_and_learning_rate_delegate_to_the_inner_optimizer():
     inner = keras.optimizers.SGD(0.1)
     opt = AccumOptimizer(inner, accum_steps=2)
@@ -106,6 +107,7 @@ def test_compiled_on_a_plain_model_equal_windows():
 
 
 @pytest.mark.parametrize("how", ["config", "serialize"])
+@pytest.mark.unit
 def test_serialisation_round_trip(how):
     opt = AccumOptimizer(keras.optimizers.Adam(0.003, beta_1=0.8), accum_steps=3, name="acc")
     if how == "config":
@@ -148,11 +150,13 @@ def test_saved_and_restored_with_the_model_pending_window_included(tmp_path):
 
 
 @pytest.mark.parametrize("value,error", [(0, ValueError), (2.5, TypeError), ("4", TypeError), (True, TypeError)])
+@pytest.mark.unit
 def test_bad_accum_steps(value, error):
     with pytest.raises(error, match=rf"`accum_steps`.*Received: accum_steps={value!r}"):
         AccumOptimizer(keras.optimizers.SGD(), accum_steps=value)
 
 
+@pytest.mark.unit
 def test_bad_optimizer_arguments():
     with pytest.raises(TypeError, match=r"`optimizer` must be a keras.optimizers.Optimizer. Received: optimizer='adam'"):
         AccumOptimizer("adam", accum_steps=2)
@@ -169,11 +173,13 @@ def test_accum_model_refuses_an_accum_optimizer():
         model.fit(X, Y, batch_size=8, verbose=0)
 
 
+@pytest.mark.unit
 def test_exported_from_the_package():
     assert keras_accum.AccumOptimizer is AccumOptimizer
     assert "AccumOptimizer" in keras_accum.__all__
 
 
+@pytest.mark.unit
 def test_variables_in_any_order_or_subset():
     reference, _ = big_batch_steps(INNER["adam"], [32])
     model = functional()

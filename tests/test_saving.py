@@ -304,6 +304,7 @@ def directory_size(path):
 
 
 @pytest.mark.parametrize("kind", ["functional", "subclassed"])
+@pytest.mark.slow  # serves in a fresh process, without keras_accum
 def test_export_serves_without_keras_accum_and_holds_no_window(kind, tmp_path):
     make = MAKERS[kind]
     model = train(compiled(make(AccumModel, accum_steps=4)), range(6))
@@ -321,6 +322,7 @@ def test_export_serves_without_keras_accum_and_holds_no_window(kind, tmp_path):
     assert not any("acc_grad" in name or "micro_step" in name for name, _ in variables)
 
 
+@pytest.mark.slow  # serves in a fresh process, without keras_accum
 def test_tf_saved_model_save(tmp_path):
     model = train(compiled(functional(AccumModel, accum_steps=4)), range(6))
     tf.saved_model.save(model, str(tmp_path / "sm"))

@@ -183,6 +183,7 @@ def test_verbose_reports_changes(capsys):
         (4, TypeError, r"`schedule` must be a dict.*Received: schedule=4"),
     ],
 )
+@pytest.mark.unit
 def test_bad_dict_schedules_are_refused_at_construction(schedule, error, match):
     with pytest.raises(error, match=match):
         AccumScheduler(schedule)
@@ -208,6 +209,7 @@ def test_bad_callable_schedule_is_refused_before_training(value, error):
 @pytest.mark.parametrize(
     "schedule", [lambda: 2, lambda epoch, logs: 2, lambda *, epoch: 2], ids=["none", "two", "keyword"]
 )
+@pytest.mark.unit
 def test_a_callable_of_the_wrong_arity_is_refused_at_construction(schedule):
     with pytest.raises(
         TypeError, match=r"(?s)`schedule` must be a callable taking the epoch.*Received: schedule=<function"
@@ -215,6 +217,7 @@ def test_a_callable_of_the_wrong_arity_is_refused_at_construction(schedule):
         AccumScheduler(schedule)
 
 
+@pytest.mark.unit
 def test_callables_taking_the_epoch_are_accepted():
     AccumScheduler(lambda epoch, logs=None: 2)
     AccumScheduler(lambda *args: 2)

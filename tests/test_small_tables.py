@@ -7,7 +7,6 @@ per-row moments (window/slices.py), not as its occurrences. Every reference
 is a plain `keras.Model` on the big batch with Keras's own sparse update.
 """
 
-import json
 
 import keras
 import numpy as np
@@ -18,7 +17,7 @@ from helpers.assertions import ATOL, assert_weights_close
 from helpers.data import small_table_data
 from helpers.internals import GradientAccumulator, sparse
 from helpers.models import SMALL_TABLES, DenseGradientModel, loss, small_tables_net
-from helpers.processes import run_python, script
+from helpers import mirrored as mirrored_runs
 
 import keras_accum
 from keras_accum import AccumModel, AccumOptimizer
@@ -121,6 +120,7 @@ def _apply_all(make, gradients, rows=6):
 
 
 @pytest.mark.parametrize("name", sorted({**REPRODUCED, **NOT_REPRODUCED}))
+@pytest.mark.unit
 def test_an_optimizer_reads_a_rows_occurrences_only_through_its_moments(name):
     # Keras's own sparse update of real occurrences against one of the
     # synthesised IndexedSlices with the same per-row moments, three steps.
@@ -139,6 +139,7 @@ def test_an_optimizer_reads_a_rows_occurrences_only_through_its_moments(name):
     assert close == (name in REPRODUCED)
 
 
+@pytest.mark.unit
 def test_synthesised_occurrences_have_the_windows_sums_and_fit_a_capacity():
     rng = np.random.default_rng(2)
     idx, values = _occurrences(rng, 5, n=60)
@@ -368,6 +369,7 @@ def test_interrupted_mid_window_resumes_from_a_backup(tmp_path):
     assert_weights_close(plain, resumed)
 
 
+@pytest.mark.unit
 def test_snapshot_and_restore_bring_back_the_moments():
     acc = GradientAccumulator()
     weights = tf.Variable(tf.ones((3, 2)))
@@ -382,6 +384,7 @@ def test_snapshot_and_restore_bring_back_the_moments():
     np.testing.assert_array_equal(acc.slice_indices[0].numpy(), [1, 3, 1])
 
 
+@pytest.mark.unit
 def test_a_nonfinite_window_of_moments_is_skipped_and_the_next_starts_clean():
     from helpers.internals import NonFiniteWindows, Window
 
@@ -428,9 +431,7 @@ def test_a_sparse_windows_memory_is_at_most_three_tables():
 
 @pytest.mark.parametrize("replicas", [1, 2], ids=["one_replica", "two_replicas"])
 def test_mirrored_strategy_matches_the_big_batch(replicas):
-    result = run_python(script("mirrored_sparse_checks.py"), str(replicas), "small", timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = json.loads(result.stdout.strip().splitlines()[-1])
+    out = mirrored_runs.sparse_checks(replicas, small=True)
     assert sorted(out) == ["adam_vs_mirrored_big_batch", "adam_vs_one_device_big_batch"]
     for name, diff in out.items():
         assert diff <= ATOL, (name, diff)

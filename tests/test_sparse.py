@@ -8,7 +8,6 @@ own sparse update; tokens come from a small range so they repeat within
 every batch, which is where a summed window would differ.
 """
 
-import json
 
 import keras
 import numpy as np
@@ -23,7 +22,7 @@ from helpers.data import token_data
 from helpers.internals import GradientAccumulator, NonFiniteWindows, Window, sparse
 from helpers.models import DenseGradientModel, loss
 from helpers.models import text_net as net
-from helpers.processes import run_python, script
+from helpers import mirrored as mirrored_runs
 
 import keras_accum
 from keras_accum import AccumModel, AccumOptimizer
@@ -377,6 +376,7 @@ def test_a_window_saved_before_slices_goes_on_losing_nothing():
     assert_weights_close(plain, loaded)
 
 
+@pytest.mark.unit
 def test_snapshot_and_restore_bring_back_the_slices():
     # What all-or-nothing `load_weights` restores after a failed load.
     acc = GradientAccumulator()
@@ -431,6 +431,7 @@ def test_a_micro_batch_that_overflows_turns_the_window_into_moments_losing_nothi
     assert_weights_close(plain, accum)
 
 
+@pytest.mark.unit
 def test_slices_are_appended_and_a_new_window_starts_by_count():
     acc = GradientAccumulator()
     weights = tf.Variable(tf.ones((10, 2)))
@@ -454,6 +455,7 @@ def test_slices_are_appended_and_a_new_window_starts_by_count():
     np.testing.assert_array_equal(acc.acc_grads[0].numpy(), stored)
 
 
+@pytest.mark.unit
 def test_nonfinite_slices_skip_the_window():
     acc = GradientAccumulator()
     window = Window(acc, skip=NonFiniteWindows())
@@ -471,10 +473,7 @@ def test_nonfinite_slices_skip_the_window():
 
 @pytest.mark.parametrize("replicas", [1, 2], ids=["one_replica", "two_replicas"])
 def test_mirrored_strategy_matches_the_big_batch(replicas):
-    result = run_python(script("mirrored_sparse_checks.py"), str(replicas), timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-
-    out = json.loads(result.stdout.strip().splitlines()[-1])
+    out = mirrored_runs.sparse_checks(replicas)
     names = ["adam", "rmsprop"]
     if keras.__version__.startswith("3.8.") and "rmsprop_error" in out:
         # Keras 3.8's RMSprop fails its own sparse update under
@@ -529,6 +528,7 @@ def test_row_indices_survive_in_any_buffer_dtype(dtype):
     np.testing.assert_array_equal(tf.convert_to_tensor(compiled).numpy(), expected)
 
 
+@pytest.mark.unit
 def test_slices_fill_the_buffer_to_capacity_then_spill():
     # 10 rows x 2: room for 10 slices (window tokens <= table rows).
     acc = GradientAccumulator()
@@ -558,6 +558,7 @@ def test_slices_fill_the_buffer_to_capacity_then_spill():
     )
 
 
+@pytest.mark.unit
 def test_a_window_of_moments_stays_moments_to_its_end():
     # Once a window is kept as moments it stays so until applied, however
     # few slices come next; checked by values, not by an error: a GPU drops

@@ -244,7 +244,7 @@ def test_fine_tuning_recipe_raises_no_retracing_warning(monkeypatch):
     monkeypatch.setattr(
         polymorphic_function,
         "_frequent_tracing_detector_manager",
-        polymorphic_function._FrequentTracingDetectorManager(),
+        internals.fresh_tracing_detector(),
     )
     warnings = []
 

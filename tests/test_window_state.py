@@ -11,9 +11,8 @@ Table: {apply, skip, reset, flush after load, reset after load}
 x {step mode (accum_steps=4, batch 4), micro_batch_size (accum_steps=2,
 batch 8 split in 4s)} x {one device, MirroredStrategy with one replica,
 MirroredStrategy with two}. Both modes make windows of the same 16 samples.
-The one-replica strategy runs in this process (no logical-device split);
-the two-replica column runs the same table in a process of its own with two
-logical CPU devices (`test_the_table_on_two_replicas`).
+Both strategies run in this process, on the two logical CPU devices that
+tests/conftest.py sets up.
 """
 
 import contextlib
@@ -21,11 +20,9 @@ import contextlib
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
-from helpers import internals
+from helpers import internals, replicas
 from helpers.assertions import ATOL, RTOL, assert_trained
 from helpers.models import loss
-from helpers.processes import run_python
 
 from keras_accum import AccumModel
 
@@ -59,23 +56,17 @@ def net(cls=keras.Model, seed=0, **kwargs):
     return cls(inputs, outputs, **kwargs)
 
 
-_TWO_REPLICAS_STRATEGY = []
+# Where the window lives: one device, and MirroredStrategy with one
+# replica (the strategy path of the step) and two (each replica holding
+# its own share of the window: sync-on-read buffers, per-replica
+# BatchNorm moments).
+WHERE = {"one_device": 0, "one_replica_mirrored": 1, "two_replica_mirrored": 2}
 
 
 def scope(where):
     if where == "one_device":
         return contextlib.nullcontext()
-    if where == "two_replica_mirrored":
-        # One strategy for the whole table: strategies made one after another
-        # in a process reuse collective instance keys, and a collective of
-        # one model's step then meets another's (a shape mismatch in TF).
-        if not _TWO_REPLICAS_STRATEGY:
-            _TWO_REPLICAS_STRATEGY.append(tf.distribute.MirroredStrategy())
-        strategy = _TWO_REPLICAS_STRATEGY[0]
-    else:
-        strategy = tf.distribute.MirroredStrategy()
-    assert strategy.num_replicas_in_sync == (2 if where == "two_replica_mirrored" else 1)
-    return strategy.scope()
+    return replicas.mirrored(WHERE[where]).scope()
 
 
 def accumulating(mode, where, seed=0):
@@ -205,7 +196,7 @@ SCENARIOS = {
 }
 
 
-@pytest.mark.parametrize("where", ["one_device", "one_replica_mirrored"])
+@pytest.mark.parametrize("where", list(WHERE))
 @pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("decision", list(SCENARIOS))
 def test_every_piece_of_window_state_follows_the_decision(decision, mode, where, tmp_path):
@@ -218,7 +209,7 @@ def test_every_piece_of_window_state_follows_the_decision(decision, mode, where,
     assert_as_plain(model, plain)
 
 
-@pytest.mark.parametrize("where", ["one_device", "one_replica_mirrored"])
+@pytest.mark.parametrize("where", list(WHERE))
 @pytest.mark.parametrize("mode", sorted(MODES))
 def test_a_mid_window_file_restores_every_piece_of_window_state(mode, where, tmp_path):
     x, y = make_data()
@@ -233,7 +224,7 @@ def test_a_mid_window_file_restores_every_piece_of_window_state(mode, where, tmp
         np.testing.assert_allclose(after[name], before[name], rtol=RTOL, atol=ATOL, err_msg=name)
 
 
-@pytest.mark.parametrize("where", ["one_device", "one_replica_mirrored"])
+@pytest.mark.parametrize("where", list(WHERE))
 def test_flush_after_load_with_an_unbuilt_optimizer(where, tmp_path):
     # The optimizer is built by flush(), outside the strategy's scope: its
     # variables must still be the strategy's. (As in Keras, an unbuilt
@@ -251,37 +242,3 @@ def test_flush_after_load_with_an_unbuilt_optimizer(where, tmp_path):
     model.flush()
     assert int(model.optimizer.iterations.numpy()) == 1
     assert_window_closed(model, skipped=0)
-
-
-_TWO_REPLICAS = """
-import pathlib, sys, tempfile
-import numpy as np
-import tensorflow as tf
-cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-sys.path.insert(0, "tests")
-import test_window_state as table
-for decision in table.SCENARIOS:
-    for mode in sorted(table.MODES):
-        with tempfile.TemporaryDirectory() as tmp:
-            table.test_every_piece_of_window_state_follows_the_decision(
-                decision, mode, "two_replica_mirrored", pathlib.Path(tmp)
-            )
-        print("ok", decision, mode, flush=True)
-for mode in sorted(table.MODES):
-    with tempfile.TemporaryDirectory() as tmp:
-        table.test_a_mid_window_file_restores_every_piece_of_window_state(
-            mode, "two_replica_mirrored", pathlib.Path(tmp)
-        )
-    print("ok restore", mode, flush=True)
-"""
-
-
-def test_the_table_on_two_replicas():
-    # The same decisions, each replica holding its own share of the window
-    # (sync-on-read buffers, per-replica BatchNorm moments); the NaN of the
-    # skip scenario (sample 20) is in the first replica's half of its batch
-    # in step mode (batch 4) and in the second's with micro_batch_size (8).
-    result = run_python("-c", _TWO_REPLICAS, timeout=900, TF_CPP_MIN_LOG_LEVEL="3")
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    assert result.stdout.count("ok ") == 2 * len(SCENARIOS) + 2, result.stdout

@@ -22,6 +22,7 @@ import keras_accum
 from keras_accum import AccumModel
 
 
+@pytest.mark.unit
 def test_wrap_rejects_non_models():
     with pytest.raises(TypeError, match=r"`model` must be a keras.Model. Received: model="):
         keras_accum.wrap(keras.layers.Dense(3), accum_steps=2)
@@ -119,6 +120,7 @@ class _CustomStep(keras.Model):
 
 
 @pytest.mark.parametrize("cls,method", [(_CustomLoss, "compute_loss"), (_CustomStep, "train_step")])
+@pytest.mark.unit
 def test_wrap_refuses_a_model_whose_overrides_it_would_ignore(cls, method):
     with pytest.raises(ValueError, match=rf"(?s)_{cls.__name__[1:]}.*`{method}`.*AccumModel"):
         keras_accum.wrap(cls(), accum_steps=2)
@@ -139,6 +141,7 @@ class _FunctionalCustomLoss(keras.Model):
 @pytest.mark.parametrize(
     "cls,method", [(_FunctionalCustomStep, "train_step"), (_FunctionalCustomLoss, "compute_loss")]
 )
+@pytest.mark.unit
 def test_wrap_refuses_a_functional_subclass_whose_overrides_it_would_drop(cls, method):
     # wrap() rebuilds a functional model from its graph: the override would
     # be dropped silently (issue 23: 0 calls of the custom train_step).
@@ -165,6 +168,7 @@ def test_wrap_refuses_a_functional_subclass_that_overrides_train_step():
 # -- configs and exports of wrapped models --------------------------------------
 
 
+@pytest.mark.unit
 def test_wrap_of_a_functional_subclass_keeps_its_class_config():
     model = keras_accum.wrap(TiedLM(seed=3), accum_steps=2, micro_batch_size=4)
     config = model.get_config()
@@ -189,6 +193,7 @@ print("served", len(json.loads(sys.argv[2])))
 """
 
 
+@pytest.mark.slow  # serves in a fresh process, without keras_accum
 def test_export_of_wrapped_subclassed_models_serves_without_keras_accum(tmp_path):
     x, y = make_data(40)
     names = []

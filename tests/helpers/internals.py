@@ -97,3 +97,58 @@ def mark_window_saved_by(path, shares, replicas):
         f["_accumulator/vars/shares"][()] = shares
         f["_accumulator/vars/replicas"][()] = replicas
 
+
+
+def settings(model):
+    """The AccumModel's checked arguments (`AccumSettings`)."""
+    return model._settings
+
+
+def pretend_measured(model, batch_size, noise_scale):
+    """Sets what an AccumModel last saw (the per-replica batch size) and
+    measured (the noise scale), as an epoch of training would."""
+    model._batch_size_seen = batch_size
+    model._noise_scale = noise_scale
+
+
+def scheduled_value(scheduler, epoch):
+    """The `accum_steps` an AccumScheduler sets at `epoch` (None: no change)."""
+    return scheduler._value(epoch)
+
+
+def compiled_loss_terms(model):
+    """Keras's flattened compiled losses: one (path, fn, weight, name) each."""
+    return model._compile_loss._flat_losses
+
+
+def keras_backup_write(callback):
+    """The method through which Keras's BackupAndRestore writes a backup."""
+    return callback._save_model()
+
+
+# The name of the method keras_accum.BackupAndRestore writes its epoch-end
+# backups with (a test replaces it to see the call arrive).
+EPOCH_END_BACKUP = "_save_epoch_end"
+
+
+def saving_skipset(obj):
+    """The attributes Keras's saving skips on `obj` (those a fresh object of
+    its `_obj_type()`'s kind has)."""
+    from keras.src.saving import saving_lib
+
+    return saving_lib.get_attr_skipset(obj._obj_type())
+
+
+def keras_backup_batch_rule():
+    """Keras's BackupAndRestore method that decides a batch-level backup."""
+    import keras
+
+    return keras.callbacks.BackupAndRestore._should_save_on_batch
+
+
+def fresh_tracing_detector():
+    """A new TensorFlow frequent-retracing detector (its count of traces per
+    code object is process-wide)."""
+    from tensorflow.python.eager.polymorphic_function import polymorphic_function
+
+    return polymorphic_function._FrequentTracingDetectorManager()

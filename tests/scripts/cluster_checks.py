@@ -1,11 +1,17 @@
-"""Run by test_distributed.py as each of two worker processes on localhost
-(TF_CONFIG set by the test): MultiWorkerMirroredStrategy needs one process
-per worker, and each must start its collectives with the other. Run
-without TF_CONFIG, it is the one worker of `MultiWorkerMirroredStrategy()`
-on its own (one replica).
+"""The program of each worker of the test run's one two-worker cluster on
+localhost (`cluster` in tests/conftest.py; TF_CONFIG set by it):
+MultiWorkerMirroredStrategy needs one process per worker, and each must
+start its collectives with the other. One cluster serves every test file
+that needs one: test_distributed.py reads `out["distributed"]`,
+test_auto_replicas.py `out["auto"]` (`micro_batch_size="auto"` where only
+worker `SMALL_TASK` is short of memory: tests/helpers/auto_replicas.py).
+
+Run without TF_CONFIG, it is the one worker of
+`MultiWorkerMirroredStrategy()` on its own (one replica), and runs the
+distributed checks only.
 
 Prints one JSON object of results (weights as nested lists, histories); the
-test compares them with single-process references and between the workers.
+tests compare them with single-process references and between the workers.
 """
 
 import json
@@ -24,6 +30,7 @@ strategy = tf.distribute.MultiWorkerMirroredStrategy()
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from helpers import internals  # noqa: E402
+from helpers.auto_replicas import AutoRuns  # noqa: E402
 from helpers.data import make_data, small_table_data  # noqa: E402
 from helpers.models import OPTIMIZERS, functional, loss, small_tables_net  # noqa: E402
 from helpers.noise import regression_data, regression_net  # noqa: E402
@@ -55,12 +62,9 @@ def compiled(accum_steps, optimizer="adam", cls=AccumModel):
     return model
 
 
-def main():
-    config = os.environ.get("TF_CONFIG")
-    out = {
-        "task": int(json.loads(config)["task"]["index"]) if config else 0,
-        "replicas": strategy.num_replicas_in_sync,
-    }
+def distributed(task):
+    """Training across workers against one process (test_distributed.py)."""
+    out = {"task": task, "replicas": strategy.num_replicas_in_sync}
     train, val = dataset(*make_data(76)), dataset(*make_data(20, seed=3))
 
     # Plain Keras fit, for the README's claim that it fails here.
@@ -152,6 +156,18 @@ def main():
     flushed.load_weights(path)
     flushed.flush()
     out["flushed"] = weights(flushed)
+    return out
+
+
+def main():
+    config = os.environ.get("TF_CONFIG")
+    task = int(json.loads(config)["task"]["index"]) if config else 0
+    out = {"distributed": distributed(task)}
+    if config:
+        # Last: its checks end with one worker's step failing on purpose,
+        # which aborts the cluster's collectives.
+        small = task == int(os.environ.get("SMALL_TASK", "1"))
+        out["auto"] = AutoRuns(strategy, task, small, multi_worker=True).run()
     print(json.dumps(out))
 
 
