@@ -16,7 +16,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import internals
+from helpers import internals, replicas
 from helpers.assertions import assert_history_close, assert_trained, assert_weights_close
 from helpers.data import CLASSES, FEATURES, make_data
 from helpers.models import WAYS_IN, functional, initial_weights
@@ -162,8 +162,7 @@ def test_auto_halves_an_odd_batch_rounding_up():
 def test_auto_under_a_one_replica_strategy(accum_steps):
     # MirroredStrategy() on a one-GPU or CPU-only machine: one replica,
     # where 'auto' trains as on one device, out-of-memory retry included.
-    strategy = tf.distribute.MirroredStrategy()
-    assert strategy.num_replicas_in_sync == 1
+    strategy = replicas.mirrored(1)
     make_accum, make_plain = WAYS_IN["functional"](
         micro_batch_size="auto", accum_steps=accum_steps
     )

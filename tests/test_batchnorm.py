@@ -444,15 +444,13 @@ def test_a_discarded_or_skipped_window_leaves_the_moving_statistics():
 def _scope(strategy):
     import contextlib
 
-    import tensorflow as tf
-
     if strategy == "one_device":
         return contextlib.nullcontext()
     # A CPU-only machine's MirroredStrategy(): one replica, the strategy
     # path of the step (issue 23).
-    strategy = tf.distribute.MirroredStrategy()
-    assert strategy.num_replicas_in_sync == 1
-    return strategy.scope()
+    from helpers import replicas
+
+    return replicas.mirrored(1).scope()
 
 
 @pytest.mark.parametrize("strategy", ["one_device", "one_replica_mirrored"])
