@@ -3,7 +3,7 @@
     nox -l                                   # list the sessions
     nox -s "tests(newest)"                   # whole suite on one pair
     nox -s tests -- tests/test_saving.py     # pytest arguments, every pair
-    nox -s "tests(floor)" -- -n 2 -m "not slow"
+    nox -s "tests(floor)" -- -n 2 -m "not slow"   # the README's tiers
     nox -s "tests(next)"                     # the next Keras (a pinned nightly)
     nox -s "core(floor)" -- -n 2             # CI's subset (CORE) on one pair
     nox -s kerashub                          # KerasHub models (tests/test_kerashub.py)
@@ -31,13 +31,15 @@ PAIRS = {
 # suite): what another Keras breaks first, each checked against the plain
 # big batch or a reviewed fingerprint: its internals (test_keras_internals),
 # the public surface and its errors (test_api), big-batch equality on the
-# reference models (test_exactness), files written by the last release
-# (test_file_compat) and the traced step (test_step_graph). The whole suite
-# on every pair, `nox`, runs before a release: CI keeps within its time.
+# reference models (test_exactness) and in every execution mode, XLA first
+# (test_variants), files written by the last release (test_file_compat) and
+# the traced step (test_step_graph). Every tier on every pair, `nox`, runs
+# before a release: CI keeps within its time.
 CORE = [
     "tests/test_keras_internals.py",
     "tests/test_api.py",
     "tests/test_exactness.py",
+    "tests/test_variants.py",
     "tests/test_file_compat.py",
     "tests/test_step_graph.py",
 ]

@@ -21,40 +21,12 @@ from helpers.assertions import (
     assert_no_open_window,
 )
 from helpers.data import BN_SHAPES, bn_data
-from helpers.models import BN_MOMENTUM, bn_layer, bn_net, bn_of, loss, moving
+from helpers.models import BN_MOMENTUM, bn_layer, bn_net, bn_of, loss, moving, subclassed_bn_net
 
 import keras_accum
 from keras_accum import AccumModel
 
 MICRO, N = 8, 4
-
-
-class _Net:
-    def __init__(self, bn_kwargs=None, **kwargs):
-        super().__init__(**kwargs)
-        self.bn = bn_layer(**(bn_kwargs or {}))
-        self.hidden = keras.layers.Dense(4, activation="relu")
-        self.flatten = keras.layers.Flatten()
-        self.logits = keras.layers.Dense(3)
-
-    def call(self, x, training=None):
-        return self.logits(self.flatten(self.hidden(self.bn(x, training=training))))
-
-
-class PlainBNNet(_Net, keras.Model):
-    pass
-
-
-class AccumBNNet(_Net, AccumModel):
-    pass
-
-
-def subclassed_net(cls=keras.Model, kind="rank2", seed=0, bn_kwargs=None, **kwargs):
-    assert kind != "masked"
-    keras.utils.set_random_seed(seed)
-    if cls is AccumModel:
-        return AccumBNNet(bn_kwargs=bn_kwargs, **kwargs)
-    return PlainBNNet(bn_kwargs=bn_kwargs)
 
 
 def wrapped(make):
@@ -69,9 +41,9 @@ def wrapped(make):
 
 MAKERS = {
     "functional": bn_net,
-    "subclass": subclassed_net,
+    "subclass": subclassed_bn_net,
     "wrap_functional": wrapped(bn_net),
-    "wrap_subclass": wrapped(subclassed_net),
+    "wrap_subclass": wrapped(subclassed_bn_net),
 }
 
 
@@ -345,7 +317,7 @@ def test_resume_a_subclassed_model(tmp_path):
     x, y = bn_data(64)
 
     def make(seed=0):
-        model = compiled(subclassed_net(AccumModel, accum_steps=N, seed=seed))
+        model = compiled(subclassed_bn_net(AccumModel, accum_steps=N, seed=seed))
         model(x[:1])  # built, as load_weights needs; its windows are not
         return model
 
@@ -382,21 +354,6 @@ def test_a_failed_load_leaves_the_pending_statistics_unchanged(tmp_path):
 
 
 # -- precision, XLA, steps_per_execution ------------------------------------------------
-
-
-@pytest.mark.parametrize("kind", ["functional", "subclass"])
-@pytest.mark.parametrize(
-    "compile_kwargs",
-    [{"jit_compile": True}, {"steps_per_execution": 3}],
-    ids=["xla", "steps_per_execution_3"],
-)
-def test_xla_and_steps_per_execution(compile_kwargs, kind):
-    # The subclassed model is built inside the first (XLA) trace.
-    x, y = bn_data(92)
-    plain, acc = fit_pair(MAKERS[kind], x, y, compile_kwargs=compile_kwargs)
-    assert_moved(plain)
-    assert_moving_close(plain, acc)
-
 
 def test_mixed_float16():
     keras.mixed_precision.set_global_policy("mixed_float16")

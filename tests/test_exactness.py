@@ -228,23 +228,6 @@ def test_multi_input_multi_output_with_loss_weights(n):
             hp.history.pop(key), ha.history.pop(key)
     assert_history_close(hp, ha)
 
-
-@pytest.mark.parametrize(
-    "compile_kwargs",
-    [
-        {"run_eagerly": True},
-        {"jit_compile": True},
-        {"steps_per_execution": 3},
-        {"steps_per_execution": 5, "jit_compile": True},
-    ],
-    ids=["eager", "jit", "spe3", "spe5_jit"],
-)
-def test_execution_modes(compile_kwargs):
-    plain, acc, hp, ha = train_both(OPTIMIZERS["adam"], compile_kwargs=compile_kwargs)
-    assert_weights_close(plain, acc)
-    assert_history_close(hp, ha)
-
-
 def test_subclassed_model():
     plain, acc, hp, ha = train_both(OPTIMIZERS["adamw"], build=subclassed)
     assert_weights_close(plain, acc)

@@ -108,23 +108,6 @@ def test_optimizers(optimizer):
     make_accum, make_plain = WAYS_IN["functional"](micro_batch_size=8)
     assert_same_training(*fit_pair(make_accum, make_plain, x, y, 32, 32, optimizer))
 
-
-@pytest.mark.parametrize(
-    "compile_kwargs",
-    [{"jit_compile": True}, {"steps_per_execution": 3}],
-    ids=["jit_compile", "steps_per_execution_3"],
-)
-@pytest.mark.parametrize("accum_steps,batch", [(1, 32), (2, 16)])
-def test_xla_and_steps_per_execution(compile_kwargs, accum_steps, batch):
-    x, y = make_data(SAMPLES)
-    make_accum, make_plain = WAYS_IN["functional"](
-        micro_batch_size=12, accum_steps=accum_steps
-    )
-    assert_same_training(
-        *fit_pair(make_accum, make_plain, x, y, 32, batch, compile_kwargs=compile_kwargs)
-    )
-
-
 def test_a_static_batch_size_is_split_statically():
     # drop_remainder: the traced step knows the batch size (no hint needed).
     x, y = make_data(SAMPLES)

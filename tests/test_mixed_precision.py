@@ -102,25 +102,6 @@ def test_mixed_bfloat16_matches_the_big_batch(policy):
     assert all(b.dtype == tf.float32 for b in internals.accumulator(acc).acc_grads)
     assert_weights_close(plain, acc, BFLOAT16_RTOL, BFLOAT16_ATOL)
 
-
-@pytest.mark.parametrize("policy", ["mixed_float16"], indirect=True)
-@pytest.mark.parametrize(
-    "compile_kwargs",
-    [
-        {"jit_compile": True},
-        {"steps_per_execution": 2},
-        {"steps_per_execution": 3},
-        {"steps_per_execution": 5},
-        {"steps_per_execution": 3, "jit_compile": True},
-    ],
-    ids=["jit", "spe2", "spe3", "spe5", "spe3_jit"],
-)
-def test_xla_and_steps_per_execution_under_mixed_precision(policy, compile_kwargs):
-    x, y = make_data(100)
-    plain, acc = run_pair(x, y, lambda: keras.optimizers.Adam(0.01), compile_kwargs)
-    assert_weights_close(plain, acc, FLOAT16_RTOL, FLOAT16_ATOL)
-
-
 def test_float16_variables_get_float32_buffers_and_accum_dtype_overrides():
     keras.utils.set_random_seed(0)
     inputs = keras.Input((FEATURES,), dtype="float16")

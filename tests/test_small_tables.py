@@ -224,19 +224,6 @@ def test_accum_optimizer_on_a_plain_model():
     reference.fit(x, y, batch_size=MICRO * N, epochs=2, shuffle=False, verbose=0)
     assert_weights_close(reference, accum)
 
-
-def test_jit_compile():
-    # The last window (8+8+8+4) is applied in the compiled step at the short
-    # batch: moments handed over in the static size of 4 full batches.
-    x, y = small_table_data(92)
-    plain, accum = fit_pair(
-        lambda: small_tables_net(AccumModel, accum_steps=N), x, y, optimizer("adam"),
-        jit_compile=True,
-    )
-    assert accum.jit_compile
-    assert_weights_close(plain, accum)
-
-
 def test_jit_compile_needs_room_for_the_whole_window_at_a_short_batch():
     # One row read by every token of the 2-row table, one class: the row's
     # occurrences are nearly alike, so the window needs nearly all of its

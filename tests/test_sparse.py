@@ -159,18 +159,6 @@ def test_mask_zero_with_a_masked_per_token_loss():
     )
     assert_weights_close(plain, accum)
 
-
-def test_jit_compile():
-    # 60 samples: windows of 8+8+8+8 and 8+8+8+4, both applied in the
-    # compiled step; the second leaves stale slices past its own.
-    x, y = token_data(60)
-    plain, accum = fit_pair(
-        *WAYS_IN["functional"], x, y, OPTIMIZERS["adam"], jit_compile=True
-    )
-    assert accum.jit_compile
-    assert_weights_close(plain, accum)
-
-
 def test_under_xla_the_window_is_padded_to_static_shapes():
     acc = GradientAccumulator()
     weights = tf.Variable(tf.zeros((20, 3)))

@@ -20,7 +20,7 @@ import contextlib
 import keras
 import numpy as np
 import pytest
-from helpers import internals, replicas
+from helpers import internals, references, replicas
 from helpers.assertions import ATOL, RTOL, assert_trained
 from helpers.models import loss
 
@@ -88,18 +88,28 @@ def train(model, mode, data, start, stop):
         model.train_on_batch(x[i : i + batch], y[i : i + batch], sample_weight=w[i : i + batch])
 
 
-def plain_big_batches(data, windows, where="one_device"):
-    x, y, w = data
+def plain_big_batches(windows, where="one_device"):
+    """The plain model after one big batch per window (samples a to b of
+    `make_data()`, weight 1), trained once per test process for each
+    (windows, strategy): every mode and decision that applies the same
+    windows reads the same reference."""
     # On two replicas the reference is Keras's own big batch on the same
     # strategy: Keras's cross-replica sum of an Embedding's IndexedSlices
     # makes Adam's update differ from one device's (0.011 here, for a plain
     # model alone), and keras_accum reproduces Keras's (4.8e-7).
-    with scope(where) if where == "two_replica_mirrored" else contextlib.nullcontext():
-        plain = net()
-        plain.compile(keras.optimizers.Adam(0.01), loss())
-    for a, b in windows:
-        plain.train_on_batch(x[a:b], y[a:b], sample_weight=w[a:b])
-    return plain
+    on_two = where == "two_replica_mirrored"
+
+    def train():
+        x, y = make_data()
+        with scope(where) if on_two else contextlib.nullcontext():
+            plain = net()
+            plain.compile(keras.optimizers.Adam(0.01), loss())
+        for a, b in windows:
+            plain.train_on_batch(x[a:b], y[a:b])
+        assert_trained(plain, net().get_weights())
+        return plain
+
+    return references.once(("window_state", tuple(windows), on_two), train)
 
 
 def state(model):
@@ -204,9 +214,7 @@ def test_every_piece_of_window_state_follows_the_decision(decision, mode, where,
     data = (x, y, np.ones(len(x), "float32"))
     model, windows, skipped = SCENARIOS[decision](mode, where, data, tmp_path)
     assert_window_closed(model, skipped)
-    plain = plain_big_batches(data, windows, where)
-    assert_trained(plain, net().get_weights())
-    assert_as_plain(model, plain)
+    assert_as_plain(model, plain_big_batches(windows, where))
 
 
 @pytest.mark.parametrize("where", list(WHERE))

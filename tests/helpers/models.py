@@ -209,6 +209,36 @@ def bn_net(cls=keras.Model, kind="rank2", seed=0, bn_kwargs=None, **kwargs):
     return cls(inputs, _bn_body(inputs, kind, bn_layer(**(bn_kwargs or {}))), **kwargs)
 
 
+class _BNNet:
+    def __init__(self, bn_kwargs=None, **kwargs):
+        super().__init__(**kwargs)
+        self.bn = bn_layer(**(bn_kwargs or {}))
+        self.hidden = keras.layers.Dense(4, activation="relu")
+        self.flatten = keras.layers.Flatten()
+        self.logits = keras.layers.Dense(3)
+
+    def call(self, x, training=None):
+        return self.logits(self.flatten(self.hidden(self.bn(x, training=training))))
+
+
+class PlainBNNet(_BNNet, keras.Model):
+    pass
+
+
+class AccumBNNet(_BNNet, keras_accum.AccumModel):
+    pass
+
+
+def subclassed_bn_net(cls=keras.Model, kind="rank2", seed=0, bn_kwargs=None, **kwargs):
+    """The BatchNormalization model subclassed (PlainBNNet or AccumBNNet),
+    unbuilt; `kind` must be a shape bn_net takes other than "masked"."""
+    assert kind != "masked"
+    keras.utils.set_random_seed(seed)
+    if cls is keras_accum.AccumModel:
+        return AccumBNNet(bn_kwargs=bn_kwargs, **kwargs)
+    return PlainBNNet(bn_kwargs=bn_kwargs)
+
+
 def _layers(layer):
     # The layer and every layer it holds, through nested and wrapped models.
     yield layer
