@@ -164,7 +164,9 @@ SPARSE_ROWS = {
 
 @pytest.mark.parametrize("rows", list(SPARSE_ROWS))
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-@pytest.mark.parametrize("run", ["eager", "graph", "xla"])
+@pytest.mark.parametrize(
+    "run", [pytest.param("eager", marks=pytest.mark.unit), "graph", "xla"]
+)
 def test_a_sparse_gradients_squared_norm_is_its_dense_rows(rows, dtype, run):
     table, indices = SPARSE_ROWS[rows]
     values = np.random.default_rng(6).normal(size=(len(indices), 3)).astype(dtype)
