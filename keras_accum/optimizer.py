@@ -1,10 +1,20 @@
 """`AccumOptimizer`: the same accumulation as an optimizer wrapper, for custom loops."""
 
+import numbers
+
 import keras
+import numpy as np
+import tensorflow as tf
 
 from keras_accum import _internals as internals
 from keras_accum import scaling
-from keras_accum.arguments import check_accum_steps, check_skip_nonfinite
+from keras_accum.arguments import (
+    OPTIMIZER_ARGUMENTS,
+    check_accum_dtype,
+    check_accum_steps,
+    check_keywords,
+    check_skip_nonfinite,
+)
 from keras_accum.window import Window, slices
 from keras_accum.window.buffers import GradientAccumulator
 from keras_accum.window.nonfinite import NonFiniteWindows
@@ -91,6 +101,10 @@ class AccumOptimizer(keras.optimizers.Optimizer):
             )
         check_not_accumulating(optimizer, accum_steps)
         check_skip_nonfinite(skip_nonfinite)
+        accum_dtype = check_accum_dtype(accum_dtype)
+        # A misspelt argument of ours is named as such; any other is an
+        # optimizer argument, which belongs to the inner optimizer.
+        check_keywords(kwargs, "AccumOptimizer", OPTIMIZER_ARGUMENTS, passed_on=())
         if kwargs:
             raise ValueError(
                 "AccumOptimizer takes no optimizer arguments of its own; set "
