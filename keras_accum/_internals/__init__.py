@@ -101,6 +101,7 @@ from keras_accum._internals.optimizer import (  # noqa: E402
 from keras_accum._internals.saving import (  # noqa: E402
     KerasSaveable,
     SavedState,
+    building_optimizer_on_load,
     copy_build_shapes,
     legacy_keras_hint,
     no_automatic_dependency_tracking,
@@ -166,6 +167,7 @@ __all__ = [
     # saving
     "KerasSaveable",
     "SavedState",
+    "building_optimizer_on_load",
     "copy_build_shapes",
     "legacy_keras_hint",
     "no_automatic_dependency_tracking",
