@@ -65,7 +65,8 @@ class EpochEndFlush(keras.callbacks.Callback):
         self._flush()
         model = self._accum_model
         if logs is not None and model.skip_nonfinite:
-            logs["skipped_windows"] = model.skipped_windows
+            # Printed as an integer by the progress bar (LoggedCount).
+            logs["skipped_windows"] = internals.LoggedCount(model.skipped_windows)
         if model._window.noise is not None:
             self._log_noise_scale(logs)
 

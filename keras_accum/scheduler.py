@@ -7,6 +7,7 @@ import numbers
 
 import keras
 
+from keras_accum import _internals as internals
 from keras_accum.arguments import check_accum_steps
 
 
@@ -166,7 +167,8 @@ class AccumScheduler(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
-            logs["accum_steps"] = self.model.accum_steps
+            # Printed as an integer by the progress bar (LoggedCount).
+            logs["accum_steps"] = internals.LoggedCount(self.model.accum_steps)
 
 
 NOISE_SCALE = "noise_scale"

@@ -258,3 +258,14 @@ def test_fit_accum_steps_is_where_a_later_schedule_starts_from():
     assert_weights_close(plain, model)
     assert model.accum_steps == 1
 
+
+def test_the_progress_bar_prints_accum_steps_as_an_integer(capsys):
+    model = functional(AccumModel)
+    model.compile(OPTIMIZERS["adam"](), loss())
+    history = model.fit(X, Y, batch_size=MICRO, epochs=2, shuffle=False, verbose=2,
+                        callbacks=[AccumScheduler({0: 1, 1: 2})])
+    out = capsys.readouterr().out
+    assert out.count("accum_steps: 1\n") == 1 and out.count("accum_steps: 2\n") == 1, out
+    # Still an int for everything else (a batch size, say).
+    assert history.history["accum_steps"] == [1, 2]
+    assert all(isinstance(v, int) for v in history.history["accum_steps"])

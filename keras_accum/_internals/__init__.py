@@ -52,6 +52,7 @@ from keras_accum._internals.versions import (
 check_versions(keras.__version__, tf.__version__)
 
 from keras_accum._internals.callbacks import (  # noqa: E402
+    LoggedCount,
     backup_batch_seen,
     backup_counts_from_zero,
     backup_due_after_batch,
@@ -186,6 +187,7 @@ __all__ = [
     "own_variables",
     "unknown_variables",
     # callbacks
+    "LoggedCount",
     "backup_batch_seen",
     "backup_counts_from_zero",
     "backup_due_after_batch",
