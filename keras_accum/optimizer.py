@@ -62,7 +62,12 @@ def _check_weight(weight):
             f"`weight` must be a scalar. Received: weight of shape {tuple(shape)}."
         )
     # A traced tensor's value is known only at run time: not checked.
-    value = tf.get_static_value(weight) if tf.is_tensor(weight) else weight
+    if isinstance(weight, tf.Variable):
+        value = weight.numpy() if tf.executing_eagerly() else None
+    elif tf.is_tensor(weight):
+        value = tf.get_static_value(weight)
+    else:
+        value = weight
     if value is not None and not np.asarray(value) >= 0:
         raise ValueError(
             "`weight` must be >= 0: it weights the micro-batch's gradient in "

@@ -226,9 +226,11 @@ def test_apply_refuses_a_variable_it_was_not_built_with():
         (-8, ValueError, r"`weight` must be >= 0.*Received: weight=-8"),
         (np.float32(-0.5), ValueError, r"`weight` must be >= 0.*Received: weight=-0.5"),
         (tf.constant(-8.0), ValueError, r"`weight` must be >= 0.*Received: weight=-8.0"),
+        (keras.Variable(-2.0), ValueError, r"`weight` must be >= 0.*Received: weight=-2.0"),
         (np.array([8, 8]), ValueError, r"`weight` must be a scalar.*shape \(2,\)"),
     ],
-    ids=["string", "bool", "negative", "negative_numpy", "negative_tensor", "vector"],
+    ids=["string", "bool", "negative", "negative_numpy", "negative_tensor", "negative_variable",
+         "vector"],
 )
 def test_apply_refuses_a_weight_that_is_not_a_number_at_least_0(weight, error, match):
     model = functional()
