@@ -81,10 +81,11 @@ def train():
         model = build(keras_accum.AccumModel, accum_steps=ACCUM_STEPS)
     # Fault tolerance: if a worker dies, restart all of them with the same
     # command and training resumes from the newest epoch every worker backed
-    # up. One directory per worker; removed when training completes.
+    # up. One directory per worker, directly in the temporary directory:
+    # removed when training completes, leaving nothing behind.
     task = strategy.cluster_resolver.task_id
     backup = keras_accum.BackupAndRestore(
-        os.path.join(tempfile.gettempdir(), "keras_accum_example", f"worker-{task}"),
+        os.path.join(tempfile.gettempdir(), f"keras_accum_example-worker-{task}"),
         double_checkpoint=True,
     )
     model.fit(

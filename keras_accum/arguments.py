@@ -13,6 +13,7 @@ settings.accum_steps  # 4
 ```
 """
 
+import difflib
 import numbers
 from typing import NamedTuple
 
@@ -253,3 +254,73 @@ def settings_from_config(config):
     return accum_settings(
         **{name: config.pop(name) for name in AccumSettings._fields if name in config}
     )
+
+
+# What each way in takes of keras_accum's own arguments.
+MODEL_ARGUMENTS = AccumSettings._fields
+FIT_ARGUMENTS = ("accum_steps", "micro_batch_size")
+OPTIMIZER_ARGUMENTS = ("accum_steps", "accum_dtype", "skip_nonfinite")
+
+# Names other libraries give our arguments, suggested as if misspelt.
+_OTHER_NAMES = {
+    "gradient_accumulation_steps": "accum_steps",
+    "accumulation_steps": "accum_steps",
+}
+
+
+def check_keywords(kwargs, where, accepted, passed_on=None):
+    """Raises TypeError for a keyword argument `where` would not honour.
+
+    `kwargs` holds the keyword arguments left after `where`'s own were
+    taken. A misspelt argument of keras_accum's would otherwise be handed
+    to Keras, which ignores it (a functional model) or names only itself in
+    its error (`fit`, a subclass), and training would go on with the
+    default. So a name close to one of keras_accum's arguments (difflib),
+    or one of them that belongs to another way in (`noise_scale` given to
+    `fit`), is refused here, before anything is made or changed.
+
+    Args:
+        kwargs: the keyword arguments not taken.
+        where: what was called, for the message, e.g. "AccumModel".
+        accepted: the keras_accum arguments `where` takes.
+        passed_on: the names Keras takes in `kwargs` (a collection), left
+            alone even when close to ours (`dtype` and `accum_dtype`); None
+            if nothing is passed on: every name left is refused.
+
+    Example:
+
+    ```python
+    check_keywords({"accum_step": 4}, "AccumModel", MODEL_ARGUMENTS, ())
+    # TypeError: ... Did you mean `accum_steps`?
+    ```
+    """
+    for name, value in kwargs.items():
+        if passed_on is not None and name in passed_on:
+            continue
+        ours = MODEL_ARGUMENTS + FIT_ARGUMENTS + OPTIMIZER_ARGUMENTS
+        if name in ours:
+            # Ours, but not taken here.
+            owners = [
+                owner
+                for owner, names in (
+                    ("AccumModel(...) and keras_accum.wrap(...)", MODEL_ARGUMENTS),
+                    ("AccumModel.fit(...)", FIT_ARGUMENTS),
+                    ("AccumOptimizer(...)", OPTIMIZER_ARGUMENTS),
+                )
+                if name in names
+            ]
+            hint = f"`{name}` is an argument of {' and '.join(owners)}, not of {where}."
+        else:
+            close = _OTHER_NAMES.get(name) or next(
+                iter(difflib.get_close_matches(name, sorted(set(ours)), n=1)), None
+            )
+            if close is None and passed_on is not None:
+                continue  # for Keras to take or refuse
+            hint = "" if close is None else f"Did you mean `{close}`?"
+            if close is not None and close not in accepted:
+                hint += f" (It is not an argument of {where} either.)"
+        raise TypeError(
+            f"{where} got an unexpected keyword argument `{name}`. {hint} "
+            f"Received: {name}={value!r}. keras_accum's arguments of "
+            f"{where} are: {', '.join(accepted)}."
+        )

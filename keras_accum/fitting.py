@@ -10,14 +10,22 @@ with one_fit(model, callbacks, accum_steps=8, micro_batch_size=None) as callback
 """
 
 import contextlib
+import inspect
 import math
 import warnings
 
 import keras
 
-from keras_accum.arguments import check_accum_steps, check_micro_batch_size
+from keras_accum import _internals as internals
+from keras_accum.arguments import (
+    FIT_ARGUMENTS,
+    check_accum_steps,
+    check_keywords,
+    check_micro_batch_size,
+)
 from keras_accum.backup import check_callbacks
 from keras_accum.microbatch import static_batch_size
+from keras_accum.scheduler import AccumScheduler
 
 
 class EpochEndFlush(keras.callbacks.Callback):
@@ -57,7 +65,8 @@ class EpochEndFlush(keras.callbacks.Callback):
         self._flush()
         model = self._accum_model
         if logs is not None and model.skip_nonfinite:
-            logs["skipped_windows"] = model.skipped_windows
+            # Printed as an integer by the progress bar (LoggedCount).
+            logs["skipped_windows"] = internals.LoggedCount(model.skipped_windows)
         if model._window.noise is not None:
             self._log_noise_scale(logs)
 
@@ -88,30 +97,99 @@ class EpochEndFlush(keras.callbacks.Callback):
             self._accum_model.flush()
 
 
+class FitChanges:
+    """The settings the user assigns (`model.accum_steps = n`, from a
+    callback, say) while a `fit` runs.
+
+    `fit(accum_steps=...)` and `AccumScheduler` change a setting for their
+    `fit` only, and `fit` puts the model's own back when it returns. A value
+    the user assigns during the fit is the model's own from then on, and
+    stays, as a learning rate assigned from a callback stays.
+
+    Example:
+
+    ```python
+    model._fit_changes.set_by_user(accum_steps=2)  # the setter, during fit
+    ```
+    """
+
+    def __init__(self):
+        self.settings = None  # None outside fit
+
+    def start(self):
+        self.settings = {}
+
+    def set_by_user(self, **settings):
+        if self.settings is not None:
+            self.settings.update(settings)
+
+    def stop(self):
+        settings, self.settings = self.settings or {}, None
+        return settings
+
+
+def check_schedule_agrees(callbacks, accum_steps, initial_epoch):
+    """Refuses `fit(accum_steps=n)` with an `AccumScheduler` that sets
+    another value for the epoch the fit starts at: the schedule would
+    replace `n` before the first step, and `n` would never be used.
+
+    A schedule that starts later (`{3: 8}`) or follows the noise scale
+    starts from `n`, as from the model's own value without it.
+    """
+    if accum_steps is None:
+        return
+    for callback in callbacks:
+        if not isinstance(callback, AccumScheduler):
+            continue
+        value = callback._value_at_start(initial_epoch)
+        if value is not None and value != accum_steps:
+            raise ValueError(
+                f"fit(accum_steps={accum_steps}) and the AccumScheduler in "
+                f"`callbacks` (schedule={callback.schedule!r}) both set "
+                f"accum_steps for epoch {initial_epoch}, where training "
+                f"starts: the schedule says {value}, and would silently win. "
+                "Nothing was trained. Give the value once: in the schedule "
+                f"(e.g. {{{initial_epoch}: {accum_steps}, ...}}), or as "
+                "fit's accum_steps with a schedule that starts at a later "
+                "epoch."
+            )
+
+
+# The keyword arguments of Keras's fit, which AccumModel.fit passes on.
+_KERAS_FIT_ARGUMENTS = frozenset(inspect.signature(keras.Model.fit).parameters)
+
+
 @contextlib.contextmanager
-def one_fit(model, callbacks, accum_steps=None, micro_batch_size=None):
+def one_fit(model, callbacks, accum_steps=None, micro_batch_size=None, fit_kwargs=None):
     """The settings and callbacks of one `fit` call; yields the callbacks.
 
     Every argument is checked before anything changes. `accum_steps` and
-    `micro_batch_size`, if given, hold for this call only: afterwards the
-    model's own come back without applying the open window (after an
-    interrupted fit it stays open, to be resumed), and the next fit traces
-    its own step. A resumed epoch's skipping belongs to this call too.
+    `micro_batch_size`, if given, hold for this call only, and so do the
+    values an `AccumScheduler` sets: afterwards the model's own come back
+    without applying the open window (after an interrupted fit it stays
+    open, to be resumed), and the next fit traces its own step. A value the
+    user assigns during the fit (`model.accum_steps = n` in a callback) is
+    the model's own, and stays. A resumed epoch's skipping belongs to this
+    call too. `fit_kwargs` are the other arguments of this `fit`, checked
+    for a misspelling of ours.
     """
+    fit_kwargs = fit_kwargs or {}
+    check_keywords(fit_kwargs, "fit()", FIT_ARGUMENTS, passed_on=_KERAS_FIT_ARGUMENTS)
     if isinstance(callbacks, keras.callbacks.Callback):
         callbacks = [callbacks]  # Keras accepts one callback too
-    check_callbacks(
-        getattr(callbacks, "callbacks", callbacks) or [], model.distribute_strategy
-    )
+    given = getattr(callbacks, "callbacks", callbacks) or []
+    check_callbacks(given, model.distribute_strategy)
     if accum_steps is not None:
         accum_steps = check_accum_steps(accum_steps)
     if micro_batch_size is not None:
         micro_batch_size = check_micro_batch_size(micro_batch_size)
+    check_schedule_agrees(given, accum_steps, fit_kwargs.get("initial_epoch", 0))
     previous = model._settings
     if accum_steps is not None:
-        model.accum_steps = accum_steps
+        model._set_accum_steps(accum_steps)
     if micro_batch_size is not None:
-        model.micro_batch_size = micro_batch_size
+        model._change(micro_batch_size=micro_batch_size)
+    model._fit_changes.start()
     flush = EpochEndFlush(model)
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks.callbacks.insert(0, flush)
@@ -125,6 +203,7 @@ def one_fit(model, callbacks, accum_steps=None, micro_batch_size=None):
         model._training_build = False
         if isinstance(callbacks, keras.callbacks.CallbackList):
             callbacks.callbacks.remove(flush)
+        previous = previous._replace(**model._fit_changes.stop())
         if model._settings != previous:
             # Not through the setters: the open window stays open.
             model._settings = previous

@@ -33,6 +33,8 @@ where plain Keras `fit` fails (tensorflow/tensorflow#72388), this model
 trains with any `accum_steps`, 1 included.
 """
 
+import inspect
+
 import keras
 
 from keras_accum import _internals as internals
@@ -45,6 +47,15 @@ from keras_accum.window.batchnorm import BatchNormMoments
 from keras_accum.window.buffers import GradientAccumulator
 from keras_accum.window.noise_scale import MeasuredNoiseScale, NoiseScale
 from keras_accum.window.nonfinite import NonFiniteWindows, SkippedWindows
+
+
+# The keyword arguments Keras's Model takes (a Layer's, and a functional
+# model's graph): a misspelling of ours is refused, these go to Keras.
+_KERAS_MODEL_ARGUMENTS = frozenset(
+    name
+    for name, parameter in inspect.signature(keras.layers.Layer.__init__).parameters.items()
+    if parameter.kind is inspect.Parameter.KEYWORD_ONLY
+) | {"inputs", "outputs", "input_shape", "input_dim"}
 
 
 @keras.saving.register_keras_serializable(package="keras_accum")
@@ -99,7 +110,8 @@ class AccumModel(
             (McCandlish et al. 2018) is estimated from the windows and
             logged by `fit` as `noise_scale` every epoch (`noise_scale`
             property); training is unchanged. Default False.
-        **kwargs: passed to `keras.Model`.
+        **kwargs: passed to `keras.Model`; a misspelling of an argument
+            above (`accum_step`) raises a TypeError naming the argument.
 
     Example:
 
@@ -136,6 +148,8 @@ class AccumModel(
         noise_scale=False,
         **kwargs,
     ):
+        arguments.check_keywords(kwargs, type(self).__name__, arguments.MODEL_ARGUMENTS,
+                                 passed_on=_KERAS_MODEL_ARGUMENTS)
         settings = arguments.accum_settings(
             accum_steps, accum_dtype, skip_nonfinite, batchnorm, micro_batch_size,
             noise_scale,
@@ -145,6 +159,8 @@ class AccumModel(
         # first training batch (see _maybe_symbolic_build).
         self._batch_size_seen = None
         self._auto_micro_batch = AutoMicroBatch()
+        # Settings assigned during a fit, which outlive it (fitting.py).
+        self._fit_changes = fitting.FitChanges()
         TrainFunctionSlot.owner(self)
         self._configure(settings)
 
@@ -179,7 +195,8 @@ class AccumModel(
         """Micro-batches per optimizer update. Setting it applies a pending window.
 
         Each value is traced once per compile: switching back and forth
-        reuses the traced step.
+        reuses the traced step. Set during `fit` (from a callback), it stays
+        after `fit`, as a learning rate does.
 
         Example:
 
@@ -197,6 +214,11 @@ class AccumModel(
     @accum_steps.setter
     def accum_steps(self, value):
         value = arguments.check_accum_steps(value)
+        self._fit_changes.set_by_user(accum_steps=value)
+        self._set_accum_steps(value)
+
+    def _set_accum_steps(self, value):
+        # Not the user's: fit's per-call value, AccumScheduler (fitting.py).
         if value == self._settings.accum_steps:
             return
         buffers = self._window.buffers
@@ -231,7 +253,9 @@ class AccumModel(
 
     @micro_batch_size.setter
     def micro_batch_size(self, value):
-        self._change(micro_batch_size=arguments.check_micro_batch_size(value))
+        value = arguments.check_micro_batch_size(value)
+        self._fit_changes.set_by_user(micro_batch_size=value)
+        self._change(micro_batch_size=value)
 
     @property
     def chosen_micro_batch_size(self):
@@ -272,7 +296,8 @@ class AccumModel(
 
         Args:
             accum_steps: if given, overrides `self.accum_steps` for this call;
-                validated before any training happens.
+                validated before any training happens, and refused if an
+                `AccumScheduler` sets another value for the first epoch.
             micro_batch_size: if given, overrides `self.micro_batch_size`
                 for this call: each batch of `batch_size` is split into
                 micro-batches of this many samples inside the step (one
@@ -303,7 +328,7 @@ class AccumModel(
         assert model.accum_steps == 1 and int(model.optimizer.iterations) == 1
         ```
         """
-        with fitting.one_fit(self, callbacks, accum_steps, micro_batch_size) as callbacks:
+        with fitting.one_fit(self, callbacks, accum_steps, micro_batch_size, kwargs) as callbacks:
             return super().fit(
                 x,
                 y,

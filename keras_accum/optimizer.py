@@ -1,10 +1,20 @@
 """`AccumOptimizer`: the same accumulation as an optimizer wrapper, for custom loops."""
 
+import numbers
+
 import keras
+import numpy as np
+import tensorflow as tf
 
 from keras_accum import _internals as internals
 from keras_accum import scaling
-from keras_accum.arguments import check_accum_steps, check_skip_nonfinite
+from keras_accum.arguments import (
+    OPTIMIZER_ARGUMENTS,
+    check_accum_dtype,
+    check_accum_steps,
+    check_keywords,
+    check_skip_nonfinite,
+)
 from keras_accum.window import Window, slices
 from keras_accum.window.buffers import GradientAccumulator
 from keras_accum.window.nonfinite import NonFiniteWindows
@@ -26,6 +36,43 @@ def check_not_accumulating(optimizer, accum_steps):
                 "an AccumModel with a plain optimizer, or an AccumOptimizer "
                 "(or Keras's `gradient_accumulation_steps`) on a plain model."
             )
+
+
+def _check_weight(weight):
+    """Refuses a micro-batch weight that is not a non-negative number,
+    before anything is added: a string would reach TensorFlow's arithmetic
+    (UnimplementedError), a negative weight would subtract a micro-batch."""
+    if weight is None:
+        return
+    if isinstance(weight, keras.Variable):
+        weight = weight.value
+    if isinstance(weight, (bool, np.bool_)) or not (
+        isinstance(weight, numbers.Real)
+        or (isinstance(weight, np.ndarray) and weight.dtype.kind in "iuf")
+        or (tf.is_tensor(weight) and (weight.dtype.is_floating or weight.dtype.is_integer))
+    ):
+        raise TypeError(
+            "`weight` must be a number >= 0 (the micro-batch's number of "
+            "samples, say), or a numeric scalar tensor. Received: "
+            f"weight={weight!r} (of type {type(weight).__name__})."
+        )
+    shape = getattr(weight, "shape", ())
+    if shape is not None and len(shape) > 0:
+        raise ValueError(
+            f"`weight` must be a scalar. Received: weight of shape {tuple(shape)}."
+        )
+    # A traced tensor's value is known only at run time: not checked.
+    if isinstance(weight, tf.Variable):
+        value = weight.numpy() if tf.executing_eagerly() else None
+    elif tf.is_tensor(weight):
+        value = tf.get_static_value(weight)
+    else:
+        value = weight
+    if value is not None and not np.asarray(value) >= 0:
+        raise ValueError(
+            "`weight` must be >= 0: it weights the micro-batch's gradient in "
+            f"the window's mean. Received: weight={np.asarray(value).item()!r}."
+        )
 
 
 @keras.saving.register_keras_serializable(package="keras_accum")
@@ -91,6 +138,10 @@ class AccumOptimizer(keras.optimizers.Optimizer):
             )
         check_not_accumulating(optimizer, accum_steps)
         check_skip_nonfinite(skip_nonfinite)
+        accum_dtype = check_accum_dtype(accum_dtype)
+        # A misspelt argument of ours is named as such; any other is an
+        # optimizer argument, which belongs to the inner optimizer.
+        check_keywords(kwargs, "AccumOptimizer", OPTIMIZER_ARGUMENTS, passed_on=())
         if kwargs:
             raise ValueError(
                 "AccumOptimizer takes no optimizer arguments of its own; set "
@@ -148,8 +199,16 @@ class AccumOptimizer(keras.optimizers.Optimizer):
             trainable_variables: the variables, in any order and any subset
                 of those the optimizer was built with; all of them if None.
             weight: optional scalar weight of this micro-batch (e.g. its
-                number of samples). The update uses the weighted mean of the
-                window's gradients. Default: 1 for every micro-batch.
+                number of samples), >= 0: a Python or numpy number, or a
+                numeric scalar tensor. The update uses the weighted mean of
+                the window's gradients. Default: 1 for every micro-batch.
+
+        Raises:
+            ValueError: for a variable the optimizer was not built with, a
+                negative weight (a tensor's checked when its value is known
+                while tracing), or unequal numbers of gradients and
+                variables; nothing is added.
+            TypeError: for a weight that is not a number.
 
         Example:
 
@@ -165,9 +224,29 @@ class AccumOptimizer(keras.optimizers.Optimizer):
         if trainable_variables is None:
             trainable_variables = internals.built_variables(self)
         trainable_variables = list(trainable_variables)
+        grads = list(grads)
+        _check_weight(weight)
+        if len(grads) != len(trainable_variables):
+            raise ValueError(
+                "`grads` and `trainable_variables` must have the same length, "
+                f"one gradient per variable. Received: {len(grads)} gradients "
+                f"for {len(trainable_variables)} variables."
+            )
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
+        unknown = internals.unknown_variables(self, trainable_variables)
+        if unknown:
+            raise ValueError(
+                "AccumOptimizer.apply received gradients for variables it was "
+                f"not built with: {[v.path for v in unknown]}. Its window "
+                "holds one buffer per variable of its first `apply` (or "
+                "`build`): "
+                f"{[v.path for v in internals.built_variables(self)]}. Pass "
+                "those variables (any subset, in any order), or make a new "
+                "AccumOptimizer for the new variables, after `flush()`ing "
+                "this one."
+            )
         # Buffers follow the build order; put each gradient in its place.
         ordered = [None] * len(internals.built_variables(self))
         for g, v in zip(grads, trainable_variables):

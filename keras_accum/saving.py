@@ -67,11 +67,28 @@ def all_or_nothing(model, load):
     ```
     """
     variables = list(model.weights)
-    if model.optimizer is not None:
-        variables += list(model.optimizer.variables)
+    optimizer = model.optimizer
+    if optimizer is not None:
+        variables += list(optimizer.variables)
     saved = [v.numpy() for v in variables]
     window = model._window.snapshot()
+
+    def build_optimizer():
+        # The file holds the optimizer's state (see
+        # building_optimizer_on_load): built as fit would build it, and
+        # put back as built if the load fails.
+        known = {id(v) for v in variables}
+        with model.distribute_strategy.scope():
+            optimizer.build(model.trainable_variables)
+        for v in optimizer.variables:
+            if id(v) not in known:
+                variables.append(v)
+                saved.append(v.numpy())
+
     try:
+        if model.built:
+            with internals.building_optimizer_on_load(optimizer, build_optimizer):
+                return load()
         return load()
     except Exception:
         for v, value in zip(variables, saved):
@@ -94,9 +111,12 @@ class SavedWithWindow:
     def load_weights(self, filepath, *args, **kwargs):
         """`keras.Model.load_weights`, all or nothing.
 
-        Restores the weights, the optimizer state and a pending window. If
-        loading fails (a corrupted or mismatched file), the model is left as it
-        was before the call and the error is raised.
+        Restores the weights, the optimizer state and a pending window. An
+        optimizer not built yet (a model compiled and not trained) is built
+        when the file holds its state, so that the state loads (Keras alone
+        skips it with a warning, and training would go on from a fresh
+        optimizer). If loading fails (a corrupted or mismatched file), the
+        model is left as it was before the call and the error is raised.
 
         Args:
             filepath: as `keras.Model.load_weights`.

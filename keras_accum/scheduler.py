@@ -7,6 +7,7 @@ import numbers
 
 import keras
 
+from keras_accum import _internals as internals
 from keras_accum.arguments import check_accum_steps
 
 
@@ -26,7 +27,10 @@ class AccumScheduler(keras.callbacks.Callback):
     epoch training starts at. Like `fit(accum_steps=...)`, the change lasts
     for that `fit` only: afterwards `model.accum_steps` is what it was
     before. The value in force is logged as `accum_steps` in each epoch's
-    logs.
+    logs (the progress bar prints it as an integer). With
+    `fit(accum_steps=N)`, a schedule that sets another value for the epoch
+    training starts at is refused before training (`N` would never be
+    used); a schedule starting later, or "noise_scale", starts from `N`.
 
     Args:
         schedule: a dict `{epoch: accum_steps}` (0-based epochs; each value
@@ -119,6 +123,14 @@ class AccumScheduler(keras.callbacks.Callback):
                 f"`schedule` returned {value!r} for epoch {epoch}: {error}"
             ) from None
 
+    def _value_at_start(self, epoch):
+        """The value the schedule sets for `epoch`, as far as it is known
+        before training: None for "noise_scale" (it grows from the value in
+        force) and for a callable returning None. Checked as in `fit`."""
+        if self.schedule == NOISE_SCALE:
+            return None
+        return self._value(epoch)
+
     def on_train_begin(self, logs=None):
         self._check_model()
         if self.schedule == NOISE_SCALE:
@@ -147,13 +159,16 @@ class AccumScheduler(keras.callbacks.Callback):
             return
         # The previous epoch's window was applied at its end, so nothing is
         # pending here (a resumed mid-epoch window was opened with this value).
-        self.model.accum_steps = value
+        # For this fit only, as fit(accum_steps=...): not the setter, which
+        # would make the value the model's own after fit.
+        self.model._set_accum_steps(value)
         if self.verbose > 0:
             print(f"\nEpoch {epoch + 1}: AccumScheduler setting accum_steps to {value}.")
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
-            logs["accum_steps"] = self.model.accum_steps
+            # Printed as an integer by the progress bar (LoggedCount).
+            logs["accum_steps"] = internals.LoggedCount(self.model.accum_steps)
 
 
 NOISE_SCALE = "noise_scale"

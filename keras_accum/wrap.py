@@ -5,7 +5,7 @@ import types
 import keras
 
 from keras_accum import _internals as internals
-from keras_accum.arguments import accum_settings
+from keras_accum.arguments import MODEL_ARGUMENTS, accum_settings, check_keywords
 from keras_accum.model import AccumModel
 from keras_accum.saving import check_config_is_faithful
 
@@ -142,6 +142,8 @@ def wrap(
     batchnorm="window",
     micro_batch_size=None,
     noise_scale=False,
+    accum_dtype=None,
+    **kwargs,
 ):
     """Returns an `AccumModel` that trains `model`'s own layers and weights.
 
@@ -163,6 +165,10 @@ def wrap(
             memory; see `AccumModel`. Default None.
         noise_scale: measure the gradient noise scale and log it every
             epoch; see `AccumModel`. Default False.
+        accum_dtype: dtype of the gradient buffers; see `AccumModel`.
+            Default None: float32 (float64 for float64 weights).
+        **kwargs: none are taken: a misspelt argument raises a TypeError
+            naming the argument it is close to.
 
     Returns:
         An `AccumModel`, not yet compiled.
@@ -175,8 +181,10 @@ def wrap(
     model.compile("adam", "sparse_categorical_crossentropy")
     ```
     """
+    check_keywords(kwargs, "wrap()", MODEL_ARGUMENTS)
     checked = accum_settings(
         accum_steps=accum_steps,
+        accum_dtype=accum_dtype,
         skip_nonfinite=skip_nonfinite,
         batchnorm=batchnorm,
         micro_batch_size=micro_batch_size,
@@ -200,7 +208,6 @@ def wrap(
     # graph below, which would drop its overrides as silently.
     _check_no_step_overrides(model)
     settings = checked._asdict()
-    del settings["accum_dtype"]  # not an argument of wrap
     graph = _graph(model)
     if graph is not None and _has_own_class(model):
         # A KerasHub task, a functional subclass: its own config is what

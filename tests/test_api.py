@@ -90,6 +90,73 @@ def test_bad_accum_steps_in_wrap(value, error):
         keras_accum.wrap(functional(), accum_steps=value)
 
 
+# -- misspelt arguments, on every way in --------------------------------------
+
+# (misspelt, the argument it is close to)
+MISSPELT = [
+    ("accum_step", "accum_steps"),
+    ("gradient_accumulation_steps", "accum_steps"),
+    ("micro_batch", "micro_batch_size"),
+    ("noise_scales", "noise_scale"),
+    ("skip_nonfinte", "skip_nonfinite"),
+    ("batch_norm", "batchnorm"),
+    ("accum_dtyp", "accum_dtype"),
+]
+
+
+class SubclassPassingKwargs(AccumModel):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.dense = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.dense(x)
+
+
+MADE_WITH = {
+    "functional": lambda **kw: functional(AccumModel, **kw),
+    "subclass_super_init": lambda **kw: SubclassPassingKwargs(**kw),
+    "wrap_functional": lambda **kw: keras_accum.wrap(functional(), **kw),
+    "wrap_subclassed": lambda **kw: keras_accum.wrap(subclassed(), **kw),
+    "optimizer": lambda **kw: keras_accum.AccumOptimizer(keras.optimizers.SGD(), **kw),
+}
+
+
+@pytest.mark.parametrize("misspelt,meant", MISSPELT)
+@pytest.mark.parametrize("way", sorted(MADE_WITH))
+def test_a_misspelt_argument_is_refused_naming_the_close_match(way, misspelt, meant):
+    with pytest.raises(TypeError, match=rf"unexpected keyword argument `{misspelt}`\. "
+                                        rf"Did you mean `{meant}`\?.*Received: {misspelt}=4"):
+        MADE_WITH[way](**{misspelt: 4})
+
+
+@pytest.mark.parametrize("misspelt,meant", [("accum_step", "accum_steps"),
+                                            ("micro_batch", "micro_batch_size")])
+def test_a_misspelt_fit_argument_is_refused_before_training(misspelt, meant):
+    x, y = make_data(32)
+    model = functional(AccumModel, accum_steps=2)
+    model.compile(keras.optimizers.SGD(0.1), loss())
+    before = model.get_weights()
+    with pytest.raises(TypeError, match=rf"fit\(\) got an unexpected keyword argument "
+                                        rf"`{misspelt}`\. Did you mean `{meant}`\?"):
+        model.fit(x, y, batch_size=8, verbose=0, **{misspelt: 4})
+    with pytest.raises(TypeError, match=r"`noise_scale` is an argument of AccumModel"):
+        model.fit(x, y, batch_size=8, verbose=0, noise_scale=True)
+    assert model.accum_steps == 2 and int(model.optimizer.iterations) == 0
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_keras_own_arguments_close_to_ours_still_reach_keras():
+    # `dtype` is close to `accum_dtype`, `steps_per_epoch` to nothing of
+    # ours: Keras's, passed on.
+    x, y = make_data(32)
+    model = functional(AccumModel, accum_steps=2, dtype="float32", trainable=True)
+    model.compile(keras.optimizers.SGD(0.1), loss())
+    model.fit(x, y, batch_size=8, verbose=0, steps_per_epoch=4, initial_epoch=0)
+    assert int(model.optimizer.iterations) == 2
+
+
 @pytest.mark.unit
 def test_numpy_integer_accum_steps():
     model = functional(AccumModel, accum_steps=np.int64(4))
@@ -141,6 +208,29 @@ def test_fit_accum_steps_applies_to_that_call_only():
     assert model.accum_steps == 2
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
     assert int(model.optimizer.iterations) == 1 + 4
+
+
+@pytest.mark.parametrize("fit_accum_steps", [None, 8], ids=["own", "fit_argument"])
+def test_accum_steps_set_from_a_callback_during_fit_takes_effect_and_stays(fit_accum_steps):
+    x, y = make_data(64)
+    model = functional(AccumModel, accum_steps=2)
+    model.compile(keras.optimizers.Adam(0.01), loss())
+
+    def set_at_second_epoch(epoch, logs):
+        if epoch == 1:
+            model.accum_steps = 4
+
+    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+              accum_steps=fit_accum_steps,
+              callbacks=[keras.callbacks.LambdaCallback(on_epoch_begin=set_at_second_epoch)])
+    first = fit_accum_steps or 2
+    assert int(model.optimizer.iterations) == 8 // first + 2
+    assert model.accum_steps == 4  # the user's own value, not fit's
+    plain = functional()
+    plain.compile(keras.optimizers.Adam(0.01), loss())
+    plain.fit(x, y, batch_size=8 * first, epochs=1, shuffle=False, verbose=0)
+    plain.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    assert_weights_close(plain, model)
 
 
 def test_fit_interrupted_with_its_own_accum_steps_leaves_the_window_to_choose():

@@ -22,7 +22,8 @@ from helpers import mirrored as mirrored_runs
 from helpers.assertions import ATOL, RTOL, assert_no_open_window, assert_weights_close
 from helpers.data import make_data
 from helpers.models import OPTIMIZERS, AccumNet, PlainNet, functional, loss, subclassed
-from helpers.processes import Cluster, run_workers, script, wait_for_file
+from helpers.processes import Cluster, run_python, run_workers, script, wait_for_file
+from helpers.project import DOCS, blocks
 from helpers.training import InterruptAt
 
 import keras_accum
@@ -452,3 +453,21 @@ def test_an_open_window_from_another_setup_is_refused(tmp_path, shares, replicas
     model.load_weights(path)
     assert_no_open_window(model)
     assert_weights_close(model, saved)
+
+
+@pytest.mark.slow
+def test_the_documented_worker_program_leaves_nothing_in_the_temporary_directory(tmp_path):
+    # docs/fault-tolerance.md's program, in one process (a cluster of one
+    # worker), with BACKUP_DIR unset: its backups go to the temporary
+    # directory and must all be gone when training ends.
+    (code,) = [
+        b.code for b in blocks((DOCS / "fault-tolerance.md").read_text())
+        if b.marker == "multi-worker" and b.lang == "python"
+    ]
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    result = run_python(
+        "-c", code, timeout=RUN, TMPDIR=str(temporary), TF_CPP_MIN_LOG_LEVEL="3"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert not [p.name for p in temporary.iterdir() if "keras_accum" in p.name]

@@ -198,3 +198,59 @@ def test_variables_in_any_order_or_subset():
     assert int(opt.iterations) == 2
     for before, v in zip(frozen, variables[:2]):
         np.testing.assert_array_equal(before, v.numpy())
+
+
+# -- bad input to apply: refused, nothing added --------------------------------
+
+
+def _one_micro_batch_in(opt, model):
+    opt.apply(gradients(model, X[:8], Y[:8]), model.trainable_variables, weight=8)
+    return [b.numpy() for b in internals.accumulator(opt).acc_grads]
+
+
+def _assert_window_unchanged(opt, buffers):
+    assert internals.pending(opt) == 1
+    for a, b in zip(buffers, internals.accumulator(opt).acc_grads):
+        np.testing.assert_array_equal(a, b.numpy())
+
+
+def test_apply_refuses_a_variable_it_was_not_built_with():
+    model, other = functional(), functional(seed=1)
+    opt = AccumOptimizer(keras.optimizers.SGD(0.1), accum_steps=4)
+    buffers = _one_micro_batch_in(opt, model)
+    grads = gradients(other, X[:8], Y[:8])
+    with pytest.raises(ValueError, match=r"not built with: \[.*hidden/kernel.*Pass those variables"):
+        opt.apply(grads, other.trainable_variables)
+    _assert_window_unchanged(opt, buffers)
+
+
+@pytest.mark.parametrize(
+    "weight,error,match",
+    [
+        ("8", TypeError, r"`weight` must be a number >= 0.*Received: weight='8'"),
+        (True, TypeError, r"`weight` must be a number >= 0.*Received: weight=True"),
+        (-8, ValueError, r"`weight` must be >= 0.*Received: weight=-8"),
+        (np.float32(-0.5), ValueError, r"`weight` must be >= 0.*Received: weight=-0.5"),
+        (tf.constant(-8.0), ValueError, r"`weight` must be >= 0.*Received: weight=-8.0"),
+        (keras.Variable(-2.0), ValueError, r"`weight` must be >= 0.*Received: weight=-2.0"),
+        (np.array([8, 8]), ValueError, r"`weight` must be a scalar.*shape \(2,\)"),
+    ],
+    ids=["string", "bool", "negative", "negative_numpy", "negative_tensor", "negative_variable",
+         "vector"],
+)
+def test_apply_refuses_a_weight_that_is_not_a_number_at_least_0(weight, error, match):
+    model = functional()
+    opt = AccumOptimizer(keras.optimizers.SGD(0.1), accum_steps=4)
+    buffers = _one_micro_batch_in(opt, model)
+    with pytest.raises(error, match=match):
+        opt.apply(gradients(model, X[8:16], Y[8:16]), model.trainable_variables, weight=weight)
+    _assert_window_unchanged(opt, buffers)
+
+
+def test_apply_refuses_unequal_numbers_of_gradients_and_variables():
+    model = functional()
+    opt = AccumOptimizer(keras.optimizers.SGD(0.1), accum_steps=4)
+    buffers = _one_micro_batch_in(opt, model)
+    with pytest.raises(ValueError, match=r"3 gradients for 4 variables"):
+        opt.apply(gradients(model, X[:8], Y[:8])[:3], model.trainable_variables)
+    _assert_window_unchanged(opt, buffers)

@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import warnings
 
 import keras
 import numpy as np
@@ -134,6 +135,41 @@ def test_load_weights_resumes_a_pending_window(suffix, tmp_path):
     assert_same_window(model, restored)
     assert internals.accumulator(restored).window_length() == 4
     train(restored, range(6, 8))
+    assert_weights_close(uninterrupted(), restored, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("make", [functional, subclassed], ids=["functional", "subclassed"])
+def test_load_weights_mid_window_into_a_model_not_trained_yet(make, tmp_path):
+    # Compiled, never trained: its optimizer is not built. The file's
+    # optimizer state (iterations, moments) must load all the same, or the
+    # resumed run goes on from a fresh optimizer.
+    model = train(compiled(make(AccumModel, accum_steps=4)), range(6))
+    model.save_weights(tmp_path / "m.weights.h5")
+    restored = compiled(make(AccumModel, accum_steps=4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        restored.load_weights(tmp_path / "m.weights.h5")
+    assert not [w for w in caught if "Skipping variable loading" in str(w.message)]
+    assert int(restored.optimizer.iterations) == 1
+    train(restored, range(6, 8))
+    assert_weights_close(uninterrupted(make), restored, rtol=0, atol=0)
+    # ... which is the big batch's: two updates of 32 samples.
+    plain = compiled(make())
+    for i in range(2):
+        plain.train_on_batch(X[32 * i : 32 * i + 32], Y[32 * i : 32 * i + 32])
+    assert_weights_close(plain, restored)
+
+
+def test_load_weights_saved_before_training_leaves_the_optimizer_unbuilt(tmp_path):
+    # Nothing of the optimizer's to load: no build, and no warning.
+    compiled(functional(AccumModel, accum_steps=4)).save_weights(tmp_path / "m.weights.h5")
+    restored = compiled(functional(AccumModel, accum_steps=4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        restored.load_weights(tmp_path / "m.weights.h5")
+    assert not [w for w in caught if "Skipping variable loading" in str(w.message)]
+    assert not restored.optimizer.built
+    train(restored, range(8))
     assert_weights_close(uninterrupted(), restored, rtol=0, atol=0)
 
 

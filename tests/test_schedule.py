@@ -232,3 +232,43 @@ def test_a_plain_model_is_refused_before_training():
         model.fit(X, Y, batch_size=MICRO, callbacks=[AccumScheduler({0: 2})], **FIT)
     for w, w0 in zip(model.get_weights(), initial):
         np.testing.assert_array_equal(w, w0)
+
+
+# -- with fit(accum_steps=...) ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "schedule", [{0: 2}, {0: 2, 2: 4}, lambda epoch: 2], ids=["dict", "dict_later", "callable"]
+)
+def test_fit_accum_steps_that_the_schedule_would_replace_is_refused_before_training(schedule):
+    model = functional(AccumModel, accum_steps=3)
+    model.compile(OPTIMIZERS["adam"](), loss())
+    before = model.get_weights()
+    with pytest.raises(ValueError, match=r"fit\(accum_steps=8\).*schedule says 2.*Nothing was trained"):
+        model.fit(X, Y, batch_size=MICRO, epochs=2, accum_steps=8,
+                  callbacks=[AccumScheduler(schedule)], **FIT)
+    assert model.accum_steps == 3 and int(model.optimizer.iterations.numpy()) == 0
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_fit_accum_steps_is_where_a_later_schedule_starts_from():
+    model = functional(AccumModel)
+    model.compile(OPTIMIZERS["adam"](), loss())
+    model.fit(X, Y, batch_size=MICRO, epochs=3, accum_steps=2,
+              callbacks=[AccumScheduler({2: 4})], **FIT)
+    plain, _ = plain_following(lambda epoch: 2 if epoch < 2 else 4, epochs=3)
+    assert_weights_close(plain, model)
+    assert model.accum_steps == 1
+
+
+def test_the_progress_bar_prints_accum_steps_as_an_integer(capsys):
+    model = functional(AccumModel)
+    model.compile(OPTIMIZERS["adam"](), loss())
+    history = model.fit(X, Y, batch_size=MICRO, epochs=2, shuffle=False, verbose=2,
+                        callbacks=[AccumScheduler({0: 1, 1: 2})])
+    out = capsys.readouterr().out
+    assert out.count("accum_steps: 1\n") == 1 and out.count("accum_steps: 2\n") == 1, out
+    # Still an int for everything else (a batch size, say).
+    assert history.history["accum_steps"] == [1, 2]
+    assert all(isinstance(v, int) for v in history.history["accum_steps"])

@@ -13,6 +13,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import internals
 from helpers.assertions import assert_trained, assert_weights_close
 from helpers.data import CLASSES, FEATURES, make_data
 from helpers.models import WAYS_IN, TiedLM, functional, loss, subclassed, tied_graph
@@ -28,6 +29,20 @@ def test_wrap_rejects_non_models():
         keras_accum.wrap(keras.layers.Dense(3), accum_steps=2)
     with pytest.raises(ValueError, match=r"already an AccumModel"):
         keras_accum.wrap(functional(AccumModel, accum_steps=2), accum_steps=4)
+
+
+@pytest.mark.parametrize("make", [functional, subclassed], ids=["functional", "subclassed"])
+def test_wrap_takes_accum_dtype_as_accum_model_does(make):
+    x, y = make_data(16)
+    model = keras_accum.wrap(make(), accum_steps=2, accum_dtype="float16")
+    model.compile(keras.optimizers.SGD(0.1), loss())
+    model.train_on_batch(x, y)
+    assert {b.dtype for b in internals.accumulator(model).acc_grads} == {tf.float16}
+    assert model.get_config()["accum_dtype"] == "float16"
+    clone = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(model))
+    assert clone.get_config()["accum_dtype"] == "float16"
+    with pytest.raises(ValueError, match=r"`accum_dtype` must be a floating-point dtype"):
+        keras_accum.wrap(make(), accum_dtype="int32")
 
 
 def _sequential():

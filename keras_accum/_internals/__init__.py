@@ -52,6 +52,7 @@ from keras_accum._internals.versions import (
 check_versions(keras.__version__, tf.__version__)
 
 from keras_accum._internals.callbacks import (  # noqa: E402
+    LoggedCount,
     backup_batch_seen,
     backup_counts_from_zero,
     backup_due_after_batch,
@@ -101,6 +102,7 @@ from keras_accum._internals.optimizer import (  # noqa: E402
 from keras_accum._internals.saving import (  # noqa: E402
     KerasSaveable,
     SavedState,
+    building_optimizer_on_load,
     copy_build_shapes,
     legacy_keras_hint,
     no_automatic_dependency_tracking,
@@ -166,6 +168,7 @@ __all__ = [
     # saving
     "KerasSaveable",
     "SavedState",
+    "building_optimizer_on_load",
     "copy_build_shapes",
     "legacy_keras_hint",
     "no_automatic_dependency_tracking",
@@ -184,6 +187,7 @@ __all__ = [
     "own_variables",
     "unknown_variables",
     # callbacks
+    "LoggedCount",
     "backup_batch_seen",
     "backup_counts_from_zero",
     "backup_due_after_batch",

@@ -1,10 +1,13 @@
-"""Keras's `BackupAndRestore` and the epoch `fit` starts at.
+"""Keras's `BackupAndRestore`, the epoch `fit` starts at, and counts in
+`fit`'s progress bar.
 
 `keras_accum.BackupAndRestore` reuses Keras's batch counting:
 `_should_save_on_batch(batch)` counts the batches since the last backup
 from `_last_batch_seen` (reset at each epoch's end) and
 `_batches_seen_since_last_saving`.
 """
+
+import numpy as np
 
 
 def set_initial_epoch(model, epoch):
@@ -58,3 +61,45 @@ def backups_made_by(method_name):
         return cls
 
     return decorate
+
+
+class LoggedCount(int):
+    """A count (`accum_steps`, `skipped_windows`) in `fit`'s epoch logs,
+    which the progress bar prints as the integer it is.
+
+    Keras's `Progbar` prints every logged value with four decimals
+    (`accum_steps: 4.0000`): it takes `np.mean` of a value that is not a
+    Python float, divides it by its count of steps (1 at an epoch's end)
+    and formats the quotient with `.4f` (`.4e` near 0). This int stays
+    itself through those three, so it prints `accum_steps: 4`. Anywhere
+    else it is the int it was (`History`, arithmetic, `range`, `{:d}`).
+    Should a Keras release format otherwise, the count prints as other
+    values do: nothing else depends on it.
+
+    Example:
+
+    ```python
+    logs["accum_steps"] = LoggedCount(model.accum_steps)
+    ```
+    """
+
+    def __array_function__(self, func, types, args, kwargs):
+        # `np.mean` of the value alone: the value. Any other numpy function
+        # gets the plain int.
+        if func is np.mean and args == (self,) and not kwargs:
+            return self
+        args = tuple(int(a) if a is self else a for a in args)
+        return func(*args, **kwargs)
+
+    def __truediv__(self, other):
+        # The progress bar's mean over the one value it was given.
+        return self if other == 1 else int(self) / other
+
+    def __format__(self, spec):
+        if spec[-1:] in _FLOAT_PRESENTATIONS:
+            # Decimals a count does not have.
+            return str(int(self))
+        return format(int(self), spec)
+
+
+_FLOAT_PRESENTATIONS = frozenset("eEfFgG%")

@@ -1,6 +1,8 @@
 """Keras's saving and object tracking: keras_accum's training state in a
 model's files, build shapes for `export()`, and tf_keras objects."""
 
+import contextlib
+
 from keras_accum._internals.versions import is_missing, reach
 
 KerasSaveable = reach("keras.src.saving.keras_saveable", "KerasSaveable")
@@ -61,3 +63,42 @@ def copy_build_shapes(source, target):
     built without running `build`.
     """
     target._build_shapes_dict = getattr(source, "_build_shapes_dict", None)
+
+
+@contextlib.contextmanager
+def building_optimizer_on_load(optimizer, build):
+    """While Keras loads a file: an `optimizer` not yet built is built by
+    `build()` when the file holds more variables for it than it has.
+
+    Keras's `Optimizer.load_own_variables` skips the saved state of an
+    optimizer that is not built, with only a warning ("Skipping variable
+    loading for optimizer"), and training goes on from a fresh state: the
+    iterations, the moments and the learning-rate schedule's step lost. The
+    file's store tells how many variables it holds for the optimizer, so
+    the optimizer is built only when there is state to load (a file saved
+    before any training holds `iterations` and the learning rate only,
+    which load as they are). Keras finds `load_own_variables` on the
+    object, so an instance attribute shadows the method for this load.
+
+    Example:
+
+    ```python
+    with building_optimizer_on_load(model.optimizer, build):
+        keras.Model.load_weights(model, path)
+    ```
+    """
+    if optimizer is None or optimizer.built:
+        yield
+        return
+    load = optimizer.load_own_variables
+
+    def load_own_variables(store):
+        if not optimizer.built and len(store.keys()) > len(optimizer.variables):
+            build()
+        return load(store)
+
+    optimizer.load_own_variables = load_own_variables
+    try:
+        yield
+    finally:
+        del optimizer.load_own_variables
