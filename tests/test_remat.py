@@ -85,8 +85,8 @@ def assert_rematerialised(model, x):
     assert max(CALLS.values()) == 2 * 2, CALLS  # 2 convolutions, each twice
 
 
-def train(model, x, y, batch, **fit_kwargs):
-    model.compile(OPTIMIZERS["adam"](), loss(), metrics=["accuracy"])
+def train(model, x, y, batch, jit_compile=False, **fit_kwargs):
+    model.compile(OPTIMIZERS["adam"](), loss(), metrics=["accuracy"], jit_compile=jit_compile)
     return model.fit(x, y, batch_size=batch, **FIT, **fit_kwargs).history
 
 
@@ -111,6 +111,21 @@ def test_remat_trains_as_the_big_batch(mode, way, batch):
     else:
         accum = keras_accum.wrap(cnn(mode), **settings)
         accum_history = train(accum, x, y, batch)
+    assert_weights_close(plain, accum)
+    assert int(accum.optimizer.iterations) == int(plain.optimizer.iterations)
+    assert_history_close(plain_history, accum_history)
+
+
+@pytest.mark.slow  # XLA compiles each micro-batch's step (about 18 s)
+@pytest.mark.parametrize("mode", MODES)
+def test_remat_under_xla_trains_as_the_big_batch(mode):
+    # The recomputed forward pass inside XLA's cluster, micro-batches and
+    # window together (accum_steps=2, micro-batches of 8 of each batch of 16).
+    x, y = data()
+    plain = cnn(mode)
+    plain_history = train(plain, x, y, BIG)
+    accum = keras_accum.wrap(cnn(mode), accum_steps=2, micro_batch_size=MICRO)
+    accum_history = train(accum, x, y, 2 * MICRO, jit_compile=True)
     assert_weights_close(plain, accum)
     assert int(accum.optimizer.iterations) == int(plain.optimizer.iterations)
     assert_history_close(plain_history, accum_history)
