@@ -93,3 +93,24 @@ def test_sparse_norm_runs_and_both_ways_give_the_same_norm():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if line.startswith("| ") and "µs" in line]
     assert len(rows) == 5 and all(row.endswith("| yes |") for row in rows), result.stdout
+
+
+@pytest.mark.slow  # five fresh processes (about two minutes)
+@pytest.mark.skipif(
+    not hasattr(__import__("keras"), "RematScope"),
+    reason="keras.RematScope is Keras >= 3.9",
+)
+def test_remat_benchmark_runs_and_writes_its_report(tmp_path):
+    result = run_python(
+        "-m", "benchmarks.remat", "--quick", "--rounds", "1", "--workloads", "ffn",
+        "--out", str(tmp_path), timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    import json
+
+    report = (tmp_path / "remat.md").read_text()
+    for config in ("big batch", "micro_batch_size=b", "remat", "remat + micro_batch_size=b"):
+        assert f"| {config} |" in report, config
+    ffn = json.loads((tmp_path / "remat.json").read_text())["ffn"]
+    assert ffn["max_weight_difference"] < 1e-4  # the four trained alike
+    assert all(m["median"] > 0 for m in ffn["memory"].values())
