@@ -4,10 +4,12 @@ examples, do what they say.
 Every code block of README.md and docs/**/*.md is covered (docs/development.md,
 "The documentation site", states these rules for contributors):
 
-* `python` blocks run, in order, in one fresh namespace per page, after the
-  block marked `<!-- docs-test: given -->` (docs/getting-started.md), in a
-  temporary directory; a page starting with `<!-- docs-test: two-devices -->`
-  runs in a process of its own with two logical CPU devices.
+* A page's `python` blocks run as a reader pastes them: top to bottom, as one
+  program, in a fresh Python of its own, in an empty directory, with
+  nothing defined for them (each page makes its own imports and data). A
+  block marked `<!-- docs-test: two-devices -->` (the first of its page)
+  splits the CPU into two logical devices: the page runs with it, and
+  without it as on one device.
 * `bash` blocks are checked, not run: each command must name what the
   project has (extras, nox sessions, test files, examples, benchmarks).
 * `<!-- docs-test: multi-worker -->` marks a block that needs a cluster, and
@@ -16,10 +18,13 @@ Every code block of README.md and docs/**/*.md is covered (docs/development.md,
   the whole program of two local workers (tests/helpers/processes.py), a `bash`
   block with a stand-in for `python` that records the TF_CONFIG each
   command gives it. No other kind of block may carry the marker.
-* `<!-- docs-test: kerashub -->` marks a block that uses keras_hub; it is run by
-  tests/test_kerashub.py (the `kerashub` nox session), not here.
+* `<!-- docs-test: kerashub -->` marks a block that needs keras_hub (its
+  page says `pip install keras-hub`): its page runs with it where keras_hub
+  is installed, and without it (as a reader without KerasHub skips it)
+  where not; tests/test_kerashub.py also runs it alone.
 * `text` blocks are formulas.
-* The public docstrings' examples (the API reference) run too.
+* The public docstrings' examples (the API reference) run too, each after
+  the API page's block of the names they use.
 """
 
 import configparser
@@ -50,17 +55,15 @@ def test_ci_runs_the_readme_test_command():
     assert command in (ROOT / ".ci" / "run").read_text().splitlines()
 
 
-def test_readme_quickstart_runs():
-    rng = np.random.default_rng(0)
-    namespace = {
-        "x_train": rng.normal(size=(64, 784)).astype("float32"),
-        "y_train": rng.integers(0, 10, size=64),
-    }
-    exec(code_blocks("python")[0], namespace)
-    model = namespace["model"]
-    # 64 samples are 2 micro-batches: one partial window per epoch, 5 epochs.
-    assert int(model.optimizer.iterations) == 5 * 1
+def test_readme_quickstart_trains_like_the_big_batch():
+    import math
+
+    namespace = {}
+    exec(code_blocks("python")[0], namespace)  # it makes its own data
+    model, samples = namespace["model"], len(namespace["x_train"])
+    # batch_size=32 x accum_steps=8: one update per 256 samples, 5 epochs.
     assert model.accum_steps == 8
+    assert int(model.optimizer.iterations) == 5 * math.ceil(samples / 256)
 
 
 def test_quickstart_example_matches_the_big_batch():
@@ -108,42 +111,43 @@ def test_import_refuses_another_keras_backend(monkeypatch):
         importlib.reload(keras_accum)
 
 
-def test_readme_custom_loop_runs():
+def test_readme_custom_loop_flushes_the_partial_window():
     import keras
-    import tensorflow as tf
 
     import keras_accum
 
     block = next(b for b in code_blocks("python") if "AccumOptimizer(" in b)
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     rng = np.random.default_rng(0)
-    dataset = tf.data.Dataset.from_tensor_slices(
-        (rng.normal(size=(40, 4)).astype("float32"), np.zeros((40, 2), "float32"))
-    ).batch(8)
-    namespace = dict(keras=keras, tf=tf, keras_accum=keras_accum, model=model,
-                     loss_fn=keras.losses.MeanSquaredError(), dataset=dataset)
+    # The names the quickstart above it defines; 150 samples are 5
+    # micro-batches of 32 (the last of 22): one window of 4, and one of 1
+    # that flush applies.
+    namespace = dict(keras=keras, keras_accum=keras_accum,
+                     x_train=rng.normal(size=(150, 784)).astype("float32"),
+                     y_train=rng.integers(0, 10, size=150))
     exec(block, namespace)
-    assert int(namespace["opt"].iterations) == 2  # one full window, one flushed
+    assert int(namespace["opt"].iterations) == 2
 
 
 # -- the documentation site ---------------------------------------------------
 
 LANGUAGES = {"python", "bash", "text"}
-MARKERS = {"given", "multi-worker", "kerashub"}
+MARKERS = {"multi-worker", "kerashub", "two-devices"}
+# A block marker naming an optional package: the module its block imports.
+NEEDS = {"kerashub": "keras_hub"}
 
 
 def page_id(path):
     return str(path.relative_to(ROOT))
 
 
-def given_block():
-    page = (DOCS / "getting-started.md").read_text()
-    (given,) = [b.code for b in blocks(page) if b.marker == "given"]
-    return given
+def python_blocks(path):
+    return [b for b in blocks(path.read_text()) if b.lang == "python"]
 
 
-def runnable(path):
-    return [b.code for b in blocks(path.read_text()) if b.lang == "python" and b.marker is None]
+def api_names():
+    """The API page's block: the names the docstrings' examples start from."""
+    (names,) = [b.code for b in python_blocks(DOCS / "api.md")]
+    return names
 
 
 def test_every_code_block_is_of_a_kind_the_tests_cover():
@@ -161,69 +165,78 @@ def test_every_code_block_is_of_a_kind_the_tests_cover():
                 # The multi-worker tests run every such block of these two
                 # languages; one of another would be run by none.
                 assert block.lang in {"python", "bash"}, f"{where}: a multi-worker block no test runs"
-            if block.marker == "given":
-                assert path == DOCS / "getting-started.md", where
-            if block.marker == "kerashub":
-                assert "keras_hub" in block.code, f"{where}: the kerashub marker is for KerasHub blocks"
+            if block.marker in NEEDS:
+                module = NEEDS[block.marker]
+                assert block.lang == "python" and f"import {module}" in block.code, where
+                # The reader is told what to install, before the block.
+                package = module.replace("_", "-")
+                assert f"pip install {package}" in text[:text.index(block.code)], (
+                    f"{where}: the page does not say `pip install {package}`"
+                )
+            if block.marker == "two-devices":
+                # First thing, before any other TensorFlow work.
+                assert python_blocks(path)[0].marker == "two-devices", f"{where}: two-devices on a later block"
+                assert "set_logical_device_configuration" in block.code, where
             if block.lang == "text":  # formulas: Python code would have to run
                 with pytest.raises(SyntaxError):
                     compile(block.code, where, "exec")
     for path in PAGES:
         for line in path.read_text().splitlines():
             assert line.startswith("<!-- docs-test:") <= bool(
-                re.fullmatch(r"<!-- docs-test: (given|multi-worker|kerashub|two-devices) -->", line)
+                re.fullmatch(rf"<!-- docs-test: ({'|'.join(sorted(MARKERS))}) -->", line)
             ), f"{page_id(path)}: unknown marker {line}"
-            if line == "<!-- docs-test: two-devices -->":
-                assert path.read_text().startswith(line), f"{page_id(path)}: two-devices is a page marker"
 
 
-_TWO_DEVICES = """
-import json, sys
-import tensorflow as tf
-devices = int(sys.argv[1])
-if devices > 1:
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * devices)
-namespace = {}
-for code in json.load(sys.stdin):
-    exec(compile(code, "<docs block>", "exec"), namespace)
-assert len(tf.config.list_logical_devices("CPU")) == devices
-if "strategy" in namespace:  # the page's MirroredStrategy ran on every device
-    assert namespace["strategy"].num_replicas_in_sync == devices
-    # 256 samples at a global micro-batch of 64: 4 micro-batches, one
-    # partial window of accum_steps=8, applied at the epoch's end.
-    assert int(namespace["model"].optimizer.iterations.numpy()) == 1
-print("ran", flush=True)
+def _installed(module):
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+# After a page with a two-devices block: what it trained on. 256 samples at
+# a global micro-batch of 64 are 4 micro-batches, one partial window of
+# accum_steps=8, applied at the epoch's end.
+_TWO_DEVICES_CHECKS = """
+
+# -- the test's checks, after the page --
+assert len(tf.config.list_logical_devices("CPU")) == {devices}
+assert strategy.num_replicas_in_sync == {devices}
+assert int(model.optimizer.iterations.numpy()) == 1
 """
 
 
-@pytest.mark.parametrize(
-    "path", [p for p in PAGES if runnable(p)], ids=page_id
-)
-def test_page_code_runs(path, tmp_path, monkeypatch):
-    import json
+@pytest.mark.slow
+@pytest.mark.parametrize("path", [p for p in PAGES if python_blocks(p)], ids=page_id)
+def test_page_runs_top_to_bottom_in_a_fresh_python(path, tmp_path):
+    """The page as a reader pastes it: its python blocks, in order, as one
+    program in a fresh interpreter, in an empty directory."""
+    from helpers.processes import environment
 
-    import keras
-
-    codes = [given_block(), *runnable(path)]
-    monkeypatch.chdir(tmp_path)  # files a page saves land here
-    if path.read_text().startswith("<!-- docs-test: two-devices -->"):
-        # Two devices, and one: the page's code as first run on a one-GPU or
-        # CPU-only machine (a one-replica MirroredStrategy).
-        for devices in (2, 1):
-            result = subprocess.run(
-                [sys.executable, "-c", _TWO_DEVICES, str(devices)], input=json.dumps(codes),
-                capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT)},
-            )
-            assert result.returncode == 0 and "ran" in result.stdout, (devices, result.stderr[-3000:])
-        return
-    namespace = {"__name__": "docs_page"}
-    try:
-        for code in codes:
-            exec(compile(code, f"<{page_id(path)}>", "exec"), namespace)
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
+    page = python_blocks(path)
+    # A reader without an optional package skips its block; nothing after
+    # it may need it (the page runs whole where the package is installed).
+    page = [b for b in page if b.marker not in NEEDS or _installed(NEEDS[b.marker])]
+    runs = [("page", [b.code for b in page], "")]
+    if page[0].marker == "two-devices":
+        # As pasted, with two logical CPU devices; and without that block:
+        # the page on a one-GPU or CPU-only machine (one replica).
+        runs = [
+            ("page", [b.code for b in page], _TWO_DEVICES_CHECKS.format(devices=2)),
+            ("one-device", [b.code for b in page[1:]], _TWO_DEVICES_CHECKS.format(devices=1)),
+        ]
+    for name, codes, checks in runs:
+        workdir = tmp_path / name
+        workdir.mkdir()
+        program = workdir / f"{name}.py"
+        program.write_text("\n".join(codes) + checks)
+        result = subprocess.run(
+            [sys.executable, program.name], capture_output=True, text=True, timeout=600,
+            cwd=workdir,
+            # The checked-out keras_accum; temporary files (the Fault
+            # tolerance program's default backup directory) in the test's.
+            env=environment(TF_CPP_MIN_LOG_LEVEL="3", TMPDIR=str(workdir)),
+        )
+        assert result.returncode == 0, f"{page_id(path)} ({program}):\n{result.stderr[-3000:]}"
 
 
 def multi_worker_blocks(lang):
@@ -475,7 +488,7 @@ def test_docstring_examples_run(tmp_path, monkeypatch):
         doc = inspect.getdoc(member.fget if isinstance(member, property) else member) or ""
         for code in re.findall(r"```python\n(.*?)```", doc, flags=re.S):
             namespace = {"__name__": "docstring"}
-            exec(given_block(), namespace)
+            exec(api_names(), namespace)
             try:
                 exec(compile(code, f"<docstring of {member}>", "exec"), namespace)
             finally:
