@@ -14,14 +14,17 @@ Every code block of README.md and docs/**/*.md is covered (docs/development.md,
   project has (extras, nox sessions, test files, examples, benchmarks).
 * `<!-- docs-test: multi-worker -->` marks a block that needs a cluster, and
   is allowed only on blocks that use MultiWorkerMirroredStrategy or
-  TF_CONFIG. Such a block runs too, outside its page: a `python` block as
-  the whole program of two local workers (tests/helpers/processes.py), a `bash`
-  block with a stand-in for `python` that records the TF_CONFIG each
+  TF_CONFIG. A `python` one runs in its page (one process, a cluster of
+  one) and also as the whole program of two local workers
+  (tests/helpers/processes.py); a `bash` one runs with a stand-in for `python` that records the TF_CONFIG each
   command gives it. No other kind of block may carry the marker.
 * `<!-- docs-test: kerashub -->` marks a block that needs keras_hub (its
   page says `pip install keras-hub`): its page runs with it where keras_hub
   is installed, and without it (as a reader without KerasHub skips it)
-  where not; tests/test_kerashub.py also runs it alone.
+  where not; no later block may read a name it binds (checked without
+  keras_hub too); tests/test_kerashub.py also runs it alone.
+* A page whose blocks make a `MirroredStrategy` starts with the
+  two-devices block.
 * `text` blocks are formulas.
 * The public docstrings' examples (the API reference) run too, each after
   the API page's block of the names they use.
@@ -177,6 +180,12 @@ def test_every_code_block_is_of_a_kind_the_tests_cover():
                 # First thing, before any other TensorFlow work.
                 assert python_blocks(path)[0].marker == "two-devices", f"{where}: two-devices on a later block"
                 assert "set_logical_device_configuration" in block.code, where
+            if block.lang == "python" and block.marker is None and ".MirroredStrategy(" in block.code:
+                # A reader without two GPUs sees the setup, and the page is
+                # tested with two replicas.
+                assert python_blocks(path)[0].marker == "two-devices", (
+                    f"{where}: MirroredStrategy on a page without the two-devices block"
+                )
             if block.lang == "text":  # formulas: Python code would have to run
                 with pytest.raises(SyntaxError):
                     compile(block.code, where, "exec")
@@ -185,6 +194,44 @@ def test_every_code_block_is_of_a_kind_the_tests_cover():
             assert line.startswith("<!-- docs-test:") <= bool(
                 re.fullmatch(rf"<!-- docs-test: ({'|'.join(sorted(MARKERS))}) -->", line)
             ), f"{page_id(path)}: unknown marker {line}"
+
+
+def _bound_and_free(code):
+    """The names `code` binds at top level other than by imports, and those it
+    reads before binding them (as far as a reader's snippet goes: a name
+    bound anywhere in a statement counts as bound for that statement)."""
+    import ast
+    import builtins
+
+    bound, imported, free = set(), set(), set()
+    for statement in ast.parse(code).body:
+        stored = {n.id for n in ast.walk(statement) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        stored |= {n.arg for n in ast.walk(statement) if isinstance(n, ast.arg)}
+        free |= {
+            n.id for n in ast.walk(statement)
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+        } - bound - imported - stored - set(dir(builtins))
+        if isinstance(statement, (ast.Import, ast.ImportFrom)):
+            imported |= {(a.asname or a.name).split(".")[0] for a in statement.names}
+        elif isinstance(statement, (ast.FunctionDef, ast.ClassDef)):
+            bound.add(statement.name)
+        else:
+            bound |= {n.id for n in ast.walk(statement) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    return bound, free
+
+
+def test_no_block_reads_what_an_optional_block_defines():
+    # Where the optional package is installed the page runs whole, and where
+    # not, without that block: a later block reading a name it (re)binds
+    # would train on the KerasHub model in one and on another in the other.
+    # Checked here, without the package: the names read before being bound.
+    for path in PAGES:
+        page = python_blocks(path)
+        for i, block in enumerate(page):
+            if block.marker in NEEDS:
+                binds, _ = _bound_and_free(block.code)
+                _, reads = _bound_and_free("\n".join(b.code for b in page[i + 1:]))
+                assert not binds & reads, f"{page_id(path)}: {sorted(binds & reads)} after the {block.marker} block"
 
 
 def _installed(module):
