@@ -16,8 +16,8 @@ Every code block of README.md and docs/**/*.md is covered (docs/development.md,
   is allowed only on blocks that use MultiWorkerMirroredStrategy or
   TF_CONFIG. A `python` one runs in its page (one process, a cluster of
   one) and also as the whole program of two local workers
-  (tests/helpers/processes.py); a `bash` one runs with a stand-in for `python` that records the TF_CONFIG each
-  command gives it. No other kind of block may carry the marker.
+  (tests/helpers/processes.py); a `bash` one runs with a stand-in for
+  `python` that records the TF_CONFIG each command gives it. No other kind of block may carry the marker.
 * `<!-- docs-test: kerashub -->` marks a block that needs keras_hub (its
   page says `pip install keras-hub`): its page runs with it where keras_hub
   is installed, and without it (as a reader without KerasHub skips it)
