@@ -257,7 +257,7 @@ assert int(model.optimizer.iterations.numpy()) == 1
 def test_page_runs_top_to_bottom_in_a_fresh_python(path, tmp_path):
     """The page as a reader pastes it: its python blocks, in order, as one
     program in a fresh interpreter, in an empty directory."""
-    from helpers.processes import environment
+    from helpers.processes import run_program
 
     page = python_blocks(path)
     # A reader without an optional package skips its block; nothing after
@@ -274,16 +274,8 @@ def test_page_runs_top_to_bottom_in_a_fresh_python(path, tmp_path):
     for name, codes, checks in runs:
         workdir = tmp_path / name
         workdir.mkdir()
-        program = workdir / f"{name}.py"
-        program.write_text("\n".join(codes) + checks)
-        result = subprocess.run(
-            [sys.executable, program.name], capture_output=True, text=True, timeout=600,
-            cwd=workdir,
-            # The checked-out keras_accum; temporary files (the Fault
-            # tolerance program's default backup directory) in the test's.
-            env=environment(TF_CPP_MIN_LOG_LEVEL="3", TMPDIR=str(workdir)),
-        )
-        assert result.returncode == 0, f"{page_id(path)} ({program}):\n{result.stderr[-3000:]}"
+        result = run_program("\n".join(codes) + checks, workdir)
+        assert result.returncode == 0, f"{page_id(path)} ({workdir / 'program.py'}):\n{result.stderr[-3000:]}"
 
 
 def multi_worker_blocks(lang):
