@@ -22,7 +22,8 @@ Every code block of README.md and docs/**/*.md is covered (docs/development.md,
   page says `pip install keras-hub`): its page runs with it where keras_hub
   is installed, and without it (as a reader without KerasHub skips it)
   where not; no later block may read a name it binds (checked without
-  keras_hub too); tests/test_kerashub.py also runs it alone.
+  keras_hub too); tests/test_kerashub.py (the `kerashub` nox session, which
+  has keras-hub) runs its page whole.
 * A page whose blocks make a `MirroredStrategy` starts with the
   two-devices block.
 * `text` blocks are formulas.
