@@ -59,7 +59,7 @@ class AccumScheduler(keras.callbacks.Callback):
     model.compile("adam", "sparse_categorical_crossentropy")
     # batch 32 for epochs 0-1, 64 for epoch 2, 128 from epoch 3 on
     warmup = keras_accum.AccumScheduler({0: 1, 2: 2, 3: 4})
-    model.fit(x, y, batch_size=32, epochs=10, callbacks=[warmup])
+    model.fit(x, y, batch_size=32, epochs=4, callbacks=[warmup])
 
     # or as a function of the epoch
     keras_accum.AccumScheduler(lambda epoch: min(2 ** epoch, 8))
@@ -68,7 +68,7 @@ class AccumScheduler(keras.callbacks.Callback):
     model = keras_accum.AccumModel(inputs, outputs, accum_steps=2, noise_scale=True)
     model.compile("adam", "sparse_categorical_crossentropy")
     grow = keras_accum.AccumScheduler("noise_scale", max_accum_steps=32)
-    model.fit(x, y, batch_size=32, epochs=10, callbacks=[grow])
+    model.fit(x, y, batch_size=32, epochs=3, callbacks=[grow])
     ```
     """
 

@@ -4,22 +4,31 @@ examples, do what they say.
 Every code block of README.md and docs/**/*.md is covered (docs/development.md,
 "The documentation site", states these rules for contributors):
 
-* `python` blocks run, in order, in one fresh namespace per page, after the
-  block marked `<!-- docs-test: given -->` (docs/getting-started.md), in a
-  temporary directory; a page starting with `<!-- docs-test: two-devices -->`
-  runs in a process of its own with two logical CPU devices.
+* A page's `python` blocks run as a reader pastes them: top to bottom, as one
+  program, in a fresh Python of its own, in an empty directory, with
+  nothing defined for them (each page makes its own imports and data). A
+  block marked `<!-- docs-test: two-devices -->` (the first of its page)
+  splits the CPU into two logical devices: the page runs with it, and
+  without it as on one device.
 * `bash` blocks are checked, not run: each command must name what the
   project has (extras, nox sessions, test files, examples, benchmarks).
 * `<!-- docs-test: multi-worker -->` marks a block that needs a cluster, and
   is allowed only on blocks that use MultiWorkerMirroredStrategy or
-  TF_CONFIG. Such a block runs too, outside its page: a `python` block as
-  the whole program of two local workers (tests/helpers/processes.py), a `bash`
-  block with a stand-in for `python` that records the TF_CONFIG each
-  command gives it. No other kind of block may carry the marker.
-* `<!-- docs-test: kerashub -->` marks a block that uses keras_hub; it is run by
-  tests/test_kerashub.py (the `kerashub` nox session), not here.
+  TF_CONFIG. A `python` one runs in its page (one process, a cluster of
+  one) and also as the whole program of two local workers
+  (tests/helpers/processes.py); a `bash` one runs with a stand-in for
+  `python` that records the TF_CONFIG each command gives it. No other kind of block may carry the marker.
+* `<!-- docs-test: kerashub -->` marks a block that needs keras_hub (its
+  page says `pip install keras-hub`): its page runs with it where keras_hub
+  is installed, and without it (as a reader without KerasHub skips it)
+  where not; no later block may read a name it binds (checked without
+  keras_hub too); tests/test_kerashub.py (the `kerashub` nox session, which
+  has keras-hub) runs its page whole.
+* A page whose blocks make a `MirroredStrategy` starts with the
+  two-devices block.
 * `text` blocks are formulas.
-* The public docstrings' examples (the API reference) run too.
+* The public docstrings' examples (the API reference) run too, each after
+  the API page's block of the names they use.
 """
 
 import configparser
@@ -51,17 +60,15 @@ def test_ci_runs_the_readme_test_command():
     assert command in (ROOT / ".ci" / "run").read_text().splitlines()
 
 
-def test_readme_quickstart_runs():
-    rng = np.random.default_rng(0)
-    namespace = {
-        "x_train": rng.normal(size=(64, 784)).astype("float32"),
-        "y_train": rng.integers(0, 10, size=64),
-    }
-    exec(code_blocks("python")[0], namespace)
-    model = namespace["model"]
-    # 64 samples are 2 micro-batches: one partial window per epoch, 5 epochs.
-    assert int(model.optimizer.iterations) == 5 * 1
+def test_readme_quickstart_trains_like_the_big_batch():
+    import math
+
+    namespace = {}
+    exec(code_blocks("python")[0], namespace)  # it makes its own data
+    model, samples = namespace["model"], len(namespace["x_train"])
+    # batch_size=32 x accum_steps=8: one update per 256 samples, 5 epochs.
     assert model.accum_steps == 8
+    assert int(model.optimizer.iterations) == 5 * math.ceil(samples / 256)
 
 
 @pytest.mark.slow  # the example, in a process of its own
@@ -112,42 +119,43 @@ def test_import_refuses_another_keras_backend(monkeypatch):
         importlib.reload(keras_accum)
 
 
-def test_readme_custom_loop_runs():
+def test_readme_custom_loop_flushes_the_partial_window():
     import keras
-    import tensorflow as tf
 
     import keras_accum
 
     block = next(b for b in code_blocks("python") if "AccumOptimizer(" in b)
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     rng = np.random.default_rng(0)
-    dataset = tf.data.Dataset.from_tensor_slices(
-        (rng.normal(size=(40, 4)).astype("float32"), np.zeros((40, 2), "float32"))
-    ).batch(8)
-    namespace = dict(keras=keras, tf=tf, keras_accum=keras_accum, model=model,
-                     loss_fn=keras.losses.MeanSquaredError(), dataset=dataset)
+    # The names the quickstart above it defines; 150 samples are 5
+    # micro-batches of 32 (the last of 22): one window of 4, and one of 1
+    # that flush applies.
+    namespace = dict(keras=keras, keras_accum=keras_accum,
+                     x_train=rng.normal(size=(150, 784)).astype("float32"),
+                     y_train=rng.integers(0, 10, size=150))
     exec(block, namespace)
-    assert int(namespace["opt"].iterations) == 2  # one full window, one flushed
+    assert int(namespace["opt"].iterations) == 2
 
 
 # -- the documentation site ---------------------------------------------------
 
 LANGUAGES = {"python", "bash", "text"}
-MARKERS = {"given", "multi-worker", "kerashub"}
+MARKERS = {"multi-worker", "kerashub", "two-devices"}
+# A block marker naming an optional package: the module its block imports.
+NEEDS = {"kerashub": "keras_hub"}
 
 
 def page_id(path):
     return str(path.relative_to(ROOT))
 
 
-def given_block():
-    page = (DOCS / "getting-started.md").read_text()
-    (given,) = [b.code for b in blocks(page) if b.marker == "given"]
-    return given
+def python_blocks(path):
+    return [b for b in blocks(path.read_text()) if b.lang == "python"]
 
 
-def runnable(path):
-    return [b.code for b in blocks(path.read_text()) if b.lang == "python" and b.marker is None]
+def api_names():
+    """The API page's block: the names the docstrings' examples start from."""
+    (names,) = [b.code for b in python_blocks(DOCS / "api.md")]
+    return names
 
 
 def test_every_code_block_is_of_a_kind_the_tests_cover():
@@ -165,73 +173,114 @@ def test_every_code_block_is_of_a_kind_the_tests_cover():
                 # The multi-worker tests run every such block of these two
                 # languages; one of another would be run by none.
                 assert block.lang in {"python", "bash"}, f"{where}: a multi-worker block no test runs"
-            if block.marker == "given":
-                assert path == DOCS / "getting-started.md", where
-            if block.marker == "kerashub":
-                assert "keras_hub" in block.code, f"{where}: the kerashub marker is for KerasHub blocks"
+            if block.marker in NEEDS:
+                module = NEEDS[block.marker]
+                assert block.lang == "python" and f"import {module}" in block.code, where
+                # The reader is told what to install, before the block.
+                package = module.replace("_", "-")
+                assert f"pip install {package}" in text[:text.index(block.code)], (
+                    f"{where}: the page does not say `pip install {package}`"
+                )
+            if block.marker == "two-devices":
+                # First thing, before any other TensorFlow work.
+                assert python_blocks(path)[0].marker == "two-devices", f"{where}: two-devices on a later block"
+                assert "set_logical_device_configuration" in block.code, where
+            if block.lang == "python" and block.marker is None and ".MirroredStrategy(" in block.code:
+                # A reader without two GPUs sees the setup, and the page is
+                # tested with two replicas.
+                assert python_blocks(path)[0].marker == "two-devices", (
+                    f"{where}: MirroredStrategy on a page without the two-devices block"
+                )
             if block.lang == "text":  # formulas: Python code would have to run
                 with pytest.raises(SyntaxError):
                     compile(block.code, where, "exec")
     for path in PAGES:
         for line in path.read_text().splitlines():
             assert line.startswith("<!-- docs-test:") <= bool(
-                re.fullmatch(r"<!-- docs-test: (given|multi-worker|kerashub|two-devices) -->", line)
+                re.fullmatch(rf"<!-- docs-test: ({'|'.join(sorted(MARKERS))}) -->", line)
             ), f"{page_id(path)}: unknown marker {line}"
-            if line == "<!-- docs-test: two-devices -->":
-                assert path.read_text().startswith(line), f"{page_id(path)}: two-devices is a page marker"
 
 
-_TWO_DEVICES = """
-import json, sys
-import tensorflow as tf
-devices = int(sys.argv[1])
-if devices > 1:
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * devices)
-namespace = {}
-for code in json.load(sys.stdin):
-    exec(compile(code, "<docs block>", "exec"), namespace)
-assert len(tf.config.list_logical_devices("CPU")) == devices
-if "strategy" in namespace:  # the page's MirroredStrategy ran on every device
-    assert namespace["strategy"].num_replicas_in_sync == devices
-    # 256 samples at a global micro-batch of 64: 4 micro-batches, one
-    # partial window of accum_steps=8, applied at the epoch's end.
-    assert int(namespace["model"].optimizer.iterations.numpy()) == 1
-print("ran", flush=True)
+def _bound_and_free(code):
+    """The names `code` binds at top level other than by imports, and those it
+    reads before binding them (as far as a reader's snippet goes: a name
+    bound anywhere in a statement counts as bound for that statement)."""
+    import ast
+    import builtins
+
+    bound, imported, free = set(), set(), set()
+    for statement in ast.parse(code).body:
+        stored = {n.id for n in ast.walk(statement) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        stored |= {n.arg for n in ast.walk(statement) if isinstance(n, ast.arg)}
+        free |= {
+            n.id for n in ast.walk(statement)
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+        } - bound - imported - stored - set(dir(builtins))
+        if isinstance(statement, (ast.Import, ast.ImportFrom)):
+            imported |= {(a.asname or a.name).split(".")[0] for a in statement.names}
+        elif isinstance(statement, (ast.FunctionDef, ast.ClassDef)):
+            bound.add(statement.name)
+        else:
+            bound |= {n.id for n in ast.walk(statement) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    return bound, free
+
+
+def test_no_block_reads_what_an_optional_block_defines():
+    # Where the optional package is installed the page runs whole, and where
+    # not, without that block: a later block reading a name it (re)binds
+    # would train on the KerasHub model in one and on another in the other.
+    # Checked here, without the package: the names read before being bound.
+    for path in PAGES:
+        page = python_blocks(path)
+        for i, block in enumerate(page):
+            if block.marker in NEEDS:
+                binds, _ = _bound_and_free(block.code)
+                _, reads = _bound_and_free("\n".join(b.code for b in page[i + 1:]))
+                assert not binds & reads, f"{page_id(path)}: {sorted(binds & reads)} after the {block.marker} block"
+
+
+def _installed(module):
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+# After a page with a two-devices block: what it trained on. 256 samples at
+# a global micro-batch of 64 are 4 micro-batches, one partial window of
+# accum_steps=8, applied at the epoch's end.
+_TWO_DEVICES_CHECKS = """
+
+# -- the test's checks, after the page --
+assert len(tf.config.list_logical_devices("CPU")) == {devices}
+assert strategy.num_replicas_in_sync == {devices}
+assert int(model.optimizer.iterations.numpy()) == 1
 """
 
 
-def _page_param(path):
-    # A two-devices page runs in processes of its own: the slow tier.
-    two_devices = path.read_text().startswith("<!-- docs-test: two-devices -->")
-    return pytest.param(path, id=page_id(path), marks=[pytest.mark.slow] if two_devices else [])
+@pytest.mark.slow
+@pytest.mark.parametrize("path", [p for p in PAGES if python_blocks(p)], ids=page_id)
+def test_page_runs_top_to_bottom_in_a_fresh_python(path, tmp_path):
+    """The page as a reader pastes it: its python blocks, in order, as one
+    program in a fresh interpreter, in an empty directory."""
+    from helpers.processes import run_program
 
-
-@pytest.mark.parametrize("path", [_page_param(p) for p in PAGES if runnable(p)])
-def test_page_code_runs(path, tmp_path, monkeypatch):
-    import json
-
-    import keras
-
-    codes = [given_block(), *runnable(path)]
-    monkeypatch.chdir(tmp_path)  # files a page saves land here
-    if path.read_text().startswith("<!-- docs-test: two-devices -->"):
-        # Two devices, and one: the page's code as first run on a one-GPU or
-        # CPU-only machine (a one-replica MirroredStrategy).
-        for devices in (2, 1):
-            result = subprocess.run(
-                [sys.executable, "-c", _TWO_DEVICES, str(devices)], input=json.dumps(codes),
-                capture_output=True, text=True, timeout=600, cwd=tmp_path,
-                env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3", "PYTHONPATH": str(ROOT)},
-            )
-            assert result.returncode == 0 and "ran" in result.stdout, (devices, result.stderr[-3000:])
-        return
-    namespace = {"__name__": "docs_page"}
-    try:
-        for code in codes:
-            exec(compile(code, f"<{page_id(path)}>", "exec"), namespace)
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
+    page = python_blocks(path)
+    # A reader without an optional package skips its block; nothing after
+    # it may need it (the page runs whole where the package is installed).
+    page = [b for b in page if b.marker not in NEEDS or _installed(NEEDS[b.marker])]
+    runs = [("page", [b.code for b in page], "")]
+    if page[0].marker == "two-devices":
+        # As pasted, with two logical CPU devices; and without that block:
+        # the page on a one-GPU or CPU-only machine (one replica).
+        runs = [
+            ("page", [b.code for b in page], _TWO_DEVICES_CHECKS.format(devices=2)),
+            ("one-device", [b.code for b in page[1:]], _TWO_DEVICES_CHECKS.format(devices=1)),
+        ]
+    for name, codes, checks in runs:
+        workdir = tmp_path / name
+        workdir.mkdir()
+        result = run_program("\n".join(codes) + checks, workdir)
+        assert result.returncode == 0, f"{page_id(path)} ({workdir / 'program.py'}):\n{result.stderr[-3000:]}"
 
 
 def multi_worker_blocks(lang):
@@ -445,7 +494,9 @@ def test_every_page_is_in_the_nav_and_every_public_name_in_the_api_reference():
     api = (DOCS / "api.md").read_text()
     for name in keras_accum.__all__:
         if name != "__version__":
-            assert f"::: keras_accum.{name}\n" in api, name
+            # Under its own name, or (`wrap`, whose function hides its
+            # module's name) under a heading giving the name it has.
+            assert f"::: keras_accum.{name}\n" in api or f"heading: keras_accum.{name}\n" in api, name
     assert "keras_accum.__version__" in api
     readme = README.split("## The four ways in", 1)[1]
     names = re.search(r"`__all__` is (.*?)\.\s", readme, flags=re.S)[1]
@@ -488,7 +539,7 @@ def test_docstring_examples_run(tmp_path, monkeypatch):
         doc = inspect.getdoc(member.fget if isinstance(member, property) else member) or ""
         for code in re.findall(r"```python\n(.*?)```", doc, flags=re.S):
             namespace = {"__name__": "docstring"}
-            exec(given_block(), namespace)
+            exec(api_names(), namespace)
             try:
                 exec(compile(code, f"<docstring of {member}>", "exec"), namespace)
             finally:

@@ -1,7 +1,8 @@
 """Fresh Python processes, and worker processes on localhost for
 MultiWorkerMirroredStrategy tests.
 
-`run_python` runs one process from the repository root; `script(name)` is
+`run_python` runs one process from the repository root, `run_program` a
+program in a directory of its own, as a reader runs it; `script(name)` is
 the path of a subprocess script in tests/scripts/. This is the one place
 that starts clusters: free ports, a TF_CONFIG per worker, and, for fault
 injection, stopping a worker at a named point of its program and killing
@@ -52,6 +53,23 @@ def run_python(*args, timeout=600, **env):
         text=True,
         timeout=timeout,
         env=environment(**env),
+    )
+
+
+def run_program(code, workdir, timeout=600):
+    """Runs `code` as a reader would: saved as `program.py` in `workdir` (an
+    empty directory) and run there by a fresh `python program.py`, with the
+    repository importable and temporary files in `workdir` too; returns
+    the CompletedProcess (text output)."""
+    workdir = Path(workdir)
+    (workdir / "program.py").write_text(code)
+    return subprocess.run(
+        [sys.executable, "program.py"],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=environment(TF_CPP_MIN_LOG_LEVEL="3", TMPDIR=str(workdir)),
     )
 
 
