@@ -22,7 +22,12 @@ import keras
 
 @pytest.fixture(
     scope="module",
-    params=["mirrored", pytest.param("two_workers", marks=pytest.mark.multi_worker)],
+    # Under MirroredStrategy, a dozen trainings with out-of-memory retries
+    # in one fixture: slow, as the cluster's.
+    params=[
+        pytest.param("mirrored", marks=pytest.mark.slow),
+        pytest.param("two_workers", marks=pytest.mark.multi_worker),
+    ],
 )
 def runs(request):
     """One result per process: one under MirroredStrategy, one per worker."""

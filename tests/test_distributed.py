@@ -27,7 +27,14 @@ from helpers.processes import run_python, script
 METRICS_EXACT = internals.keras_internals.metrics_summed_over_replicas()
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["one_replica", "two_replicas"])
+# Dozens of trainings under a strategy in one fixture: the slow tier (CI
+# runs it once); the window-state table, embeddings and small tables cover
+# one and two replicas in the integration tier.
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(n, marks=pytest.mark.slow) for n in (1, 2)],
+    ids=["one_replica", "two_replicas"],
+)
 def mirrored(request):
     out = mirrored_runs.checks(request.param)
     assert out["replicas"] == request.param

@@ -410,6 +410,7 @@ def test_interrupted_while_skipping_then_resumed_again(tmp_path):
     assert_weights_close(model, plain_big_batch())
 
 
+@pytest.mark.slow  # eight interrupted and resumed trainings under a strategy
 @pytest.mark.parametrize("replicas", [1, 2], ids=["one_replica", "two_replicas"])
 def test_mirrored_strategy_backup_and_mid_window_save_are_exact(replicas, tmp_path):
     run = mirrored_runs.backup_checks(replicas, tmp_path)

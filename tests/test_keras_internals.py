@@ -179,7 +179,7 @@ def test_compiled_loss_terms_are_recorded_once_each():
     with internals.recording_loss_calls(model, lambda fn, *_: seen.append(fn.name)):
         model.compute_loss(x, y, model(x))
     assert sorted(seen) == ["mae", "mse"]
-    assert len(internals.compiled_loss_terms(model)[0]) == 4  # (path, fn, weight, name)
+    assert len(test_internals.compiled_loss_terms(model)[0]) == 4  # (path, fn, weight, name)
 
 
 @pytest.mark.parametrize(

@@ -473,7 +473,14 @@ def test_bad_scheduler_arguments_are_refused_naming_them(kwargs, error, match):
 
 # -- under MirroredStrategy ---------------------------------------------------
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["one_replica", "two_replicas"])
+# Dozens of trainings under a strategy in one fixture: the slow tier (CI
+# runs it once); the window-state table, embeddings and small tables cover
+# one and two replicas in the integration tier.
+@pytest.fixture(
+    scope="module",
+    params=[pytest.param(n, marks=pytest.mark.slow) for n in (1, 2)],
+    ids=["one_replica", "two_replicas"],
+)
 def mirrored(request):
     from helpers import mirrored as mirrored_runs
 
