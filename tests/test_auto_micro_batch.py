@@ -16,6 +16,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers.tiers import WAYS, wide
 from helpers import internals, replicas
 from helpers.assertions import assert_history_close, assert_trained, assert_weights_close
 from helpers.data import CLASSES, FEATURES, make_data
@@ -69,7 +70,7 @@ def test_limit_is_a_real_out_of_memory_error_for_plain_fit():
         model.fit(x, y, batch_size=B, verbose=0)
 
 
-@pytest.mark.parametrize("way", sorted(WAYS_IN))
+@pytest.mark.parametrize("way", wide(sorted(WAYS_IN), WAYS))
 def test_auto_trains_as_the_big_batch_after_running_out_of_memory(way, caplog):
     make_accum, make_plain = WAYS_IN[way](micro_batch_size="auto")
     data = make_data(3 * B + K)  # 16, 16, 16, 8: a short last batch
@@ -158,7 +159,7 @@ def test_auto_halves_an_odd_batch_rounding_up():
     assert model.chosen_micro_batch_size == 2
 
 
-@pytest.mark.parametrize("accum_steps", [1, 2])
+@pytest.mark.parametrize("accum_steps", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_auto_under_a_one_replica_strategy(accum_steps):
     # MirroredStrategy() on a one-GPU or CPU-only machine: one replica,
     # where 'auto' trains as on one device, out-of-memory retry included.
@@ -217,7 +218,12 @@ def _state(model):
 
 
 @pytest.mark.parametrize(
-    "batchnorm, accum_steps", [("window", 2), ("micro_batch", 2), ("window", 1)]
+    "batchnorm, accum_steps",
+    [
+        ("window", 2),
+        pytest.param("micro_batch", 2, marks=pytest.mark.slow),
+        pytest.param("window", 1, marks=pytest.mark.slow),
+    ],
 )
 def test_a_failed_attempt_changes_no_state(batchnorm, accum_steps):
     # BatchNormalization and Dropout before the point that runs out of memory
@@ -314,7 +320,7 @@ def test_readme_auto_snippet_runs():
     keras.utils.set_random_seed(0)
     inputs = keras.Input((FEATURES,))
     outputs = keras.layers.Dense(CLASSES, activation="softmax")(inputs)
-    namespace = {"keras_accum": keras_accum, "inputs": inputs, "outputs": outputs, "x": x, "y": y}
+    namespace = {"keras_accum": keras_accum, "inputs": inputs, "outputs": outputs, "x_train": x, "y_train": y}
     exec(block, namespace)
     model = namespace["model"]
     assert int(model.optimizer.iterations) == 2

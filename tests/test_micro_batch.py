@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers.tiers import WAYS
 from helpers import internals
 from helpers.assertions import (
     FLOAT16_ATOL,
@@ -78,7 +79,10 @@ SPLITS = {
 
 # Every way in on the even split; the others on one of each kind of model
 # (functional, subclassed, wrapped subclassed), to keep the suite fast.
-CASES = [(way, "even") for way in sorted(WAYS_IN)] + [
+CASES = [
+    (way, "even") if way in WAYS else pytest.param(way, "even", marks=pytest.mark.slow)
+    for way in sorted(WAYS_IN)
+] + [
     (way, split)
     for split in ("not_dividing", "with_accum_steps")
     for way in ("functional", "subclass", "wrap_subclassed")

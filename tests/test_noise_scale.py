@@ -442,7 +442,7 @@ def test_the_scheduler_keeps_the_value_on_nan_and_never_shrinks():
     scheduler.set_model(model)
     for measured, expected in [(None, None), (math.nan, None), (5.0, 3), (44.0, 4),
                                (math.inf, 8), (1000.0, 8), (-3.0, 3)]:
-        internals.pretend_measured(model, batch_size=10, noise_scale=measured)
+        internals.pretend_measured(model, batch_size=10, measured=measured)
         assert internals.scheduled_value(scheduler, 1) == expected, measured
 
 

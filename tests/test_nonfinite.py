@@ -4,6 +4,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers.tiers import WAYS, wide
 from helpers import internals
 from helpers.assertions import assert_no_open_window, assert_trained, assert_weights_close
 from helpers.data import make_data
@@ -34,7 +35,7 @@ def assert_finite(model):
 
 
 @pytest.mark.parametrize("optimizer", ["adam_exponential_decay", "sgd_momentum"])
-@pytest.mark.parametrize("kind", sorted(WAYS_IN))  # never built before fit
+@pytest.mark.parametrize("kind", wide(sorted(WAYS_IN), WAYS))  # never built before fit
 def test_fit_skips_the_nan_window_as_if_it_were_not_there(kind, optimizer):
     model = WAYS_IN[kind](accum_steps=N, skip_nonfinite=True)[0]()
     model.compile(OPTIMIZERS[optimizer](), loss())

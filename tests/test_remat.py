@@ -90,7 +90,10 @@ def train(model, x, y, batch, jit_compile=False, **fit_kwargs):
     return model.fit(x, y, batch_size=batch, **FIT, **fit_kwargs).history
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    # "larger_than" on every way in the slow tier.
+    "mode", [m if m == "activations" else pytest.param(m, marks=pytest.mark.slow) for m in MODES]
+)
 @pytest.mark.parametrize(
     "way, batch",
     [("micro_batch_size", BIG), ("accum_steps", MICRO), ("both", 2 * MICRO)],

@@ -7,6 +7,7 @@ That a schedule traces one step per distinct value: test_train_functions.py.
 import keras
 import numpy as np
 import pytest
+from helpers.tiers import WAYS, wide
 from helpers.assertions import assert_history_close, assert_trained, assert_weights_close
 from helpers.data import make_data
 from helpers.models import OPTIMIZERS, WAYS_IN, functional, initial_weights, loss
@@ -49,7 +50,7 @@ def without_accum_steps(history):
 
 
 @pytest.mark.parametrize("optimizer", ["adam_exponential_decay", "sgd_momentum"])
-@pytest.mark.parametrize("kind", sorted(WAYS_IN))  # never built before fit
+@pytest.mark.parametrize("kind", wide(sorted(WAYS_IN), WAYS))  # never built before fit
 def test_dict_schedule_equals_a_plain_model_with_the_scheduled_batch(kind, optimizer):
     model = WAYS_IN[kind]()[0]()
     model.compile(OPTIMIZERS[optimizer](), loss(), metrics=["accuracy"])

@@ -12,6 +12,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers.tiers import wide
 from helpers import internals, training
 from helpers.assertions import ATOL, assert_weights_close
 from helpers.data import small_table_data
@@ -161,7 +162,7 @@ def test_synthesised_occurrences_have_the_windows_sums_and_fit_a_capacity():
 # -- fit: the big batch's training --------------------------------------------------
 
 
-@pytest.mark.parametrize("name", sorted(REPRODUCED))
+@pytest.mark.parametrize("name", wide(sorted(REPRODUCED), ["adam", "adamax", "adagrad"]))
 def test_small_tables_match_the_big_batch(name):
     x, y = small_table_data(92)  # windows of 8+8+8+8, 8+8+8+8, 8+8+8+4
     plain, accum = fit_pair(lambda: small_tables_net(AccumModel, accum_steps=N), x, y, optimizer(name))
@@ -198,7 +199,7 @@ WAYS_IN = {
 }
 
 
-@pytest.mark.parametrize("way", sorted(WAYS_IN))
+@pytest.mark.parametrize("way", wide(sorted(WAYS_IN), ["wrap", "micro_batch_size_and_window"]))
 def test_every_way_in(way):
     x, y = small_table_data(92)
     plain = small_tables_net()

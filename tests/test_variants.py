@@ -188,7 +188,11 @@ def reference(name):
 @pytest.mark.parametrize(
     "name, variant",
     [
-        (name, variant)
+        # XLA and several steps at once, the costliest, on every case in
+        # the slow tier; in the integration tier on step mode.
+        pytest.param(name, variant, marks=pytest.mark.slow)
+        if variant == "xla_steps_per_execution_5" and name != "step"
+        else (name, variant)
         for name, case in CASES.items()
         for variant in [*VARIANTS, *case.more]
     ],

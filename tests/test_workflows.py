@@ -12,6 +12,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers.tiers import WAYS, wide
 from helpers import internals
 from helpers.assertions import (
     assert_history_close,
@@ -43,7 +44,7 @@ def _compile(model, make_optimizer=lambda: keras.optimizers.Adam(0.01), **kwargs
 # 76 samples at micro-batch 8 and N=4: windows of 4, 4 and 2 micro-batches,
 # the last of 8+4 samples, so that every weighting mistake shows and the
 # epoch-end flush runs.
-@pytest.mark.parametrize("way", sorted(WAYS_IN))
+@pytest.mark.parametrize("way", wide(sorted(WAYS_IN), WAYS))
 def test_models_built_by_fit_train_like_the_big_batch(way):
     x, y = make_data(76)
     make_accum, make_plain = _pair(way)

@@ -104,11 +104,11 @@ def settings(model):
     return model._settings
 
 
-def pretend_measured(model, batch_size, noise_scale):
+def pretend_measured(model, batch_size, measured):
     """Sets what an AccumModel last saw (the per-replica batch size) and
-    measured (the noise scale), as an epoch of training would."""
+    `measured` (its noise scale), as an epoch of training would."""
     model._batch_size_seen = batch_size
-    model._noise_scale = noise_scale
+    model._noise_scale = measured
 
 
 def scheduled_value(scheduler, epoch):

@@ -1,0 +1,23 @@
+"""Wide matrices: every case in the slow tier, a representative few in the
+integration tier.
+
+A matrix over every way in or every optimizer runs whole in CI's slow tier
+(`-m slow`, once) and before a release; the README's test command (the
+unit and integration tiers, the inner loop) runs the cases most likely to
+break: the ways in that `fit` builds lazily or that wrap another model
+(functional models are every other test's model), and the optimizers that
+read a gradient most differently.
+
+    @pytest.mark.parametrize("way", wide(sorted(WAYS_IN), WAYS))
+"""
+
+import pytest
+
+# The ways in the integration tier keeps of a matrix over every way in.
+WAYS = ("subclass", "wrap_subclassed")
+
+
+def wide(values, keep):
+    """`values` as parameters, those not in `keep` marked slow."""
+    assert set(keep) <= set(values), (keep, values)
+    return [v if v in keep else pytest.param(v, marks=pytest.mark.slow) for v in values]
