@@ -4,7 +4,7 @@
     nox -s "tests(newest)"                   # whole suite on one pair
     nox -s tests -- tests/test_saving.py     # pytest arguments, every pair
     nox -s "tests(floor)" -- -n 2 -m "not slow"   # the README's tiers
-    nox -s "tests(next)"                     # the next Keras (a pinned nightly)
+    nox -s "tests(next)"                     # the next TensorFlow and Keras (pinned nightlies)
     nox -s "core(floor)" -- -n 2             # CI's subset (CORE) on one pair
     nox -s kerashub                          # KerasHub models (tests/test_kerashub.py)
 
@@ -22,9 +22,10 @@ PAIRS = {
     "floor": ("2.18.1", "3.8.0"),  # the oldest supported
     "colab": ("2.20.0", "3.13.2"),  # Colab's and Kaggle's image today
     "newest": ("2.21.0", "3.15.1"),
-    # The next Keras, before its release: a pinned nightly, so CI stays
-    # reproducible. Move the pin to "keras==3.16.0" once it is published.
-    "next": ("2.21.0", "nightly:3.16.0.dev2026102704"),
+    # The next TensorFlow and Keras, before their release: pinned nightlies
+    # (tf-nightly, keras-nightly), so CI stays reproducible. Move the pins
+    # as docs/keras-versions.md says ("Moving the next pair").
+    "next": ("nightly:2.23.0.dev20261026", "nightly:3.16.0.dev2026102704"),
 }
 
 # What CI runs on the next and the floor pair (the newest runs the whole
@@ -84,16 +85,25 @@ def kerashub(session):
 
 
 def _install(session, tensorflow, keras, *extra):
-    if keras.startswith("nightly:"):
-        # keras-nightly provides the same `keras` module as keras; TensorFlow
-        # and keras_accum pull in keras, so it is replaced afterwards.
-        session.install("-e", ".[test]", f"tensorflow=={tensorflow}", "pytest-xdist", *extra)
-        session.run("python", "-m", "pip", "uninstall", "-y", "keras", silent=True)
-        session.install(f"keras-nightly=={keras.split(':', 1)[1]}")
-        return
-    session.install(
-        "-e", ".[test]", f"tensorflow=={tensorflow}", f"keras=={keras}", "pytest-xdist", *extra
-    )
+    """keras_accum with its test extra, then the pair: a "nightly:VERSION"
+    is tf-nightly or keras-nightly, which provide the same `tensorflow` and
+    `keras` modules as the releases the test extra pulls in, so those are
+    replaced after it (both nightlies in one command, each pinned)."""
+    released = [
+        f"tensorflow=={tensorflow}" if not tensorflow.startswith("nightly:") else None,
+        f"keras=={keras}" if not keras.startswith("nightly:") else None,
+    ]
+    session.install("-e", ".[test]", "pytest-xdist", *filter(None, released), *extra)
+    nightlies = {
+        "tensorflow": ("tf-nightly", tensorflow),
+        "keras": ("keras-nightly", keras),
+    }
+    replaced = [name for name, (_, version) in nightlies.items() if version.startswith("nightly:")]
+    if replaced:
+        session.run("python", "-m", "pip", "uninstall", "-y", *replaced, silent=True)
+        session.install(*[
+            f"{nightlies[name][0]}=={nightlies[name][1].split(':', 1)[1]}" for name in replaced
+        ])
 
 
 def _print_versions(session):

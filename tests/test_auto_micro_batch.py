@@ -109,6 +109,7 @@ def _uneven_batches(x, y, sizes):
     return dataset
 
 
+@pytest.mark.slow  # each out-of-memory retry traces the step again: the slow tier
 def test_out_of_memory_in_the_middle_of_an_epoch_is_recovered(caplog):
     # Whole batches fit until a bigger batch comes: its step runs out of
     # memory, is retried on micro-batches and nothing is lost or doubled.
@@ -135,6 +136,7 @@ def test_out_of_memory_in_the_middle_of_an_epoch_is_recovered(caplog):
     assert model.chosen_micro_batch_size == K
 
 
+@pytest.mark.slow  # each out-of-memory retry traces the step again: the slow tier
 def test_auto_with_accum_steps():
     # Windows of 2 batches of 16, the last epoch's window a single batch
     # of 8: the reference is the plain model with batches of 32.
@@ -148,6 +150,7 @@ def test_auto_with_accum_steps():
     assert model.chosen_micro_batch_size == K
 
 
+@pytest.mark.slow  # each out-of-memory retry traces the step again: the slow tier
 def test_auto_halves_an_odd_batch_rounding_up():
     # 3 samples over a limit of 2: halved to 2 (micro-batches of 2 and 1),
     # not to 1, which would also fit but take a step per sample.
@@ -180,6 +183,7 @@ def test_auto_under_a_one_replica_strategy(accum_steps):
     assert model.chosen_micro_batch_size == K
 
 
+@pytest.mark.slow  # each out-of-memory retry traces the step again: the slow tier
 def test_auto_with_steps_per_execution():
     # The out-of-memory step is the first of an execution of 3 batches.
     make_accum, make_plain = WAYS_IN["functional"](micro_batch_size="auto")
@@ -193,6 +197,7 @@ def test_auto_with_steps_per_execution():
     assert_same_training(plain, h_plain, model, h_model)
 
 
+@pytest.mark.slow  # each out-of-memory retry traces the step again: the slow tier
 def test_micro_batch_of_one_still_out_of_memory_raises_the_error_saying_so():
     x, y = make_data(4)
     model = functional(keras_accum.AccumModel, micro_batch_size="auto")
@@ -262,6 +267,7 @@ def test_a_failed_attempt_changes_no_state(batchnorm, accum_steps):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.slow  # each out-of-memory retry traces the step again: the slow tier
 def test_save_resume_and_flush_in_auto_mode(tmp_path):
     # A window of 2 steps of 16 opened in one model (which runs out of
     # memory first), saved mid-window, resumed in a fresh model (which runs
@@ -327,6 +333,7 @@ def test_readme_auto_snippet_runs():
     assert model.chosen_micro_batch_size is None
 
 
+@pytest.mark.slow  # each out-of-memory retry traces the step again: the slow tier
 def test_fit_argument_auto_for_one_call():
     make_accum, make_plain = WAYS_IN["functional"]()
     data = make_data(2 * B)

@@ -16,10 +16,17 @@ from helpers.project import ROOT, nox_constant, nox_pairs
 def test_readme_install_table_lists_the_tested_pairs():
     install = (ROOT / "README.md").read_text().split("## Install", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(
-        r"^\| (\d+\.\d+\.\d+) \| ((?:keras-nightly )?\d+\.\d+\.\d+(?:\.dev\d+)?) \|", install, flags=re.M
+        r"^\| ((?:tf-nightly )?\d+\.\d+\.\d+(?:\.dev\d+)?) \| "
+        r"((?:keras-nightly )?\d+\.\d+\.\d+(?:\.dev\d+)?) \|",
+        install,
+        flags=re.M,
     )
-    # noxfile.py names a nightly "nightly:VERSION"; the README "keras-nightly VERSION".
-    rows = [(tf, keras.replace("keras-nightly ", "nightly:")) for tf, keras in rows]
+    # noxfile.py names a nightly "nightly:VERSION"; the README
+    # "tf-nightly VERSION" and "keras-nightly VERSION".
+    rows = [
+        (tf.replace("tf-nightly ", "nightly:"), keras.replace("keras-nightly ", "nightly:"))
+        for tf, keras in rows
+    ]
     assert sorted(rows) == sorted(nox_pairs().values())
 
 
@@ -41,7 +48,7 @@ def test_ci_runs_the_next_pair_the_floor_pair_and_kerashub():
     run = (ROOT / ".ci" / "run").read_text()
     pairs = nox_pairs()
     assert pairs["floor"] == ("2.18.1", "3.8.0") and pairs["colab"] == ("2.20.0", "3.13.2")
-    assert pairs["next"][1].startswith("nightly:3.16")
+    assert pairs["next"][0].startswith("nightly:2.23") and pairs["next"][1].startswith("nightly:3.16")
     # The slow tier once, on the newest pair, after the README's command.
     assert 'python -m pytest -n 2 -m "slow and not release"' in run.splitlines()
     nox_lines = [line for line in run.splitlines() if line.startswith("python -m nox")]

@@ -225,6 +225,7 @@ def test_accum_optimizer_on_a_plain_model():
     reference.fit(x, y, batch_size=MICRO * N, epochs=2, shuffle=False, verbose=0)
     assert_weights_close(reference, accum)
 
+@pytest.mark.slow  # an XLA compile per batch size: the slow tier
 def test_jit_compile_needs_room_for_the_whole_window_at_a_short_batch():
     # One row read by every token of the 2-row table, one class: the row's
     # occurrences are nearly alike, so the window needs nearly all of its
@@ -312,7 +313,7 @@ def _save_and_load(kind, model, tmp_path):
     return resumed
 
 
-@pytest.mark.parametrize("kind", ["weights", "keras", "checkpoint"])
+@pytest.mark.parametrize("kind", wide(["weights", "keras", "checkpoint"], ["weights"]))
 def test_resume_mid_window(kind, tmp_path):
     x, y = small_table_data(64)
     batches = _batches(x, y)
@@ -417,7 +418,9 @@ def test_a_sparse_windows_memory_is_at_most_three_tables():
 # -- across replicas -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("replicas", [1, 2], ids=["one_replica", "two_replicas"])
+@pytest.mark.parametrize(
+    "replicas", [pytest.param(1, marks=pytest.mark.slow), 2], ids=["one_replica", "two_replicas"]
+)
 def test_mirrored_strategy_matches_the_big_batch(replicas):
     out = mirrored_runs.sparse_checks(replicas, small=True)
     assert sorted(out) == ["adam_vs_mirrored_big_batch", "adam_vs_one_device_big_batch"]

@@ -340,7 +340,9 @@ def _cases():
         if not {"schedule", "micro"} & set(changers):
             orders = ["backup_only"]  # no other callback to order it against
         for order in orders:
-            yield pytest.param(changers, order, id="+".join(changers) + "-" + order)
+            # The other order of each pair in the slow tier.
+            marks = [pytest.mark.slow] if order == "backup_last" else []
+            yield pytest.param(changers, order, id="+".join(changers) + "-" + order, marks=marks)
 
 
 @pytest.mark.parametrize("changers, order", list(_cases()))
