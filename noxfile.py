@@ -3,7 +3,7 @@
     nox -l                                   # list the sessions
     nox -s "tests(newest)"                   # whole suite on one pair
     nox -s tests -- tests/test_saving.py     # pytest arguments, every pair
-    nox -s "tests(floor)" -- -n 2 -m "not slow"   # the README's tiers
+    nox -s "tests(floor)" -- -n 3 -m "not slow"   # the README's tiers
     nox -s "tests(next)"                     # the next TensorFlow and Keras (pinned nightlies)
     nox -s "core(floor)" -- -n 2             # CI's subset (CORE) on one pair
     nox -s kerashub                          # KerasHub models (tests/test_kerashub.py)

@@ -16,7 +16,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers.tiers import WAYS, wide
+from helpers.tiers import wide
 from helpers import internals, replicas
 from helpers.assertions import assert_history_close, assert_trained, assert_weights_close
 from helpers.data import CLASSES, FEATURES, make_data
@@ -62,6 +62,7 @@ def assert_same_training(plain, h_plain, model, h_model):
     assert int(model.optimizer.iterations) == int(plain.optimizer.iterations)
 
 
+@pytest.mark.slow  # the helper's own check: 10 s of the allocator waiting
 def test_limit_is_a_real_out_of_memory_error_for_plain_fit():
     x, y = make_data(2 * B)
     model = functional()
@@ -70,7 +71,9 @@ def test_limit_is_a_real_out_of_memory_error_for_plain_fit():
         model.fit(x, y, batch_size=B, verbose=0)
 
 
-@pytest.mark.parametrize("way", wide(sorted(WAYS_IN), WAYS))
+# Every way in in the slow tier; the inner loop keeps the model fit builds
+# (each out-of-memory error is 10 s of TensorFlow's allocator waiting).
+@pytest.mark.parametrize("way", wide(sorted(WAYS_IN), ["subclass"]))
 def test_auto_trains_as_the_big_batch_after_running_out_of_memory(way, caplog):
     make_accum, make_plain = WAYS_IN[way](micro_batch_size="auto")
     data = make_data(3 * B + K)  # 16, 16, 16, 8: a short last batch

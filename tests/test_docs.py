@@ -510,6 +510,7 @@ def test_readme_stays_the_front_door():
     assert "once a release is published" in README.lower().replace("\n", " ")
 
 
+@pytest.mark.slow  # dozens of models, serially, as the pages are
 def test_docstring_examples_run(tmp_path, monkeypatch):
     """The examples in the public docstrings, which the API reference shows."""
     import inspect

@@ -49,8 +49,12 @@ def test_ci_runs_the_next_pair_the_floor_pair_and_kerashub():
     pairs = nox_pairs()
     assert pairs["floor"] == ("2.18.1", "3.8.0") and pairs["colab"] == ("2.20.0", "3.13.2")
     assert pairs["next"][0].startswith("nightly:2.23") and pairs["next"][1].startswith("nightly:3.16")
-    # The slow tier once, on the newest pair, after the README's command.
-    assert 'python -m pytest -n 2 -m "slow and not release"' in run.splitlines()
+    # The slow tier once, on the newest pair, after the README's command,
+    # with the KerasHub of the kerashub session (its tests must run).
+    lines = run.splitlines()
+    slow = 'KERAS_ACCUM_REQUIRE_KERAS_HUB=1 python -m pytest -n 3 -m "slow and not release"'
+    hub = f'python -m pip install keras-hub=={nox_constant("KERAS_HUB")} "tensorflow==$tensorflow"'
+    assert slow in lines and hub in lines and lines.index(hub) < lines.index(slow), run
     nox_lines = [line for line in run.splitlines() if line.startswith("python -m nox")]
     # The next and floor pairs run the core tests (noxfile.py's CORE), for
     # CI's time; the newest pair runs every tier but `release`.
@@ -58,7 +62,7 @@ def test_ci_runs_the_next_pair_the_floor_pair_and_kerashub():
     assert nox_lines[1].endswith('-s "core(floor)" -- -n 2'), nox_lines
     core = nox_constant("CORE")
     assert core and all((ROOT / path).is_file() for path in core), core
-    assert nox_lines[2].endswith("-s kerashub -- -n 2"), nox_lines
+    assert len(nox_lines) == 2, nox_lines
 
 
 @pytest.mark.slow  # a fresh process

@@ -100,8 +100,17 @@ def test_wrap_measures_as_the_model_does():
     np.testing.assert_allclose(logged, [estimate(grads, windows_of(92, 8, 4))], rtol=RTOL)
 
 
-@pytest.mark.parametrize("mode", ["step mode", "micro_batch_size"])
-@pytest.mark.parametrize("noise", [0.3, 6.0])
+# Each mode and each noise level in the inner loop; the other two pairs (a
+# few thousand samples each) in the slow tier.
+@pytest.mark.parametrize(
+    "mode, noise",
+    [
+        ("step mode", 0.3),
+        ("micro_batch_size", 6.0),
+        pytest.param("step mode", 6.0, marks=pytest.mark.slow),
+        pytest.param("micro_batch_size", 0.3, marks=pytest.mark.slow),
+    ],
+)
 def test_the_estimate_lands_on_the_true_noise_scale(mode, noise):
     n, epochs = 2048, 6
     x, y = regression_data(n, noise=noise)
@@ -136,8 +145,17 @@ def test_the_estimate_lands_on_the_true_noise_scale(mode, noise):
     assert abs(other - expected_mean) > 2 * tolerance
 
 
-@pytest.mark.parametrize("vocab", [500, 12], ids=["slices", "moments"])
-@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+# Each kind of sparse buffer and each compilation in the inner loop; the
+# other two pairs in the slow tier.
+@pytest.mark.parametrize(
+    "vocab, jit_compile",
+    [
+        pytest.param(500, False, id="slices-graph"),
+        pytest.param(12, True, id="moments-xla"),
+        pytest.param(12, False, id="moments-graph", marks=pytest.mark.slow),
+        pytest.param(500, True, id="slices-xla", marks=pytest.mark.slow),
+    ],
+)
 def test_sparse_gradients_are_measured_by_their_dense_rows(vocab, jit_compile):
     # A window of 4 x 8 x 5 = 160 tokens: kept as slices in a table of 500
     # rows, as per-row moments in a table of 12 (window/slices.py).

@@ -460,7 +460,11 @@ def test_nonfinite_slices_skip_the_window():
 # -- across replicas ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("replicas", [1, 2], ids=["one_replica", "two_replicas"])
+# One replica (the strategy path without a cross-replica sum) in the slow tier.
+@pytest.mark.parametrize(
+    "replicas",
+    [pytest.param(1, id="one_replica", marks=pytest.mark.slow), pytest.param(2, id="two_replicas")],
+)
 def test_mirrored_strategy_matches_the_big_batch(replicas):
     out = mirrored_runs.sparse_checks(replicas)
     names = ["adam", "rmsprop"]

@@ -340,8 +340,9 @@ def _cases():
         if not {"schedule", "micro"} & set(changers):
             orders = ["backup_only"]  # no other callback to order it against
         for order in orders:
-            # The other order of each pair in the slow tier.
-            marks = [pytest.mark.slow] if order == "backup_last" else []
+            # The other order of each pair, and each changer alone (every
+            # pair holds it), in the slow tier.
+            marks = [pytest.mark.slow] if order == "backup_last" or len(changers) == 1 else []
             yield pytest.param(changers, order, id="+".join(changers) + "-" + order, marks=marks)
 
 

@@ -207,13 +207,25 @@ SCENARIOS = {
 }
 
 
-# The one-replica column of the whole table in the slow tier: the two-replica
-# one takes the same strategy path of the step.
-@pytest.mark.parametrize(
-    "where", wide(list(WHERE), ["one_device", "two_replica_mirrored"])
-)
-@pytest.mark.parametrize("mode", sorted(MODES))
-@pytest.mark.parametrize("decision", list(SCENARIOS))
+# The whole table in the slow tier. The inner loop keeps the one-device
+# column and, of two replicas (which take the one-replica strategy path of
+# the step, and more), the decisions that meet across replicas: a skip every
+# replica agrees on, and a window reset after per-replica buffers loaded.
+ACROSS_REPLICAS = {("skip", "micro_batch_size"), ("reset_after_load", "step")}
+
+
+def _table():
+    for decision in SCENARIOS:
+        for mode in sorted(MODES):
+            for where in WHERE:
+                inner = where == "one_device" or (
+                    where == "two_replica_mirrored" and (decision, mode) in ACROSS_REPLICAS
+                )
+                marks = () if inner else pytest.mark.slow
+                yield pytest.param(decision, mode, where, marks=marks)
+
+
+@pytest.mark.parametrize("decision, mode, where", list(_table()))
 def test_every_piece_of_window_state_follows_the_decision(decision, mode, where, tmp_path):
     x, y = make_data()
     data = (x, y, np.ones(len(x), "float32"))
@@ -222,8 +234,18 @@ def test_every_piece_of_window_state_follows_the_decision(decision, mode, where,
     assert_as_plain(model, plain_big_batches(windows, where))
 
 
-@pytest.mark.parametrize("where", list(WHERE))
-@pytest.mark.parametrize("mode", sorted(MODES))
+# Two replicas' file in micro-batch mode in the inner loop, in step mode in
+# the slow tier.
+@pytest.mark.parametrize(
+    "mode, where",
+    [
+        pytest.param(mode, where, marks=pytest.mark.slow)
+        if (mode, where) == ("step", "two_replica_mirrored")
+        else (mode, where)
+        for mode in sorted(MODES)
+        for where in WHERE
+    ],
+)
 def test_a_mid_window_file_restores_every_piece_of_window_state(mode, where, tmp_path):
     x, y = make_data()
     data = (x, y, np.ones(len(x), "float32"))
@@ -237,7 +259,8 @@ def test_a_mid_window_file_restores_every_piece_of_window_state(mode, where, tmp
         np.testing.assert_allclose(after[name], before[name], rtol=RTOL, atol=ATOL, err_msg=name)
 
 
-@pytest.mark.parametrize("where", list(WHERE))
+# The strategy's case on one replica in the inner loop; two in the slow tier.
+@pytest.mark.parametrize("where", wide(list(WHERE), ["one_device", "one_replica_mirrored"]))
 def test_flush_after_load_with_an_unbuilt_optimizer(where, tmp_path):
     # The file holds optimizer state, so load_weights builds the optimizer
     # (outside the strategy's scope: its variables must still be the

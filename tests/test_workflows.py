@@ -118,7 +118,9 @@ def test_recompiling_with_another_optimizer_takes_effect_at_epoch_end_too(way):
     assert int(model.optimizer.iterations.numpy()) == 3
 
 
-@pytest.mark.parametrize("way", ["functional", "subclass", "wrap_subclassed", "wrap_sequential_without_input"])
+@pytest.mark.parametrize(
+    "way", wide(["functional", "subclass", "wrap_subclassed", "wrap_sequential_without_input"], WAYS)
+)
 def test_fine_tuning_recipe_equals_the_big_batch(way):
     x, y = make_data(76)  # windows 4, 4 and a partial 2 (8+4 samples)
     make_accum, make_plain = _pair(way)
