@@ -3,6 +3,7 @@ setup.cfg, the import check, noxfile.py's tested pairs, README's table and
 what CI runs."""
 
 import configparser
+import os
 import re
 
 import pytest
@@ -52,7 +53,7 @@ def test_ci_runs_the_next_pair_the_floor_pair_and_kerashub():
     # The slow tier once, on the newest pair, after the README's command,
     # with the KerasHub of the kerashub session (its tests must run).
     lines = run.splitlines()
-    slow = 'KERAS_ACCUM_REQUIRE_KERAS_HUB=1 python -m pytest -n 3 -m "slow and not release"'
+    slow = 'KERAS_ACCUM_REQUIRE_KERAS_HUB=1 python -m pytest -n 2 -m "slow and not release"'
     hub = f'python -m pip install keras-hub=={nox_constant("KERAS_HUB")} "tensorflow==$tensorflow"'
     assert slow in lines and hub in lines and lines.index(hub) < lines.index(slow), run
     nox_lines = [line for line in run.splitlines() if line.startswith("python -m nox")]
@@ -84,3 +85,19 @@ def test_import_without_tensorflow_says_what_to_install():
     assert result.returncode != 0
     assert "keras_accum needs TensorFlow >= 2.18, which is not installed" in result.stderr
     assert "pip install 'tensorflow>=2.18'" in result.stderr, result.stderr[-2000:]
+
+
+@pytest.mark.unit
+@pytest.mark.xdist_group("probe")
+def test_xdist_applies_the_groups_of_shared_fixtures(request):
+    # Under `-n N --dist loadgroup` (setup.cfg), pytest-xdist sends a group's
+    # tests to one worker by suffixing their ids with "@group": the shared
+    # fixtures (tests/conftest.py: the cluster, the runs across replicas)
+    # are then set up once, not once per worker. A pytest that xdist does not
+    # know keeps the plain id and every group is silently ignored.
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        pytest.skip("not under pytest-xdist")
+    assert request.node.nodeid.endswith("@probe"), (
+        f"pytest-xdist did not apply the test groups (pytest {pytest.__version__}): "
+        "cap pytest in setup.cfg's test extra to a version it supports"
+    )

@@ -418,9 +418,10 @@ def test_a_sparse_windows_memory_is_at_most_three_tables():
 # -- across replicas -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "replicas", [pytest.param(1, marks=pytest.mark.slow), 2], ids=["one_replica", "two_replicas"]
-)
+# Both in the slow tier (a dozen trainings under a strategy); the inner
+# loop's cross-replica sum of a sparse gradient is test_sparse's.
+@pytest.mark.slow
+@pytest.mark.parametrize("replicas", [1, 2], ids=["one_replica", "two_replicas"])
 def test_mirrored_strategy_matches_the_big_batch(replicas):
     out = mirrored_runs.sparse_checks(replicas, small=True)
     assert sorted(out) == ["adam_vs_mirrored_big_batch", "adam_vs_one_device_big_batch"]

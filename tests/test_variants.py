@@ -185,14 +185,27 @@ def reference(name):
     return references.once(("variants", name), train)
 
 
+# The inner loop runs XLA on every case, several steps per execution on
+# the cases whose step differs most under it, and XLA with several steps on
+# step mode and mixed_float16; every variant of every case runs in the slow
+# tier.
+INNER_STEPS = {"step", "micro_batch", "batchnorm", "small_tables", "mixed_float16"}
+
+
+def _inner(name, variant):
+    if variant in ("xla", "eager"):
+        return True
+    if variant == "steps_per_execution_3":
+        return name in INNER_STEPS
+    return (name, variant) in {("step", "xla_steps_per_execution_5"),
+                               ("mixed_float16", "xla_steps_per_execution_3")}
+
+
 @pytest.mark.parametrize(
     "name, variant",
     [
-        # XLA and several steps at once, the costliest, on every case in
-        # the slow tier; in the integration tier on step mode.
-        pytest.param(name, variant, marks=pytest.mark.slow)
-        if variant == "xla_steps_per_execution_5" and name != "step"
-        else (name, variant)
+        (name, variant) if _inner(name, variant)
+        else pytest.param(name, variant, marks=pytest.mark.slow)
         for name, case in CASES.items()
         for variant in [*VARIANTS, *case.more]
     ],
