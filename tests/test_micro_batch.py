@@ -4,7 +4,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers.tiers import WAYS
+from helpers.tiers import WAYS, wide
 from helpers import internals
 from helpers.assertions import (
     FLOAT16_ATOL,
@@ -77,17 +77,19 @@ SPLITS = {
 }
 
 
+WAYS_KEPT = ("functional", "subclass")
+
 # Every way in on the even split; the others on one of each kind of model
 # (functional, subclassed, wrapped subclassed), to keep the suite fast.
 CASES = [
     (way, "even") if way in WAYS else pytest.param(way, "even", marks=pytest.mark.slow)
     for way in sorted(WAYS_IN)
-] + [
+] + wide(
     # The wrapped model's other splits in the slow tier.
-    (way, split) if way != "wrap_subclassed" else pytest.param(way, split, marks=pytest.mark.slow)
-    for split in ("not_dividing", "with_accum_steps")
-    for way in ("functional", "subclass", "wrap_subclassed")
-]
+    [(way, split) for split in ("not_dividing", "with_accum_steps")
+     for way in ("functional", "subclass", "wrap_subclassed")],
+    [(way, split) for split in ("not_dividing", "with_accum_steps") for way in WAYS_KEPT],
+)
 
 
 @pytest.mark.parametrize("way,split", CASES)

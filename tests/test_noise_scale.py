@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from helpers import internals
+from helpers.tiers import wide
 from helpers.models import functional, small_tables_net
 from helpers.data import make_data, small_table_data
 from helpers.noise import (
@@ -104,12 +105,10 @@ def test_wrap_measures_as_the_model_does():
 # few thousand samples each) in the slow tier.
 @pytest.mark.parametrize(
     "mode, noise",
-    [
-        ("step mode", 0.3),
-        ("micro_batch_size", 6.0),
-        pytest.param("step mode", 6.0, marks=pytest.mark.slow),
-        pytest.param("micro_batch_size", 0.3, marks=pytest.mark.slow),
-    ],
+    wide(
+        [("step mode", 0.3), ("micro_batch_size", 6.0), ("step mode", 6.0), ("micro_batch_size", 0.3)],
+        [("step mode", 0.3), ("micro_batch_size", 6.0)],
+    ),
 )
 def test_the_estimate_lands_on_the_true_noise_scale(mode, noise):
     n, epochs = 2048, 6

@@ -16,6 +16,7 @@ tests/conftest.py sets up.
 """
 
 import contextlib
+import itertools
 
 import keras
 import numpy as np
@@ -214,18 +215,16 @@ SCENARIOS = {
 ACROSS_REPLICAS = {("skip", "micro_batch_size"), ("reset_after_load", "step")}
 
 
-def _table():
-    for decision in SCENARIOS:
-        for mode in sorted(MODES):
-            for where in WHERE:
-                inner = where == "one_device" or (
-                    where == "two_replica_mirrored" and (decision, mode) in ACROSS_REPLICAS
-                )
-                marks = () if inner else pytest.mark.slow
-                yield pytest.param(decision, mode, where, marks=marks)
+TABLE = list(itertools.product(SCENARIOS, sorted(MODES), WHERE))
 
 
-@pytest.mark.parametrize("decision, mode, where", list(_table()))
+@pytest.mark.parametrize(
+    "decision, mode, where",
+    wide(TABLE, [
+        (d, m, w) for d, m, w in TABLE
+        if w == "one_device" or (w == "two_replica_mirrored" and (d, m) in ACROSS_REPLICAS)
+    ]),
+)
 def test_every_piece_of_window_state_follows_the_decision(decision, mode, where, tmp_path):
     x, y = make_data()
     data = (x, y, np.ones(len(x), "float32"))
@@ -236,15 +235,11 @@ def test_every_piece_of_window_state_follows_the_decision(decision, mode, where,
 
 # Two replicas' file in micro-batch mode in the inner loop, in step mode in
 # the slow tier.
+FILES = list(itertools.product(sorted(MODES), WHERE))
+
+
 @pytest.mark.parametrize(
-    "mode, where",
-    [
-        pytest.param(mode, where, marks=pytest.mark.slow)
-        if (mode, where) == ("step", "two_replica_mirrored")
-        else (mode, where)
-        for mode in sorted(MODES)
-        for where in WHERE
-    ],
+    "mode, where", wide(FILES, [f for f in FILES if f != ("step", "two_replica_mirrored")])
 )
 def test_a_mid_window_file_restores_every_piece_of_window_state(mode, where, tmp_path):
     x, y = make_data()

@@ -9,6 +9,7 @@ break: the ways in that `fit` builds lazily or that wrap another model
 read a gradient most differently.
 
     @pytest.mark.parametrize("way", wide(sorted(WAYS_IN), WAYS))
+    @pytest.mark.parametrize("mode, where", wide(list(product(MODES, WHERE)), KEEP))
 """
 
 import pytest
@@ -18,6 +19,11 @@ WAYS = ("subclass", "wrap_subclassed")
 
 
 def wide(values, keep):
-    """`values` as parameters, those not in `keep` marked slow."""
+    """`values` as parameters, those not in `keep` marked slow. A tuple is
+    one case of several parameters (`"a, b"` in `parametrize`)."""
     assert set(keep) <= set(values), (keep, values)
-    return [v if v in keep else pytest.param(v, marks=pytest.mark.slow) for v in values]
+    return [
+        v if v in keep
+        else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow)
+        for v in values
+    ]
