@@ -100,7 +100,9 @@ def _install(session, tensorflow, keras, *extra):
     }
     replaced = [name for name, (_, version) in nightlies.items() if version.startswith("nightly:")]
     if replaced:
-        session.run("python", "-m", "pip", "uninstall", "-y", *replaced, silent=True)
+        # run_install: part of the install step, so `--install-only` (CI
+        # prepares the virtualenvs while its tiers run) swaps them too.
+        session.run_install("python", "-m", "pip", "uninstall", "-y", *replaced, silent=True)
         session.install(*[
             f"{nightlies[name][0]}=={nightlies[name][1].split(':', 1)[1]}" for name in replaced
         ])

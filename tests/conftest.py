@@ -25,6 +25,27 @@ import pytest
 # Quiet TensorFlow's C++ start-up chatter in test output; set before import.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
+
+def _overcommits_always():
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return False
+
+
+# The out-of-memory errors of tests/helpers/oom.py without the wait: the
+# CPU's default (oneDNN) allocator retries a failed allocation for 10 s
+# before it raises, idle time that was a quarter of the slow tier. oneDNN's
+# own switch sends allocations to malloc instead, which refuses the
+# impossible tensor at once: the same ResourceExhaustedError ("OOM when
+# allocating tensor"), the same kernels and numbers. Not where the kernel
+# grants any allocation (vm.overcommit_memory=1): there malloc would
+# succeed and the tensor would be written. Inherited by the processes the
+# tests start.
+if not _overcommits_always():
+    os.environ.setdefault("TF_ONEDNN_USE_SYSTEM_ALLOCATOR", "1")
+
 # The shared helpers' asserts (tests/helpers/) report the values they
 # compared when they fail, as a test module's own asserts do.
 pytest.register_assert_rewrite("helpers")

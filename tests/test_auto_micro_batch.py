@@ -5,9 +5,8 @@ of the big batch.
 The out-of-memory errors are real (tests/helpers/oom.py): `Limit` and
 `LimitedLoss` ask TensorFlow for an impossible tensor whenever they see more
 than `k` samples at once, so the allocator raises a genuine
-`ResourceExhaustedError` on any machine. Each costs about 10 s of waiting
-(TensorFlow's CPU allocator retries a failed allocation for 10 s before
-giving up), so these tests keep their count low.
+`ResourceExhaustedError` on any machine, at once under the tests'
+allocator (tests/conftest.py).
 """
 
 import logging
@@ -62,7 +61,6 @@ def assert_same_training(plain, h_plain, model, h_model):
     assert int(model.optimizer.iterations) == int(plain.optimizer.iterations)
 
 
-@pytest.mark.slow  # the helper's own check: 10 s of the allocator waiting
 def test_limit_is_a_real_out_of_memory_error_for_plain_fit():
     x, y = make_data(2 * B)
     model = functional()
@@ -71,8 +69,7 @@ def test_limit_is_a_real_out_of_memory_error_for_plain_fit():
         model.fit(x, y, batch_size=B, verbose=0)
 
 
-# Every way in in the slow tier; the inner loop keeps the model fit builds
-# (each out-of-memory error is 10 s of TensorFlow's allocator waiting).
+# Every way in in the slow tier; the inner loop keeps the model fit builds.
 @pytest.mark.parametrize("way", wide(sorted(WAYS_IN), ["subclass"]))
 def test_auto_trains_as_the_big_batch_after_running_out_of_memory(way, caplog):
     make_accum, make_plain = WAYS_IN[way](micro_batch_size="auto")

@@ -3,8 +3,9 @@
 `Limit` and `LimitedLoss` ask TensorFlow for an impossible tensor (2**40
 floats per sample) whenever they see more than `k` samples at once, so the
 allocator raises a genuine `ResourceExhaustedError` on any machine, without
-allocating anything. Each costs about 10 s of waiting (TensorFlow's CPU
-allocator retries a failed allocation for 10 s before giving up).
+allocating anything. Under the tests' allocator (tests/conftest.py) it is
+raised at once; TensorFlow's default CPU allocator would first retry it for
+10 s.
 """
 
 import keras
