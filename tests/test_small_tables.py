@@ -423,7 +423,7 @@ def test_a_sparse_windows_memory_is_at_most_three_tables():
 @pytest.mark.slow
 @pytest.mark.parametrize("replicas", [1, 2], ids=["one_replica", "two_replicas"])
 def test_mirrored_strategy_matches_the_big_batch(replicas):
-    out = mirrored_runs.sparse_checks(replicas, small=True)
+    out = mirrored_runs.sparse_checks(replicas, small=True, optimizers=("adam",))
     assert sorted(out) == ["adam_vs_mirrored_big_batch", "adam_vs_one_device_big_batch"]
     for name, diff in out.items():
         assert diff <= ATOL, (name, diff)

@@ -341,9 +341,9 @@ def noise_checks(replicas):
 
 def sparse_checks(replicas, small=False, optimizers=("adam", "rmsprop")):
     """Embeddings under a MirroredStrategy of `replicas` replicas, trained
-    with each of `optimizers`: with `small`, the small-tables model (windows
-    kept as per-row moments), Adam only. Largest weight differences
-    (test_sparse.py and test_small_tables.py assert)."""
+    with each of `optimizers`; with `small`, the small-tables model (windows
+    kept as per-row moments). Largest weight differences (test_sparse.py
+    and test_small_tables.py assert)."""
     micro, n = 8, 4
     net = small_tables_net if small else text_net
     strategy = mirrored(replicas)
@@ -352,7 +352,7 @@ def sparse_checks(replicas, small=False, optimizers=("adam", "rmsprop")):
     x, y = small_table_data(92) if small else token_data(76)
     fit = dict(epochs=2, shuffle=False, verbose=0)
     out = {}
-    for name in ("adam",) if small else optimizers:
+    for name in optimizers:
         one_device = net()
         one_device.compile(OPTIMIZERS[name](), loss())
         one_device.fit(x, y, batch_size=micro * n, **fit)
