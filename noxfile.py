@@ -100,8 +100,8 @@ def _install(session, tensorflow, keras, *extra):
     }
     replaced = [name for name, (_, version) in nightlies.items() if version.startswith("nightly:")]
     if replaced:
-        # run_install: part of the install step, so `--install-only` (CI
-        # prepares the virtualenvs while its tiers run) swaps them too.
+        # run_install: part of the install step, so `--install-only`
+        # (preparing a virtualenv without running its tests) swaps them too.
         session.run_install("python", "-m", "pip", "uninstall", "-y", *replaced, silent=True)
         session.install(*[
             f"{nightlies[name][0]}=={nightlies[name][1].split(':', 1)[1]}" for name in replaced
