@@ -34,8 +34,9 @@ PAIRS = {
 # the public surface and its errors (test_api), big-batch equality on the
 # reference models (test_exactness) and in every execution mode, XLA first
 # (test_variants), files written by the last release (test_file_compat) and
-# the traced step (test_step_graph). Every tier on every pair, `nox`, runs
-# before a release: CI keeps within its time.
+# the traced step (test_step_graph). CI runs their unit and integration
+# tiers (`-m "not slow"`); every tier on every pair, `nox`, runs before a
+# release: CI keeps within its time.
 CORE = [
     "tests/test_keras_internals.py",
     "tests/test_api.py",
@@ -100,8 +101,8 @@ def _install(session, tensorflow, keras, *extra):
     }
     replaced = [name for name, (_, version) in nightlies.items() if version.startswith("nightly:")]
     if replaced:
-        # run_install: part of the install step, so `--install-only`
-        # (preparing a virtualenv without running its tests) swaps them too.
+        # run_install: part of the install step, so `--install-only` (CI
+        # prepares the virtualenvs while its tiers run) swaps them too.
         session.run_install("python", "-m", "pip", "uninstall", "-y", *replaced, silent=True)
         session.install(*[
             f"{nightlies[name][0]}=={nightlies[name][1].split(':', 1)[1]}" for name in replaced

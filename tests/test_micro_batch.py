@@ -77,7 +77,9 @@ SPLITS = {
 }
 
 
-WAYS_KEPT = ("functional", "subclass")
+# The functional model's splits are in test_sample_weighted_loss (micro 8,
+# accum 2) and test_optimizers; its cases here are in the slow tier.
+WAYS_KEPT = ("subclass",)
 
 # Every way in on the even split; the others on one of each kind of model
 # (functional, subclassed, wrapped subclassed), to keep the suite fast.
@@ -109,7 +111,10 @@ def test_matches_the_big_batch(way, split):
     assert int(acc.optimizer.iterations) == 6
 
 
-@pytest.mark.parametrize("optimizer", ["sgd_momentum", "adam_global_clipnorm", "sgd_piecewise"])
+# sgd_momentum (slow) is sgd_piecewise without its schedule.
+@pytest.mark.parametrize(
+    "optimizer", wide(["sgd_momentum", "adam_global_clipnorm", "sgd_piecewise"], ["adam_global_clipnorm", "sgd_piecewise"])
+)
 def test_optimizers(optimizer):
     x, y = make_data(SAMPLES)
     make_accum, make_plain = WAYS_IN["functional"](micro_batch_size=8)
@@ -220,6 +225,10 @@ def test_skip_nonfinite_skips_the_batch():
 # -- BatchNormalization -------------------------------------------------------
 
 
+# In the inner loop, test_combinations'
+# test_micro_batches_with_batchnorm_and_a_schedule splits at accum_steps 1,
+# then 2, against step mode and the plain moving statistics.
+@pytest.mark.slow
 @pytest.mark.parametrize("accum_steps", [1, 2])
 def test_batchnorm_is_the_step_mode_window(accum_steps):
     # Each micro-batch is normalised with its own moments, as in step mode
@@ -243,6 +252,9 @@ def test_batchnorm_is_the_step_mode_window(accum_steps):
 # -- saving -------------------------------------------------------------------------
 
 
+# In the inner loop: test_combinations' micro-batches resumed from a batch
+# backup, and test_window_state's micro-batch file restored and flushed.
+@pytest.mark.slow
 def test_resume_mid_window(tmp_path):
     # accum_steps=2 over batches of 16 split into 8s: a weights file saved
     # after an odd number of batches holds an open window.

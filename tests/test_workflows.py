@@ -103,7 +103,9 @@ def test_model_first_built_by_loading_a_saved_model(tmp_path):
 # -- recompiling and fine-tuning -------------------------------------------------
 
 
-@pytest.mark.parametrize("way", ["functional", "subclass", "wrap_subclassed"])
+# A recompile after the model is built is AccumModel's whatever the class:
+# the subclass's case is slow.
+@pytest.mark.parametrize("way", wide(["functional", "subclass", "wrap_subclassed"], ["functional", "wrap_subclassed"]))
 def test_recompiling_with_another_optimizer_takes_effect_at_epoch_end_too(way):
     # 76 samples: windows of 4, 4 and 2 micro-batches (8+4 samples), so the
     # epoch-end flush applies the last one.
@@ -271,6 +273,10 @@ def test_flush_before_a_trainable_change_applies_the_window_where_it_belongs():
     assert_weights_close(plain, model)
 
 
+# In the inner loop: test_one_callback_not_in_a_list, the lazily built
+# subclass's history (test_models_built_by_fit...), and freezing with a
+# recompile (test_fine_tuning_recipe_equals_the_big_batch[subclass]).
+@pytest.mark.slow
 def test_trainable_change_between_fits_with_recompile_and_a_callback():
     x, y = make_data(76)
     make_accum, make_plain = _pair("subclass")

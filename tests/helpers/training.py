@@ -37,11 +37,14 @@ def fit_pair(make_accum, make_plain, x, y, make_optimizer, big_batch, accum_batc
     """The plain model on the big batch and the accumulating one on
     `accum_batch`, each compiled with its own `make_optimizer()` and the
     tests' loss, trained alike: `(plain, accum)`."""
-    fit = dict(epochs=epochs, shuffle=False, verbose=0)
-    plain = make_plain()
-    plain.compile(make_optimizer(), loss(), **compile_kwargs)
-    plain.fit(x, y, batch_size=big_batch, **fit)
-    accum = make_accum()
-    accum.compile(make_optimizer(), loss(), **compile_kwargs)
-    accum.fit(x, y, batch_size=accum_batch, **fit)
+    plain = fit_alone(make_plain, x, y, make_optimizer, big_batch, epochs, **compile_kwargs)
+    accum = fit_alone(make_accum, x, y, make_optimizer, accum_batch, epochs, **compile_kwargs)
     return plain, accum
+
+
+def fit_alone(make_model, x, y, make_optimizer, batch_size, epochs=2, **compile_kwargs):
+    """One model of `fit_pair`, trained as `fit_pair` trains it."""
+    model = make_model()
+    model.compile(make_optimizer(), loss(), **compile_kwargs)
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
+    return model
