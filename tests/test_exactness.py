@@ -77,7 +77,10 @@ def test_learning_rate_schedule_sees_update_steps():
     "n,micro,accum_steps",
     # (100, 10, 4): an open window; (90, 8, 3): a last window ended in-step
     # by a short micro-batch. The others, in slow, are variants of the two.
-    wide([(100, 10, 4), (90, 8, 3), (64, 8, 4), (37, 5, 2), (50, 7, 5)], [(100, 10, 4), (90, 8, 3)]),
+    wide(
+        [(100, 10, 4), (90, 8, 3), (64, 8, 4), (37, 5, 2), (50, 7, 5)],
+        [(100, 10, 4), (90, 8, 3)],
+    ),
 )
 def test_window_open_at_epoch_end_is_applied_before_validation(n, micro, accum_steps):
     # (100, 10, 4): 10 micro-batches per epoch, so 2 are pending at the end.

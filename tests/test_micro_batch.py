@@ -113,7 +113,8 @@ def test_matches_the_big_batch(way, split):
 
 # sgd_momentum (slow) is sgd_piecewise without its schedule.
 @pytest.mark.parametrize(
-    "optimizer", wide(["sgd_momentum", "adam_global_clipnorm", "sgd_piecewise"], ["adam_global_clipnorm", "sgd_piecewise"])
+    "optimizer",
+    wide(["sgd_momentum", "adam_global_clipnorm", "sgd_piecewise"], ["adam_global_clipnorm", "sgd_piecewise"]),
 )
 def test_optimizers(optimizer):
     x, y = make_data(SAMPLES)

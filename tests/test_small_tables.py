@@ -223,9 +223,9 @@ def test_accum_optimizer_on_a_plain_model():
         small_tables_net, x, y,
         lambda: AccumOptimizer(keras.optimizers.Adam(0.01), accum_steps=N), MICRO,
     )
-    reference = small_tables_net()
-    reference.compile(keras.optimizers.Adam(0.01), loss())
-    reference.fit(x, y, batch_size=MICRO * N, epochs=2, shuffle=False, verbose=0)
+    reference = training.fit_alone(
+        small_tables_net, x, y, lambda: keras.optimizers.Adam(0.01), MICRO * N
+    )
     assert_weights_close(reference, accum)
 
 @pytest.mark.slow  # an XLA compile per batch size: the slow tier

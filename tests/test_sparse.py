@@ -505,7 +505,9 @@ def test_keras_builtin_accumulation_sums_embedding_gradients():
 
 
 # float32, the default buffer, is every other test's (slow here).
-@pytest.mark.parametrize("dtype", wide(["float16", "bfloat16", "float32", "float64"], ["float16", "bfloat16", "float64"]))
+@pytest.mark.parametrize(
+    "dtype", wide(["float16", "bfloat16", "float32", "float64"], ["float16", "bfloat16", "float64"])
+)
 def test_row_indices_survive_in_any_buffer_dtype(dtype):
     # Row indices (some of them NaN or Inf bit patterns as 16-bit floats,
     # which copies of float buffers may canonicalise) come back intact and

@@ -244,7 +244,10 @@ FILES = list(itertools.product(sorted(MODES), WHERE))
 
 @pytest.mark.parametrize(
     "mode, where",
-    wide(FILES, [f for f in FILES if f[1] == "one_device" or f == ("micro_batch_size", "two_replica_mirrored")]),
+    wide(FILES, [
+        f for f in FILES
+        if f[1] == "one_device" or f == ("micro_batch_size", "two_replica_mirrored")
+    ]),
 )
 def test_a_mid_window_file_restores_every_piece_of_window_state(mode, where, tmp_path):
     x, y = make_data()

@@ -104,8 +104,9 @@ def test_model_first_built_by_loading_a_saved_model(tmp_path):
 
 
 # A recompile after the model is built is AccumModel's whatever the class:
-# the subclass's case is slow.
-@pytest.mark.parametrize("way", wide(["functional", "subclass", "wrap_subclassed"], ["functional", "wrap_subclassed"]))
+# the inner loop keeps the ways in that fit builds or that wrap (the
+# functional model's case is slow).
+@pytest.mark.parametrize("way", wide(["functional", "subclass", "wrap_subclassed"], WAYS))
 def test_recompiling_with_another_optimizer_takes_effect_at_epoch_end_too(way):
     # 76 samples: windows of 4, 4 and 2 micro-batches (8+4 samples), so the
     # epoch-end flush applies the last one.
