@@ -2,6 +2,7 @@
 
     python -m benchmarks.run                  # full run (about 15 minutes on 2 cores)
     python -m benchmarks.run --quick --out DIR  # tiny smoke run (under 2 minutes)
+    python -m benchmarks.run --quick --workloads mlp --out DIR  # one timing workload
 
 Run from the repository root. The driver itself never imports TensorFlow:
 each workload's timing and each memory configuration runs in a fresh Python
@@ -144,6 +145,14 @@ def main(argv=None):
         help="epochs per implementation, the first one dropped as warm-up "
         "(default: 15, or 3 with --quick)",
     )
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        choices=workloads.TIMING_WORKLOADS,
+        default=list(workloads.TIMING_WORKLOADS),
+        help="the timing workloads, each in a fresh process (default: all); "
+        "the memory configurations and the two workers run whatever is chosen",
+    )
     args = parser.parse_args(argv)
     rounds = args.rounds or (3 if args.quick else 15)
     if rounds < 2:
@@ -170,7 +179,7 @@ def main(argv=None):
     )
 
     timing = []
-    for name in workloads.TIMING_WORKLOADS:
+    for name in args.workloads:
         print(f"timing {name} (fresh process)", flush=True)
         timing.append(
             run_worker(

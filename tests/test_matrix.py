@@ -61,15 +61,19 @@ def test_ci_runs_the_next_pair_the_floor_pair_and_kerashub():
     # CI's time, in the README's tiers (their slow cases run on every pair
     # before a release); the newest pair runs every tier but `release`. Their
     # virtualenvs install in the background during the slow tier, and the
-    # sessions reuse them (-R) once that install has succeeded.
+    # sessions reuse them (-R) once that install has succeeded; the two
+    # sessions run side by side, and CI fails if either does.
     install = 'python -m nox --install-only -s "core(next)" "core(floor)" >nox-install.log 2>&1 &'
     waited = 'wait "$virtualenvs" || { cat nox-install.log; exit 1; }'
     assert nox_lines == [
         install,
-        'python -m nox -R -s "core(next)" -- -n 2 -m "not slow"',
-        'python -m nox -R -s "core(floor)" -- -n 2 -m "not slow"',
+        'python -m nox -R -s "core(next)" -- -n 2 -m "not slow" >core-next.log 2>&1 &',
+        'python -m nox -R -s "core(floor)" -- -n 2 -m "not slow" >core-floor.log 2>&1 &',
     ], nox_lines
     assert lines.index(install) < lines.index(slow) < lines.index(waited) < lines.index(nox_lines[1])
+    ends = ['wait "$next" || status=1', 'wait "$floor" || status=1', '[ "$status" = 0 ]']
+    assert all(end in lines for end in ends), run
+    assert lines.index(nox_lines[2]) < lines.index(ends[0]) < lines.index(ends[2]), run
     core = nox_constant("CORE")
     assert core and all((ROOT / path).is_file() for path in core), core
 
