@@ -266,28 +266,6 @@ def _describe(point):
     return f"epoch {epoch + 1}, batch {batch}"
 
 
-def check_callbacks(callbacks, strategy):
-    """Refuses Keras's own `BackupAndRestore` across workers, before `fit`.
-
-    It restores each worker from its own newest backup; after a worker died
-    around an epoch's end those are different epochs, and the restarted
-    workers' collectives no longer line up (an error or a hang).
-    """
-    if not internals.multi_worker(strategy):
-        return
-    for callback in callbacks:
-        if type(callback) is keras.callbacks.BackupAndRestore:
-            raise ValueError(
-                "keras.callbacks.BackupAndRestore does not coordinate "
-                "workers: after a worker dies around an epoch's end, the "
-                "restarted workers resume from different epochs. Received "
-                f"BackupAndRestore(backup_dir={callback.backup_dir!r}) under "
-                "MultiWorkerMirroredStrategy. Use "
-                "keras_accum.BackupAndRestore (same arguments, with "
-                "double_checkpoint=True and one directory per worker)."
-            )
-
-
 def restore_point(workers, double_checkpoint=True):
     """The point all workers restore, from every worker's (directory, points).
 

@@ -23,7 +23,6 @@ from keras_accum.arguments import (
     check_keywords,
     check_micro_batch_size,
 )
-from keras_accum.backup import check_callbacks
 from keras_accum.microbatch import static_batch_size
 from keras_accum.scheduler import AccumScheduler
 
@@ -126,6 +125,28 @@ class FitChanges:
     def stop(self):
         settings, self.settings = self.settings or {}, None
         return settings
+
+
+def check_callbacks(callbacks, strategy):
+    """Refuses Keras's own `BackupAndRestore` across workers, before `fit`.
+
+    It restores each worker from its own newest backup; after a worker died
+    around an epoch's end those are different epochs, and the restarted
+    workers' collectives no longer line up (an error or a hang).
+    """
+    if not internals.multi_worker(strategy):
+        return
+    for callback in callbacks:
+        if type(callback) is keras.callbacks.BackupAndRestore:
+            raise ValueError(
+                "keras.callbacks.BackupAndRestore does not coordinate "
+                "workers: after a worker dies around an epoch's end, the "
+                "restarted workers resume from different epochs. Received "
+                f"BackupAndRestore(backup_dir={callback.backup_dir!r}) under "
+                "MultiWorkerMirroredStrategy. Use "
+                "keras_accum.BackupAndRestore (same arguments, with "
+                "double_checkpoint=True and one directory per worker)."
+            )
 
 
 def check_schedule_agrees(callbacks, accum_steps, initial_epoch):
