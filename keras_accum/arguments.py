@@ -158,7 +158,7 @@ def check_noise_scale(noise_scale):
 
 def check_accum_dtype(accum_dtype):
     """Returns `accum_dtype` as a floating `tf.DType` (None stays None: the
-    default rule, see `window.buffers.buffer_dtype`), or raises.
+    default rule, see `scaling.buffer_dtype`), or raises.
 
     Example:
 

@@ -31,7 +31,7 @@ import tensorflow as tf
 from keras import tree
 
 from keras_accum import _internals as internals
-from keras_accum.window.buffers import buffer_dtype
+from keras_accum.scaling import buffer_dtype
 
 def static_batch_size(data):
     """The batch dimension of `data` as a Python int, or None if unknown."""

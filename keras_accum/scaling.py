@@ -11,6 +11,8 @@ batch's gradient by `out_of_window(normalise, sum_i w_i, s)` =
 `s / sum_i w_i` (the loss scale again, for the `LossScaleOptimizer`'s own
 unscaling and overflow check, once per window, as for the big batch).
 Everything else in keras_accum multiplies by these two factors.
+The sum itself is kept in `buffer_dtype`: float32 for low-precision
+variables, unless `accum_dtype` asks otherwise.
 
 Example:
 
@@ -79,3 +81,13 @@ def out_of_window(normalise, total_weight, loss_scale):
         scale = tf.cast(loss_scale, tf.float32)
         inv = scale if inv is None else inv * scale
     return inv
+
+
+def buffer_dtype(variable_dtype, requested=None):
+    """The dtype of a variable's buffer: `requested`, else float32 for
+    float16/bfloat16/float32 variables (summing many low-precision gradients
+    in low precision is where accumulation loses accuracy), float64 for
+    float64 variables (never less precise than the weight)."""
+    if requested is not None:
+        return tf.as_dtype(requested)
+    return tf.float64 if tf.as_dtype(variable_dtype) == tf.float64 else tf.float32

@@ -17,16 +17,6 @@ from keras_accum.window import binding, file_format, replicas, slices
 from keras_accum.window.trace import StepTrace
 
 
-def buffer_dtype(variable_dtype, requested=None):
-    """The dtype of a variable's buffer: `requested`, else float32 for
-    float16/bfloat16/float32 variables (summing many low-precision gradients
-    in low precision is where accumulation loses accuracy), float64 for
-    float64 variables (never less precise than the weight)."""
-    if requested is not None:
-        return tf.as_dtype(requested)
-    return tf.float64 if tf.as_dtype(variable_dtype) == tf.float64 else tf.float32
-
-
 class GradientAccumulator(tf.Module, internals.SavedState):
     """Sums weighted micro-batch gradients until a window is applied.
 
@@ -182,7 +172,7 @@ class GradientAccumulator(tf.Module, internals.SavedState):
             for i, v in enumerate(variables):
                 self.acc_grads.append(
                     tf.Variable(
-                        tf.zeros(v.shape, dtype=buffer_dtype(v.dtype, self.dtype)),
+                        tf.zeros(v.shape, dtype=scaling.buffer_dtype(v.dtype, self.dtype)),
                         trainable=False,
                         name=f"acc_grad_{i}",
                         **summed,
