@@ -40,6 +40,7 @@ import keras
 from keras_accum import _internals as internals
 from keras_accum import arguments, fitting, step
 from keras_accum.auto_micro_batch import AutoMicroBatch
+from keras_accum.optimizer import check_not_accumulating
 from keras_accum.saving import SavedWithWindow
 from keras_accum.train_functions import TrainFunctionSlot
 from keras_accum.window import Window
@@ -161,7 +162,7 @@ class AccumModel(
         self._auto_micro_batch = AutoMicroBatch()
         # Settings assigned during a fit, which outlive it (fitting.py).
         self._fit_changes = fitting.FitChanges()
-        TrainFunctionSlot.owner(self)
+        type(self).train_function.owner(self)
         self._configure(settings)
 
     def _configure(self, settings):
@@ -180,7 +181,7 @@ class AccumModel(
 
     # What fit calls next: the step for the current settings, or a resumed
     # epoch's batch skipping over it. Keras assigns it too (compile: None).
-    train_function = TrainFunctionSlot()
+    train_function = TrainFunctionSlot(check_not_accumulating)
 
     def make_train_function(self, force=False):
         return self._train_functions.make(self, force=force)

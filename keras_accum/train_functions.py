@@ -20,7 +20,7 @@ make it stale, without anyone having to say so.
 Example:
 
 ```python
-owner = TrainFunctions()
+owner = TrainFunctions(check_not_accumulating)
 owner.make(model)          # model.make_train_function()
 owner.skip(3, model)       # the next 3 batches are taken, not trained
 owner.current()            # what fit calls: the skipping, then the step
@@ -33,7 +33,6 @@ import tensorflow as tf
 from keras_accum import _internals as internals
 from keras_accum import auto_replicas, step
 from keras_accum.auto_micro_batch import StepState, written_before_gradients
-from keras_accum.optimizer import check_not_accumulating
 from keras_accum.plan import plan_of
 
 
@@ -41,11 +40,19 @@ class TrainFunctions:
     """What a model's `train_function` is: the current step, under any
     skipping; and the cached steps and flush function behind it.
 
+    Args:
+        check_optimizer: called as `check_optimizer(optimizer, accum_steps)`
+            before a step is made for a compiled model; raises for an
+            optimizer the step cannot accumulate with. Handed in by the
+            model (optimizer.py's `check_not_accumulating`), so that this
+            module does not import the optimizer.
+
     Attributes:
         function: the step for the current plan, None until made.
     """
 
-    def __init__(self):
+    def __init__(self, check_optimizer):
+        self._check_optimizer = check_optimizer
         self.function = None
         self._skipping = None
         self._cache = {}
@@ -82,7 +89,7 @@ class TrainFunctions:
         window = model._window
         plan = plan_of(model)
         if model.optimizer is not None:
-            check_not_accumulating(model.optimizer, plan.accum_steps)
+            self._check_optimizer(model.optimizer, plan.accum_steps)
         if plan.uses_buffers and model.built:
             window.bind(
                 model.trainable_variables,
@@ -271,6 +278,9 @@ class TrainFunctionSlot:
     None, its `make_train_function` the function it made) replaces the
     step and leaves any skipping alone.
 
+    Args:
+        check_optimizer: handed to every `TrainFunctions` the slot makes.
+
     Example:
 
     ```python
@@ -282,6 +292,9 @@ class TrainFunctionSlot:
     ```
     """
 
+    def __init__(self, check_optimizer):
+        self._check_optimizer = check_optimizer
+
     def __get__(self, model, owner=None):
         if model is None:
             return self
@@ -291,14 +304,13 @@ class TrainFunctionSlot:
     def __set__(self, model, value):
         self.owner(model).assign(value)
 
-    @staticmethod
-    def owner(model):
+    def owner(self, model):
         """The model's `TrainFunctions`, made at first need: Keras's
         constructor may assign `train_function` before the model's own
         `__init__` runs."""
         functions = model.__dict__.get("_train_functions")
         if functions is None:
-            functions = TrainFunctions()
+            functions = TrainFunctions(self._check_optimizer)
             model._train_functions = functions
         return functions
 
