@@ -215,14 +215,6 @@ class TrainFunctions:
             self._flush = (captured, function)
         return function
 
-    def clear(self):
-        """Forgets every traced step: the next is traced anew."""
-        self._cache.clear()
-        self.function = None
-
-    def __len__(self):
-        return len(self._cache)
-
 
 def _replica_step(model):
     # The replica's part (accumulate) and the cross-replica part (apply the
