@@ -151,7 +151,7 @@ def main(argv=None):
         choices=workloads.TIMING_WORKLOADS,
         default=list(workloads.TIMING_WORKLOADS),
         help="the timing workloads, each in a fresh process (default: all); "
-        "the memory configurations and the two workers run whatever is chosen",
+        "the memory configurations and the two-worker run are the same whichever",
     )
     args = parser.parse_args(argv)
     rounds = args.rounds or (3 if args.quick else 15)
