@@ -1,21 +1,28 @@
-"""Files written by an earlier release still load, and resume training exactly.
+"""Files written by an earlier keras_accum still load, and resume training exactly.
 
-tests/fixtures/files_0_1/ holds what keras_accum 0.1.0 wrote half-way
-through an accumulation window (its README says which commit and Keras;
-tests/scripts/make_file_fixtures.py wrote them, and defines the models): a
-`.keras` file, a `.weights.h5` file and a `tf.train.Checkpoint` for a
-functional `AccumModel`, for one with `skip_nonfinite=True` (a window
-skipped) and for `keras_accum.wrap` of a subclassed model, and a
-`BackupAndRestore` backup of the first. Each is loaded the way a user
-would, training goes on over the epoch's remaining micro-batches, and the
-result must be a plain `keras.Model` trained on the big batch from the same
+Each folder of `FOLDERS` holds what one keras_accum wrote half-way through
+an accumulation window (its README says which commit and Keras;
+tests/scripts/make_file_fixtures.py wrote them, and defines the models):
+tests/fixtures/files_0_1/ release 0.1.0's, tests/fixtures/files_main_a577af5/
+main's at a577af5, which pins today's layout across the core's redesign
+(issue 37). Each holds a `.keras` file, a `.weights.h5` file and a
+`tf.train.Checkpoint` for a functional `AccumModel`, for one with
+`skip_nonfinite=True` (a window skipped) and for `keras_accum.wrap` of a
+subclassed model, and a `BackupAndRestore` backup of the first; the newer
+folder also for a plain `keras.Model` compiled with an `AccumOptimizer`
+(`skip_nonfinite=True`, a window skipped). A folder's variants are those
+its `versions.json` lists. Each file is loaded the way a user would,
+training goes on over the epoch's remaining micro-batches, and the result
+must be a plain `keras.Model` trained on the big batch from the same
 initial weights, with as many optimizer steps and skipped windows. The open
 window holds dense gradient sums, an `Embedding`'s slices and
-BatchNormalization moments: a change of name, key or layout in any of them
-fails here, also where Keras's loading would not complain (a state object
-whose path changed loads nothing, silently).
+BatchNormalization moments (the optimizer's: sums and slices): a change of
+name, key or layout in any of them fails here, also where Keras's loading
+would not complain (a state object whose path changed loads nothing,
+silently).
 """
 
+import hashlib
 import importlib.util
 import json
 import re
@@ -37,35 +44,46 @@ _spec = importlib.util.spec_from_file_location(
 fixtures = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(fixtures)
 
-FILES = ROOT / "tests" / "fixtures" / "files_0_1"
-WRITTEN_BY = json.loads((FILES / "versions.json").read_text())["keras"]
+# The folders of files, each written by one keras_accum (its README says
+# which and why), and what each wrote them with (its versions.json).
+FIXTURES = ROOT / "tests" / "fixtures"
+FOLDERS = ("files_0_1", "files_main_a577af5")
+VERSIONS = {
+    folder: json.loads((FIXTURES / folder / "versions.json").read_text())
+    for folder in FOLDERS
+}
 # Where training goes on: the first sample after the saved micro-batches.
 RESUME_AT = fixtures.SAVED_AFTER * fixtures.MICRO_BATCH
-# The windows that make updates: skip_nonfinite's first window has a NaN
-# sample weight and is skipped, so its big-batch twin starts at the second.
-FIRST_UPDATE = {"accum": 0, "skip_nonfinite": fixtures.BIG_BATCH, "wrap_subclassed": 0}
-SKIPPED = {"accum": 0, "skip_nonfinite": 1, "wrap_subclassed": 0}
+# The windows that make updates: skip_nonfinite's and optimizer's first
+# window has a NaN sample weight and is skipped, so the big-batch twin
+# starts at the second.
+FIRST_UPDATE = {
+    "accum": 0, "skip_nonfinite": fixtures.BIG_BATCH, "wrap_subclassed": 0,
+    "optimizer": fixtures.BIG_BATCH,
+}
+SKIPPED = {"accum": 0, "skip_nonfinite": 1, "wrap_subclassed": 0, "optimizer": 1}
 # The plain variant resumes as users train, with the traced step; the
 # others, whose files differ from it only in what they hold, resume eagerly,
 # a third of the time (the files load the same either way).
-EAGER = {"accum": False, "skip_nonfinite": True, "wrap_subclassed": True}
+EAGER = {"accum": False, "skip_nonfinite": True, "wrap_subclassed": True, "optimizer": True}
 
 
 def _release(version):
     return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
 
 
-def plain_graph_unreadable(path):
+def plain_graph_unreadable(path, written_by):
     """Why this Keras cannot rebuild the plain Keras model inside the
     `.keras` file at `path`, or None (always None on the Keras that wrote
-    it or a newer one: there, a file that does not load is a failure).
+    it, `written_by`, or a newer one: there, a file that does not load is a
+    failure).
 
     Keras does not promise that a release reads the files of a newer one:
     Keras 3.8 refuses the `quantization_config` entry that newer releases
     write into every Dense and Embedding config. The file's own model
     config (for `wrap`, the wrapped model's) is rebuilt with Keras alone.
     """
-    if _release(keras.__version__) >= _release(WRITTEN_BY):
+    if _release(keras.__version__) >= _release(written_by):
         return None
     with zipfile.ZipFile(path) as archive:
         config = json.loads(archive.read("config.json"))["config"]
@@ -81,16 +99,17 @@ def plain_graph_unreadable(path):
     return None
 
 
-def initial_weights(variant):
-    with np.load(FILES / variant / "initial.weights.npz") as saved:
+def initial_weights(directory):
+    with np.load(directory / "initial.weights.npz") as saved:
         return [saved[f"arr_{i}"] for i in range(len(saved.files))]
 
 
-def big_batch(variant):
-    """A plain keras.Model trained on the big batch, from the files' start."""
+def big_batch(variant, initial):
+    """A plain keras.Model trained on the big batch, from `initial`, the
+    files' start."""
     plain = fixtures.compile_model(fixtures.plain(variant))
     plain.run_eagerly = True  # the same updates, without a trace
-    plain.set_weights(initial_weights(variant))
+    plain.set_weights(initial)
     settings = fixtures.fit_kwargs(variant, start=FIRST_UPDATE[variant])
     settings["batch_size"] = fixtures.BIG_BATCH
     plain.fit(**settings)
@@ -101,7 +120,7 @@ def fresh(variant):
     """The model a user builds to load into: other initial weights than the
     file's (so that nothing passes unloaded), compiled, optimizer built (as
     Keras needs, to load its state)."""
-    model = fixtures.compile_model(fixtures.make(variant, seed=1))
+    model = fixtures.compile_model(fixtures.make(variant, seed=1), variant)
     model.optimizer.build(model.trainable_variables)
     return model
 
@@ -113,17 +132,25 @@ def resume(model, variant):
 
 def from_keras_file(variant, directory, tmp_path):
     path = directory / "mid_window.keras"
-    unreadable = plain_graph_unreadable(path)
+    written_by = VERSIONS[directory.parent.name]["keras"]
+    unreadable = plain_graph_unreadable(path, written_by)
     if unreadable:
         pytest.skip(
             f"Keras {keras.__version__} cannot rebuild the Keras layers from "
-            f"the config Keras {WRITTEN_BY} wrote into this file (a plain "
+            f"the config Keras {written_by} wrote into this file (a plain "
             f"keras.Model's file of them fails alike): {unreadable}"
         )
     model = keras.saving.load_model(path)
-    assert isinstance(model, keras_accum.AccumModel)
-    assert model.accum_steps == fixtures.ACCUM_STEPS
-    assert model.skip_nonfinite == (variant == "skip_nonfinite")
+    skip_nonfinite = fixtures.VARIANTS[variant]["kwargs"].get("skip_nonfinite", False)
+    if fixtures.VARIANTS[variant]["optimizer"]:
+        assert not isinstance(model, keras_accum.AccumModel)
+        assert isinstance(model.optimizer, keras_accum.AccumOptimizer)
+        assert model.optimizer.accum_steps == fixtures.ACCUM_STEPS
+        assert model.optimizer.get_config()["skip_nonfinite"] == skip_nonfinite
+    else:
+        assert isinstance(model, keras_accum.AccumModel)
+        assert model.accum_steps == fixtures.ACCUM_STEPS
+        assert model.skip_nonfinite == skip_nonfinite
     resume(model, variant)
     return model
 
@@ -149,7 +176,7 @@ def from_backup(variant, directory, tmp_path):
     backup_dir = tmp_path / "backup"
     shutil.copytree(directory / "backup", backup_dir)
     # The restarted program: a new model, compiled, the same fit call.
-    model = fixtures.compile_model(fixtures.make(variant, seed=1))
+    model = fixtures.compile_model(fixtures.make(variant, seed=1), variant)
     model.run_eagerly = EAGER[variant]
     backup = keras_accum.BackupAndRestore(str(backup_dir), save_freq=fixtures.BACKUP_FREQ)
     model.fit(callbacks=[backup], **fixtures.fit_kwargs(variant))
@@ -167,33 +194,41 @@ KINDS = {
 
 @pytest.fixture(scope="module")
 def big_batches():
+    """The big-batch twin of a variant's files, made once for the folders
+    whose files start from the same weights (all of them, so far)."""
     made = {}
 
-    def get(variant):
-        if variant not in made:
-            made[variant] = big_batch(variant)
-            assert_trained(made[variant], initial_weights(variant))
-        return made[variant]
+    def get(variant, directory):
+        initial = initial_weights(directory)
+        start = hashlib.sha256(b"".join(w.tobytes() for w in initial)).hexdigest()
+        if (variant, start) not in made:
+            made[variant, start] = big_batch(variant, initial)
+            assert_trained(made[variant, start], initial)
+        return made[variant, start]
 
     return get
 
 
 CASES = [
-    (variant, kind)
-    for variant, settings in fixtures.VARIANTS.items()
+    pytest.param(folder, variant, kind, id=f"{folder}-{variant}-{kind}")
+    for folder in FOLDERS
+    for variant in VERSIONS[folder]["state_when_saved"]
     for kind in KINDS
-    if kind != "backup" or settings["backup"]
+    if kind != "backup" or fixtures.VARIANTS[variant]["backup"]
 ]
 
 
-@pytest.mark.parametrize("variant, kind", CASES)
-def test_a_mid_window_file_resumes_as_the_big_batch(variant, kind, big_batches, tmp_path):
-    model = KINDS[kind](variant, FILES / variant, tmp_path)
-    plain = big_batches(variant)
+@pytest.mark.parametrize("folder, variant, kind", CASES)
+def test_a_mid_window_file_resumes_as_the_big_batch(
+    folder, variant, kind, big_batches, tmp_path
+):
+    directory = FIXTURES / folder / variant
+    model = KINDS[kind](variant, directory, tmp_path)
+    plain = big_batches(variant, directory)
     weights, expected = model.get_weights(), plain.get_weights()
     assert len(weights) == len(expected)
     for i, (a, b) in enumerate(zip(weights, expected)):
         np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL, err_msg=f"weight {i}")
     assert int(model.optimizer.iterations.numpy()) == int(plain.optimizer.iterations.numpy())
-    assert model.skipped_windows == SKIPPED[variant]
+    assert fixtures.accumulating(model).skipped_windows == SKIPPED[variant]
 

@@ -3,9 +3,12 @@
     python tests/scripts/make_file_fixtures.py OUT
 
 OUT is a new folder, e.g. tests/fixtures/files_X_Y for release X.Y. Run it
-only to make fixtures for a new release's format: the committed files are
-what an older release wrote, and the test checks that today's keras_accum
-still loads and resumes them exactly (tests/fixtures/files_0_1/README.md).
+only to make fixtures for a new release's format (or to pin a layout before
+a change that must keep it, as tests/fixtures/files_main_a577af5/): the
+committed files are what an older keras_accum wrote, and the test checks
+that today's keras_accum still loads and resumes them exactly
+(tests/fixtures/files_0_1/README.md). Each folder's `versions.json` names
+the variants it holds: a variant added here later is not in older folders.
 
 Each variant (`VARIANTS`) trains a small model on `data()` with
 `fit(batch_size=8, shuffle=False)` at `accum_steps=4` (92 samples: windows of
@@ -20,7 +23,16 @@ micro-batches, half-way through the second window, where it writes:
 
 The window then open holds Adam's dense gradient sums, an `Embedding`'s
 gradient as slices (sparse.py) and a `BatchNormalization` layer's pooled
-moments (batchnorm="window"). Each variant's `initial.weights.npz` holds
+moments (batchnorm="window").
+
+The `optimizer` variant (added after 0.1.0) is a plain `keras.Model`
+compiled with `keras_accum.AccumOptimizer(Adam, skip_nonfinite=True)`,
+without the `BatchNormalization` (an optimizer pools no moments) and on 96
+samples (`EVEN_SAMPLES`: every micro-batch full, as Keras's loss weighs
+each micro-batch equally), its first window skipped (a NaN sample weight):
+the optimizer's window, slices and skip count are what its files hold.
+
+Each variant's `initial.weights.npz` holds
 the weights it started from, for the big-batch reference; `versions.json`
 says what wrote the files.
 
@@ -50,33 +62,46 @@ MICRO_BATCH, ACCUM_STEPS, BIG_BATCH = 8, 4, 32
 # Two windows' worth of micro-batches is 8: 6 is half-way through the second.
 SAVED_AFTER = 6
 BACKUP_FREQ = 6
-# The sample whose weight is NaN in the skip_nonfinite variant: its window
-# (the first) is skipped, and the file holds the count.
+# The sample whose weight is NaN in the skip_nonfinite and optimizer
+# variants: its window (the first) is skipped, and the file holds the count.
 NAN_SAMPLE = 3
+# The optimizer variant's samples: 12 full micro-batches, 3 full windows. A
+# plain model's AccumOptimizer counts micro-batches equally (Keras's loss is
+# each micro-batch's mean): with a short last micro-batch its window would
+# not be the big batch's mean.
+EVEN_SAMPLES = 96
 
-# name: AccumModel arguments, whether it is `wrap` of a subclassed model
-# (a `WrappedModel`), whether a sample weight is NaN, whether a backup is
-# written (the others' would be their `.weights.h5` files again, by another
-# name).
+# name: AccumModel (or AccumOptimizer) arguments, whether it is `wrap` of a
+# subclassed model (a `WrappedModel`), whether a sample weight is NaN,
+# whether a backup is written (the others' would be their `.weights.h5`
+# files again, by another name), whether it is a plain keras.Model compiled
+# with an AccumOptimizer (added after 0.1.0: not in tests/fixtures/files_0_1).
 VARIANTS = {
-    "accum": dict(kwargs={}, wrap=False, nan=False, backup=True),
+    "accum": dict(kwargs={}, wrap=False, nan=False, backup=True, optimizer=False),
     "skip_nonfinite": dict(
-        kwargs={"skip_nonfinite": True}, wrap=False, nan=True, backup=False
+        kwargs={"skip_nonfinite": True}, wrap=False, nan=True, backup=False,
+        optimizer=False,
     ),
-    "wrap_subclassed": dict(kwargs={}, wrap=True, nan=False, backup=False),
+    "wrap_subclassed": dict(kwargs={}, wrap=True, nan=False, backup=False, optimizer=False),
+    "optimizer": dict(
+        kwargs={"skip_nonfinite": True}, wrap=False, nan=True, backup=False,
+        optimizer=True,
+    ),
 }
 
 
 def data(variant="accum"):
-    """([x, ids], y, sample_weight): 92 samples, one NaN weight if `nan`."""
+    """([x, ids], y, sample_weight): 92 samples (the optimizer variant's
+    96), one NaN weight if `nan`."""
+    samples = EVEN_SAMPLES if VARIANTS[variant]["optimizer"] else SAMPLES
     rng = np.random.default_rng(0)
     # Scaled and shifted, so that the batch-norm moments are far from 0 and 1.
-    x = (rng.normal(size=(SAMPLES, FEATURES)) * np.arange(1, FEATURES + 1) + 2).astype(
+    x = (rng.normal(size=(samples, FEATURES)) * np.arange(1, FEATURES + 1) + 2).astype(
         "float32"
     )
-    ids = rng.integers(0, VOCAB, size=(SAMPLES, IDS)).astype("int32")
+    ids = rng.integers(0, VOCAB, size=(samples, IDS)).astype("int32")
     y = ((x[:, 0] + x[:, 1] > 4).astype("int64") + (ids[:, 0] >= VOCAB // 2)).astype("int64")
-    weight = np.ones(SAMPLES, "float32")
+    weight = np.ones(samples, "float32")
     if VARIANTS[variant]["nan"]:
         weight[NAN_SAMPLE] = np.nan
     return [x, ids], y, weight
@@ -111,13 +136,20 @@ def _forward(layers, x, ids):
     return layers.out([logits, probe])
 
 
-def net(cls=keras.Model, seed=0, **kwargs):
-    """The functional model (see `_forward`); `seed` sets its weights."""
+def net(cls=keras.Model, seed=0, batchnorm=True, **kwargs):
+    """The functional model (see `_forward`); `seed` sets its weights.
+    Without `batchnorm`, the Dense layers over features and embedded ids
+    only (the optimizer variant: an AccumOptimizer pools no moments)."""
     keras.utils.set_random_seed(seed)
     x = keras.Input((FEATURES,), name="x")
     ids = keras.Input((IDS,), dtype="int32", name="ids")
     layers = types.SimpleNamespace(**_layers())
-    return cls([x, ids], _forward(layers, x, ids), name="fixture_net", **kwargs)
+    if batchnorm:
+        out = _forward(layers, x, ids)
+    else:
+        embedded = layers.flatten(layers.embedding(ids))
+        out = layers.logits(layers.hidden(layers.concat([x, embedded])))
+    return cls([x, ids], out, name="fixture_net", **kwargs)
 
 
 @keras.saving.register_keras_serializable(package="keras_accum_fixtures")
@@ -140,6 +172,8 @@ class FixtureNet(keras.Model):
 
 def plain(variant, seed=0):
     """The variant's plain keras.Model, built (`seed` sets its weights)."""
+    if VARIANTS[variant]["optimizer"]:
+        return net(seed=seed, batchnorm=False)
     if not VARIANTS[variant]["wrap"]:
         return net(seed=seed)
     keras.utils.set_random_seed(seed)
@@ -150,20 +184,38 @@ def plain(variant, seed=0):
 
 
 def make(variant, seed=0):
-    """The variant's accumulating model, built, neither compiled nor trained."""
+    """The variant's accumulating model, built, neither compiled nor trained
+    (the optimizer variant's is its plain model: `compile_model` gives it
+    the AccumOptimizer)."""
     settings = VARIANTS[variant]
+    if settings["optimizer"]:
+        return plain(variant, seed)
     kwargs = dict(settings["kwargs"], accum_steps=ACCUM_STEPS)
     if settings["wrap"]:
         return keras_accum.wrap(plain(variant, seed), **kwargs)
     return net(keras_accum.AccumModel, seed=seed, **kwargs)
 
 
-def compile_model(model):
+def compile_model(model, variant=None):
+    """Compiled with Adam; for the optimizer `variant`, Adam inside its
+    AccumOptimizer (the big-batch twin passes no variant)."""
+    optimizer = keras.optimizers.Adam(0.01)
+    if variant is not None and VARIANTS[variant]["optimizer"]:
+        optimizer = keras_accum.AccumOptimizer(
+            optimizer, accum_steps=ACCUM_STEPS, **VARIANTS[variant]["kwargs"]
+        )
     model.compile(
-        keras.optimizers.Adam(0.01),
+        optimizer,
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
+    return model
+
+
+def accumulating(model):
+    """What holds the window: the model, or a plain model's AccumOptimizer."""
+    if isinstance(model.optimizer, keras_accum.AccumOptimizer):
+        return model.optimizer
     return model
 
 
@@ -195,7 +247,7 @@ class _StopAfter(keras.callbacks.Callback):
 
 def write_variant(variant, out):
     out.mkdir(parents=True)
-    model = compile_model(make(variant))
+    model = compile_model(make(variant), variant)
     # What the big-batch reference starts from (`plain(variant)`'s weights
     # are in the same order).
     np.savez(out / "initial.weights.npz", *model.get_weights())
@@ -223,8 +275,8 @@ def write_variant(variant, out):
     )
     return {
         "optimizer_iterations": int(model.optimizer.iterations.numpy()),
-        "skipped_windows": model.skipped_windows,
-        "pending_micro_batches": model._accumulator.open_micro_batches(),
+        "skipped_windows": accumulating(model).skipped_windows,
+        "pending_micro_batches": accumulating(model)._accumulator.open_micro_batches(),
     }
 
 
