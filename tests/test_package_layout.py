@@ -214,8 +214,6 @@ REACHES_LEFT = {
     "window/buffers.py: _slices": 2,
     "window/buffers.py: _trace": 2,
     "window/file_format.py: _unbuild": 1,
-    "window/nonfinite.py: _nonfinite": 2,
-    "window/nonfinite.py: _settings": 1,
     "wrap.py: _accum_config": 1,
 }
 # Private by spelling only: the namedtuple API.
