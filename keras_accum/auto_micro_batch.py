@@ -67,6 +67,7 @@ class AutoMicroBatch:
 
         def run(data):
             nonlocal step
+            data = internals.optionals_to_none(data)
             while True:
                 before = state.snapshot()
                 try:
@@ -77,12 +78,7 @@ class AutoMicroBatch:
                     step = make_step()
 
         def function(iterator):
-            logs = None
-            for _, data in zip(range(model.steps_per_execution), iterator):
-                logs = run(internals.optionals_to_none(data))
-            if logs is None:
-                raise StopIteration
-            return logs
+            return internals.each_batch(model, iterator, run)
 
         return function
 

@@ -75,6 +75,7 @@ def train_function(auto, model, after_step, state):
 
     def run(data):
         nonlocal phases
+        data = internals.optionals_to_none(data)
         while True:
             before = state.snapshot()
             computed, error, proposal = None, None, NO_LIMIT
@@ -101,12 +102,7 @@ def train_function(auto, model, after_step, state):
             phases = _Phases(model, after_step)
 
     def function(iterator):
-        logs = None
-        for _, data in zip(range(model.steps_per_execution), iterator):
-            logs = run(internals.optionals_to_none(data))
-        if logs is None:
-            raise StopIteration
-        return logs
+        return internals.each_batch(model, iterator, run)
 
     return function
 

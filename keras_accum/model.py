@@ -46,8 +46,8 @@ from keras_accum.train_functions import TrainFunctionSlot
 from keras_accum.window import Window
 from keras_accum.window.batchnorm import BatchNormMoments
 from keras_accum.window.buffers import GradientAccumulator
-from keras_accum.window.noise_scale import MeasuredNoiseScale, NoiseScale
-from keras_accum.window.nonfinite import NonFiniteWindows, SkippedWindows
+from keras_accum.window.noise_scale import NoiseScale
+from keras_accum.window.nonfinite import NonFiniteWindows, skipped_count
 
 
 # The keyword arguments Keras's Model takes (a Layer's, and a functional
@@ -64,8 +64,6 @@ class AccumModel(
     internals.FunctionalVariants,
     internals.BuildFromFirstBatch,
     SavedWithWindow,
-    SkippedWindows,
-    MeasuredNoiseScale,
     keras.Model,
 ):
     """A `keras.Model` that accumulates gradients over `accum_steps` batches.
@@ -276,6 +274,62 @@ class AccumModel(
         ```
         """
         return self._auto_micro_batch.size
+
+    @property
+    def skip_nonfinite(self):
+        """Whether windows with a non-finite gradient are skipped.
+
+        Example:
+
+        ```python
+        model = keras_accum.AccumModel(inputs, outputs, skip_nonfinite=True)
+        assert model.skip_nonfinite
+        ```
+        """
+        return self._settings.skip_nonfinite
+
+    # -- what training measured ---------------------------------------------
+
+    @property
+    def skipped_windows(self):
+        """Windows skipped for a non-finite gradient (0 unless `skip_nonfinite`).
+
+        `fit` also logs the count as `skipped_windows` after each epoch.
+
+        Example:
+
+        ```python
+        model = keras_accum.AccumModel(inputs, outputs, accum_steps=4, skip_nonfinite=True)
+        model.compile("adam", "sparse_categorical_crossentropy")
+        history = model.fit(x, y, batch_size=32, verbose=0)
+        assert model.skipped_windows == history.history["skipped_windows"][-1] == 0
+        ```
+        """
+        return skipped_count(self._nonfinite)
+
+    # The last epoch's estimate, set at its end (fitting.py); not saved.
+    _noise_scale = None
+
+    @property
+    def noise_scale(self):
+        """The last epoch's gradient noise scale `B_simple`, in samples.
+
+        None until an epoch of `fit` trained with `noise_scale=True`; NaN
+        if that epoch had no window of two micro-batches or more. The
+        estimate of each epoch is also logged as `noise_scale`. Batches up
+        to about this size train in proportionally fewer steps; beyond it,
+        a bigger batch mostly costs more samples (docs: noise scale).
+
+        Example:
+
+        ```python
+        model = keras_accum.AccumModel(inputs, outputs, accum_steps=4, noise_scale=True)
+        model.compile("adam", "sparse_categorical_crossentropy")
+        history = model.fit(x, y, batch_size=32, epochs=3, verbose=0)
+        print(model.noise_scale, history.history["noise_scale"])
+        ```
+        """
+        return self._noise_scale
 
     # -- training -----------------------------------------------------------
 

@@ -17,7 +17,7 @@ from keras_accum.arguments import (
 )
 from keras_accum.window import Window, slices
 from keras_accum.window.buffers import GradientAccumulator
-from keras_accum.window.nonfinite import NonFiniteWindows
+from keras_accum.window.nonfinite import NonFiniteWindows, skipped_count
 
 
 def check_not_accumulating(optimizer, accum_steps):
@@ -166,7 +166,7 @@ class AccumOptimizer(keras.optimizers.Optimizer):
         assert opt.skipped_windows == 0
         ```
         """
-        return 0 if self._nonfinite is None else int(self._nonfinite.skipped.numpy())
+        return skipped_count(self._nonfinite)
 
     @property
     def accum_steps(self):

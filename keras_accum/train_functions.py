@@ -172,19 +172,12 @@ class TrainFunctions:
         that cannot go on with a restored window raises its error here,
         before any batch trains).
         """
-        remaining = [batches]
+        def done():
+            self._skipping = None
+            if self.function is None:
+                model.make_train_function()
 
-        def skipping(iterator):
-            for _ in range(min(model.steps_per_execution, remaining[0])):
-                next(iterator)
-                remaining[0] -= 1
-            if not remaining[0]:
-                self._skipping = None
-                if self.function is None:
-                    model.make_train_function()
-            return {}
-
-        self._skipping = skipping if batches else None
+        self._skipping = _skipping(model, batches, done) if batches else None
 
     def stop_skipping(self):
         self._skipping = None
@@ -325,18 +318,31 @@ def skip_batches(model, batches):
         owner.skip(batches, model)
         return
     train_function = model.train_function
-    remaining = [batches]
 
-    def skipping(iterator):
-        for _ in range(min(model.steps_per_execution, remaining[0])):
-            next(iterator)
-            remaining[0] -= 1
-        if not remaining[0]:
-            model.train_function = train_function
-        return {}
+    def done():
+        model.train_function = train_function
 
+    skipping = _skipping(model, batches, done)
     skipping.train_function = train_function
     model.train_function = skipping
+
+
+def _skipping(model, batches, done):
+    """A train function that takes `fit`'s next `batches` batches without
+    training (up to `steps_per_execution` a call, logging nothing), and
+    calls `done()` once the last is taken."""
+    remaining = batches
+
+    def skipping(iterator):
+        nonlocal remaining
+        for _ in range(min(model.steps_per_execution, remaining)):
+            next(iterator)
+            remaining -= 1
+        if not remaining:
+            done()
+        return {}
+
+    return skipping
 
 
 def stop_skipping(model):

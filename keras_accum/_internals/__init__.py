@@ -16,7 +16,8 @@ By concern:
   at import) and the warning on an unreviewed Keras.
 - `fingerprints`: the mirrored Keras code, by SHA-256 per reviewed release.
 - `trainer`: the forward pass, the symbolic build, the train and test
-  functions made in place of Keras's, and their reduced outputs.
+  functions made in place of Keras's, their loop over a call's batches
+  and their reduced outputs.
 - `losses`: the compiled loss and its terms, the logged loss, masks.
 - `layers`: BatchNormalization's moments, nested layers, `Functional`.
 - `saving`: training state in a model's files, tracking, build shapes,
@@ -110,6 +111,7 @@ from keras_accum._internals.saving import (  # noqa: E402
 from keras_accum._internals.trainer import (  # noqa: E402
     TensorFlowTrainer,
     call_for_training,
+    each_batch,
     make_replicated_function,
     make_step_on_data,
     optionals_to_none,
@@ -139,6 +141,7 @@ __all__ = [
     # trainer
     "TensorFlowTrainer",
     "call_for_training",
+    "each_batch",
     "make_replicated_function",
     "make_step_on_data",
     "optionals_to_none",

@@ -8,21 +8,21 @@ from keras_accum._internals.versions import is_missing, reach
 
 # Keras code that keras_accum mirrors rather than calls, by the SHA-256 of
 # its source, with the Keras versions that have that source: every one
-# listed was read and is handled in this package. `AccumModel._accumulate`
-# mirrors the TF trainer's train_step, `make_replicated_function` and
-# `make_step_on_data` (trainer.py) its `_make_function`
-# (`micro_batch_size="auto"` also relies on the contract of the
-# `function(iterator)` it returns: `fit` passes an iterator that yields
-# batches, and StopIteration or OutOfRangeError ends the epoch), and
-# `keras_accum.normaliser` the divisor Keras's `Loss.__call__`,
-# `reduce_values` and `apply_mask` compute, reached through
-# `CompileLoss.call`'s terms (losses.py); `symbolic_build` and
+# listed was read and is handled in this package. `accumulate` and
+# `micro_batch_gradients` (step.py) mirror the TF trainer's train_step,
+# `make_replicated_function`, `make_step_on_data` and `each_batch`
+# (trainer.py) its `_make_function` (`micro_batch_size="auto"` also relies
+# on the contract of the `function(iterator)` it returns: `fit` passes an
+# iterator that yields batches, and StopIteration or OutOfRangeError ends
+# the epoch), and `keras_accum.normaliser` the divisor Keras's
+# `Loss.__call__`, `reduce_values` and `apply_mask` compute, reached
+# through `CompileLoss.call`'s terms (losses.py); `symbolic_build` and
 # `reduce_outputs` (trainer.py) replace `_maybe_symbolic_build` and the
 # multi-worker branch of `reduce_per_replica` (tensorflow/tensorflow#72388).
-# `keras_accum.batchnorm` relies on `BatchNormalization.call` updating the
-# moving statistics as `moving * momentum + batch * (1 - momentum)` from
-# what `_moments` returns (layers.py). tests/test_keras_internals.py
-# compares these.
+# `keras_accum.window.batchnorm` relies on `BatchNormalization.call`
+# updating the moving statistics as `moving * momentum + batch * (1 -
+# momentum)` from what `_moments` returns (layers.py).
+# tests/test_keras_internals.py compares these.
 #
 # What differs between the supported versions, and how it is handled:
 # - train_step: Keras < 3.13 counts the logged loss's batch size from the
@@ -30,7 +30,7 @@ from keras_accum._internals.versions import is_missing, reach
 #   `batch_size` does the latter, the same wherever the former works.
 # - _make_function: Keras >= 3.13 turns `tf.experimental.Optional` inputs
 #   into None and loops over `steps_per_execution` in a while loop;
-#   `make_replicated_function` keeps its own loop (see there).
+#   `make_replicated_function` keeps its own loop (`each_batch`).
 # - apply_mask: how the mask's weights are computed (epsilon, divide_no_nan,
 #   where); `keras_accum.normaliser` calls Keras's own, so it always agrees.
 # - CompileLoss.call: the single-loss path reads `_flat_losses` by position

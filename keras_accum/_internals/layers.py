@@ -1,9 +1,9 @@
 """Keras's layers and functional models: BatchNormalization's moments, the
 layers a model is made of, and `Functional`.
 
-`keras_accum.batchnorm` relies on `BatchNormalization.call` updating the
-moving statistics as `moving * momentum + batch * (1 - momentum)` from
-what `_moments` returns; see fingerprints.py.
+`keras_accum.window.batchnorm` relies on `BatchNormalization.call`
+updating the moving statistics as `moving * momentum + batch * (1 -
+momentum)` from what `_moments` returns; see fingerprints.py.
 """
 
 import contextlib

@@ -7,6 +7,8 @@ replace `_maybe_symbolic_build` and the multi-worker branch of
 `reduce_per_replica` (tensorflow/tensorflow#72388); see fingerprints.py.
 """
 
+import itertools
+
 import tensorflow as tf
 from keras import tree
 
@@ -144,28 +146,45 @@ def make_replicated_function(model, replica_step, after_step=None):
     if not model.run_eagerly:
         one_step_on_iterator = tf.function(one_step_on_iterator, reduce_retracing=True)
 
-    def steps(iterator):
+    def function(iterator):
         if isinstance(iterator, tf.distribute.DistributedIterator):
             # fit and evaluate; the end of the data is an OutOfRangeError.
-            for _ in range(model.steps_per_execution):
-                try:
-                    yield one_step_on_iterator(iterator)
-                except tf.errors.OutOfRangeError:
-                    return
-        else:
-            # train_on_batch and test_on_batch pass a list of batches.
-            for _, data in zip(range(model.steps_per_execution), iterator):
-                yield one_step_on_data(data)
-
-    def function(iterator):
-        outputs = None
-        for outputs in steps(iterator):
-            pass
-        if outputs is None:
-            raise StopIteration
-        return outputs
+            return each_batch(model, iterator, one_step_on_iterator, in_step=True)
+        # train_on_batch and test_on_batch pass a list of batches.
+        return each_batch(model, iterator, one_step_on_data)
 
     return function
+
+
+def each_batch(model, iterator, run, in_step=False):
+    """Keras's train function's loop: `run` on each of the next batches of
+    `iterator`, `model.steps_per_execution` of them at most (fewer where the
+    data ends); the last one's outputs.
+
+    Args:
+        model: the model trained (its `steps_per_execution`).
+        iterator: `fit`'s iterator, or a list of batches (`train_on_batch`).
+        run: `run(batch) -> outputs`; with `in_step`, `run(iterator)`.
+        in_step: whether `run` takes each batch from `iterator` itself,
+            inside its traced step; the end of the data is then its
+            `tf.errors.OutOfRangeError`.
+
+    Raises:
+        StopIteration: `iterator` held no batch (how Keras's train function
+            says that an epoch's data has ended).
+    """
+    batches = itertools.repeat(iterator) if in_step else iterator
+    outputs = None
+    for _, batch in zip(range(model.steps_per_execution), batches):
+        try:
+            outputs = run(batch)
+        except tf.errors.OutOfRangeError:
+            if not in_step:
+                raise
+            break
+    if outputs is None:
+        raise StopIteration
+    return outputs
 
 
 def without_retracing_warning(function):

@@ -174,36 +174,6 @@ class NoiseScale:
         return trace / signal
 
 
-class MeasuredNoiseScale:
-    """What a model shows of its measured noise scale: `noise_scale`.
-
-    A mixin of `AccumModel`; `fit`'s epoch end (fitting.py) sets the value.
-    """
-
-    _noise_scale = None
-
-    @property
-    def noise_scale(self):
-        """The last epoch's gradient noise scale `B_simple`, in samples.
-
-        None until an epoch of `fit` trained with `noise_scale=True`; NaN
-        if that epoch had no window of two micro-batches or more. The
-        estimate of each epoch is also logged as `noise_scale`. Batches up
-        to about this size train in proportionally fewer steps; beyond it,
-        a bigger batch mostly costs more samples (docs: noise scale).
-
-        Example:
-
-        ```python
-        model = keras_accum.AccumModel(inputs, outputs, accum_steps=4, noise_scale=True)
-        model.compile("adam", "sparse_categorical_crossentropy")
-        history = model.fit(x, y, batch_size=32, epochs=3, verbose=0)
-        print(model.noise_scale, history.history["noise_scale"])
-        ```
-        """
-        return self._noise_scale
-
-
 def window_estimates(sums, squared_norm, measured=True):
     """`[tr(Sigma), |G|^2, 1]` of one window from its `window_sums` and
     `|G_B|^2`, or zeros for a window that says nothing (fewer than two

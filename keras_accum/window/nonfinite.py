@@ -122,38 +122,8 @@ class NonFiniteWindows(tf.Module, internals.SavedState):
         self.skipped.assign(int(np.asarray(store["skipped_windows"])))
 
 
-class SkippedWindows:
-    """What a model shows of its skip policy: `skip_nonfinite` and
-    `skipped_windows`. A mixin of `AccumModel` (its `_settings` and
-    `_nonfinite`, the `NonFiniteWindows` or None).
-    """
-
-    @property
-    def skip_nonfinite(self):
-        """Whether windows with a non-finite gradient are skipped.
-
-        Example:
-
-        ```python
-        model = keras_accum.AccumModel(inputs, outputs, skip_nonfinite=True)
-        assert model.skip_nonfinite
-        ```
-        """
-        return self._settings.skip_nonfinite
-
-    @property
-    def skipped_windows(self):
-        """Windows skipped for a non-finite gradient (0 unless `skip_nonfinite`).
-
-        `fit` also logs the count as `skipped_windows` after each epoch.
-
-        Example:
-
-        ```python
-        model = keras_accum.AccumModel(inputs, outputs, accum_steps=4, skip_nonfinite=True)
-        model.compile("adam", "sparse_categorical_crossentropy")
-        history = model.fit(x, y, batch_size=32, verbose=0)
-        assert model.skipped_windows == history.history["skipped_windows"][-1] == 0
-        ```
-        """
-        return 0 if self._nonfinite is None else int(self._nonfinite.skipped.numpy())
+def skipped_count(counter):
+    """The windows `counter` (a `NonFiniteWindows`, or None without
+    `skip_nonfinite`) has counted as skipped, an int: what
+    `AccumModel.skipped_windows` and `AccumOptimizer.skipped_windows` read."""
+    return 0 if counter is None else int(counter.skipped.numpy())
