@@ -10,6 +10,13 @@ from helpers.processes import run_python
 # Each runs a benchmark in a process of its own.
 pytestmark = pytest.mark.slow
 
+# CI runs the quick benchmark (the README's figures); the other benchmarks'
+# smoke runs are `release` tests (`python -m nox`, before a release): about
+# 130 CPU-seconds of fresh processes that check the benchmark scripts. What
+# they check of the library is tested directly too: bit identity with and
+# without measuring and the sparse rows' norm (test_noise_scale), remat
+# against the big batch (test_remat).
+
 IMPLEMENTATIONS = ("plain", "builtin", "gradient-accumulator", "AccumModel")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -19,7 +26,8 @@ def test_quick_benchmark_writes_its_report(tmp_path):
         # Two rounds, the fewest (the first is dropped), and one timing
         # workload (the report's every table reads whichever ran): what runs
         # is checked, not what it measures. The CNN: the MLP and embedding
-        # workloads run in the tests below (before_after, noise_scale_cost).
+        # workloads run in the `release` tests below (before_after,
+        # noise_scale_cost).
         "-m", "benchmarks.run", "--quick", "--rounds", "2", "--workloads", "cnn",
         "--out", str(tmp_path),
         timeout=900,
@@ -46,6 +54,7 @@ def test_quick_benchmark_writes_its_report(tmp_path):
     assert (tmp_path / "results.png").read_bytes().startswith(PNG_SIGNATURE)
 
 
+@pytest.mark.release
 def test_micro_batch_split_timing_runs():
     result = run_python(
         "-m", "benchmarks.micro_batch_split", "--quick", "--rounds", "1",
@@ -56,6 +65,7 @@ def test_micro_batch_split_timing_runs():
         assert label in result.stdout, label
 
 
+@pytest.mark.release
 @pytest.mark.parametrize("unit", ["epoch", "window"])
 def test_before_after_runs_and_writes_its_json(tmp_path, unit):
     out = tmp_path / "before_after.json"
@@ -77,6 +87,7 @@ def test_before_after_runs_and_writes_its_json(tmp_path, unit):
     assert set(mlp["max_weight_difference_after_vs_before"]) == {"step", "micro"}
 
 
+@pytest.mark.release
 def test_noise_scale_cost_runs_and_checks_bit_identity(tmp_path):
     out = tmp_path / "noise_scale_cost.json"
     result = run_python(
@@ -94,6 +105,7 @@ def test_noise_scale_cost_runs_and_checks_bit_identity(tmp_path):
     assert "| mlp | step |" in result.stdout
 
 
+@pytest.mark.release
 def test_sparse_norm_runs_and_both_ways_give_the_same_norm():
     result = run_python("-m", "benchmarks.sparse_norm", "--quick", timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -101,6 +113,7 @@ def test_sparse_norm_runs_and_both_ways_give_the_same_norm():
     assert len(rows) == 5 and all(row.endswith("| yes |") for row in rows), result.stdout
 
 
+@pytest.mark.release
 @pytest.mark.slow  # five fresh processes (about two minutes)
 @pytest.mark.skipif(
     not hasattr(__import__("keras"), "RematScope"),
