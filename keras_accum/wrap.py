@@ -43,6 +43,7 @@ class WrappedModel(AccumModel):
         kwargs.setdefault("name", model.name)
         super().__init__(accum_steps=accum_steps, **kwargs)
         self.wrapped = model
+        internals.called_like(self, model)
         if model.built:
             # Nothing of its own to build. The input shapes the wrapped
             # model was built for are what `export()` serves.

@@ -95,6 +95,44 @@ def test_wrap_trains_the_original_model(make):
     )
 
 
+class _NoTrainingArgument(keras.Model):
+    """A subclassed model whose `call` takes no `training`: Keras's fit calls
+    it without one, so its BatchNormalization runs as in inference."""
+
+    def __init__(self):
+        super().__init__(name="no_training_argument")
+        self.hidden = keras.layers.Dense(16, activation="tanh")
+        self.norm = keras.layers.BatchNormalization()
+        self.logits = keras.layers.Dense(CLASSES)
+
+    def call(self, x):
+        return self.logits(self.norm(self.hidden(x)))
+
+
+@pytest.mark.parametrize("accum_steps", [1, 4])
+def test_wrap_calls_a_model_without_training_as_keras_fit_does(accum_steps):
+    # The moving statistics and the normalisation both follow `training`:
+    # were the wrapper to pass `training=True`, the statistics would move
+    # and the weights train on batch statistics, unlike the plain fit's.
+    x, y = make_data(92)
+    keras.utils.set_random_seed(0)
+    model = _NoTrainingArgument()
+    keras.utils.set_random_seed(0)
+    reference = _NoTrainingArgument()
+
+    wrapped = keras_accum.wrap(model, accum_steps=accum_steps)
+    wrapped.compile(keras.optimizers.SGD(0.1), loss())
+    wrapped.fit(x, y, batch_size=8, shuffle=False, verbose=0)
+    reference.compile(keras.optimizers.SGD(0.1), loss())
+    reference.fit(x, y, batch_size=8 * accum_steps, shuffle=False, verbose=0)
+
+    keras.utils.set_random_seed(0)
+    initial = _NoTrainingArgument()
+    initial(x[:1])  # the weights both started from
+    assert_trained(model, initial.get_weights())
+    assert_weights_close(reference, model)  # the moving statistics too
+
+
 def test_wrap_of_a_functional_subclass_without_step_overrides_trains():
     class Plain(keras.Model):
         pass

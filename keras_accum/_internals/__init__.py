@@ -111,6 +111,7 @@ from keras_accum._internals.saving import (  # noqa: E402
 from keras_accum._internals.trainer import (  # noqa: E402
     TensorFlowTrainer,
     call_for_training,
+    called_like,
     each_batch,
     make_replicated_function,
     make_step_on_data,
@@ -141,6 +142,7 @@ __all__ = [
     # trainer
     "TensorFlowTrainer",
     "call_for_training",
+    "called_like",
     "each_batch",
     "make_replicated_function",
     "make_step_on_data",

@@ -28,6 +28,21 @@ def call_for_training(model, x):
     return model(x)
 
 
+def called_like(wrapper, model):
+    """Keras's train, test and predict steps call `wrapper`, whose `call`
+    forwards to `model`, as they would call `model`: with `training=` only
+    if `model.call` takes it.
+
+    Why: Keras's steps call a model whose `call` takes no `training`
+    without one, so its layers run with `training=None`
+    (BatchNormalization and Dropout as in inference, moving statistics
+    kept). The wrapper's own `call` takes `training`; called with
+    `training=True`, it would hand that to every layer of `model` through
+    Keras's call context.
+    """
+    wrapper._call_has_training_arg = model._call_has_training_arg
+
+
 def symbolic_build(model, iterator=None, data_batch=None, without_strategy=False):
     """`TensorFlowTrainer._maybe_symbolic_build`, without a cross-replica reduce.
 
