@@ -11,8 +11,8 @@ import pytest
 import tensorflow as tf
 from helpers import internals
 from helpers.assertions import assert_no_open_window, assert_weights_close
-from helpers.data import FEATURES, make_data
-from helpers.models import functional, loss, subclassed
+from helpers.data import FEATURES, bn_data, make_data
+from helpers.models import bn_net, functional, loss, subclassed
 
 import keras_accum
 from keras_accum import AccumModel
@@ -255,6 +255,23 @@ def test_mismatched_window_leaves_the_model_unchanged(tmp_path):
     with pytest.raises(ValueError, match=r"pending window does not fit|expected entries"):
         model.load_weights(tmp_path / "m.weights.h5")
     _assert_unchanged(model, state)
+
+
+def test_a_failed_load_leaves_the_skipped_count_as_it_was(tmp_path):
+    x, y = bn_data(48)
+    x[8, 0] = np.nan  # the first window is skipped; 2 micro-batches pending
+    model = bn_net(AccumModel, accum_steps=4, skip_nonfinite=True)
+    model.compile(keras.optimizers.SGD(0.1), loss())
+    model.fit(x, y, batch_size=MICRO, shuffle=False, verbose=0)
+    assert model.skipped_windows == 1
+    path = tmp_path / "m.weights.h5"
+    model.save_weights(path)
+    internals.break_after_the_skip_count(path, skipped=3)
+    state = _state(model)
+    with pytest.raises(ValueError, match=r"BatchNormalization|entries|expected"):
+        model.load_weights(path)
+    _assert_unchanged(model, state)
+    assert model.skipped_windows == 1
 
 
 def test_corrupted_weights_file_raises_and_leaves_the_model_unchanged(tmp_path):

@@ -196,16 +196,21 @@ class Window:
             self.noise.discard_window()
 
     def snapshot(self):
-        """All of this process's window state as numpy, for `restore`."""
+        """All of this process's window state as numpy, for `restore`: the
+        buffers, the BatchNormalization moments and the skip count (a file
+        can fail to load after its count has loaded)."""
         moments = None if self.moments is None else self.moments.snapshot()
-        return self.buffers.snapshot(), moments
+        skipped = None if self.skip is None else self.skip.snapshot()
+        return self.buffers.snapshot(), moments, skipped
 
     def restore(self, snapshot):
         """Puts back a `snapshot()` (after a failed load)."""
-        buffers, moments = snapshot
+        buffers, moments, skipped = snapshot
         self.buffers.restore(buffers)
         if self.moments is not None:
             self.moments.restore(moments)
+        if self.skip is not None:
+            self.skip.restore(skipped)
 
 
 def _apply_measured(buffers, optimizer, total):

@@ -103,6 +103,13 @@ class NonFiniteWindows(tf.Module, internals.SavedState):
     def _count(self, finite):
         self.skipped.assign_add(tf.cast(tf.logical_not(finite), tf.int64))
 
+    def snapshot(self):
+        """The count as an int, for `restore` (after a failed load)."""
+        return int(self.skipped.numpy())
+
+    def restore(self, snapshot):
+        self.skipped.assign(snapshot)
+
     # -- Keras saving -------------------------------------------------------------
 
     def save_own_variables(self, store):

@@ -99,6 +99,18 @@ def mark_window_saved_by(path, shares, replicas):
 
 
 
+def break_after_the_skip_count(path, skipped):
+    """Edits a weights file: the window's skip count to `skipped`, and one
+    BatchNormalization entry more than the model has (`count_9`). Keras
+    loads private states last, sorted, so the count loads before
+    `_batchnorm` fails the load."""
+    import h5py
+
+    with h5py.File(path, "r+") as f:
+        f["_accumulator/nonfinite/vars/skipped_windows"][()] = skipped
+        f["_batchnorm/vars/count_9"] = f["_batchnorm/vars/count_0"][()]
+
+
 def settings(model):
     """The AccumModel's checked arguments (`AccumSettings`)."""
     return model._settings
