@@ -128,6 +128,7 @@ class _Phases:
 
     def __init__(self, model, after_step):
         self._model = model
+        self._window = model._window
         strategy = model.distribute_strategy
         # Per traced batch shape: where the attempt's tensors go back in.
         self._layouts = {}
@@ -168,15 +169,16 @@ class _Phases:
     def _compute(self, data):
         model = self._model
         plan = plan_of(model)
+        window = self._window
         internals.build_compiled_loss(model, data)
         if plan.uses_buffers:
-            variables = model._window.buffers.window_variables
+            variables = window.buffers.window_variables
             if variables is None:
                 # Raises the ordinary step's error: the model is not built.
-                return step.accumulate(model, plan, data)
+                return step.accumulate(model, plan, window, data)
         else:
             variables = model.trainable_variables
-        computed = step.split_gradients(model, plan, data, variables)
+        computed = step.split_gradients(model, plan, window, data, variables)
         # The tensors leave the call; everything else (None gradients, the
         # layers' moment windows, flags) stays here for the commit.
         leaves = tf.nest.flatten(computed)
@@ -196,8 +198,8 @@ class _Phases:
         leaves = [next(tensors) if kept is None else kept[0] for kept in layout]
         computed = tf.nest.pack_sequence_as(structure, leaves)
         if plan.uses_buffers:
-            return step.accumulate(model, plan, data, gradients=computed)
-        return step.batch_to_optimizer(model, plan, data, gradients=computed)
+            return step.accumulate(model, plan, self._window, data, gradients=computed)
+        return step.batch_to_optimizer(model, plan, self._window, data, gradients=computed)
 
     def _check_no_collectives(self, data):
         concrete = self._attempt.get_concrete_function(data)

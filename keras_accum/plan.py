@@ -29,8 +29,9 @@ class StepPlan(NamedTuple):
         skip_nonfinite: whether windows may be skipped (then buffers are
             used even for `accum_steps=1`, to decide before applying).
         micro_batch_size: the setting: an int, "auto" or None.
-        batch_size_seen: the batch size the split is for (the first training
-            batch's), when batches are split; None otherwise.
+        batch_size_seen: the first training batch's size (None: not seen):
+            the batch size the split is for, and the window's most
+            occurrences of a sparse gradient's rows.
         auto_size: the size "auto" has chosen (None: the whole batch).
     """
 
@@ -64,18 +65,22 @@ class StepPlan(NamedTuple):
     @property
     def cache_key(self):
         """The key of the train function for this plan: "auto" makes its
-        own steps for each size it chooses (auto_micro_batch.py)."""
-        return self._replace(auto_size=None)
+        own steps for each size it chooses (auto_micro_batch.py); the batch
+        size is the key's only where the step splits (elsewhere a cached
+        step keeps the size read when it was traced)."""
+        return self._replace(
+            batch_size_seen=self.batch_size_seen if self.splits else None,
+            auto_size=None,
+        )
 
 
 def plan_of(model):
     """The plan of `model`'s next traced step, from its current settings."""
     settings = model._settings
-    splits = settings.micro_batch_size is not None
     return StepPlan(
         accum_steps=settings.accum_steps,
         skip_nonfinite=settings.skip_nonfinite,
         micro_batch_size=settings.micro_batch_size,
-        batch_size_seen=model._batch_size_seen if splits else None,
+        batch_size_seen=model._batch_size_seen,
         auto_size=model._auto_micro_batch.size,
     )

@@ -215,7 +215,7 @@ def _replica_step(model):
     window = model._window
 
     def replica_step(data):
-        return step.accumulate(model, plan_of(model), data)
+        return step.accumulate(model, plan_of(model), window, data)
 
     def after_step():
         window.when_full(

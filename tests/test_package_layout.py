@@ -205,8 +205,6 @@ REACHES_LEFT = {
     "scheduler.py: _batch_size_seen": 1,
     "scheduler.py: _set_accum_steps": 1,
     "scheduler.py: _settings": 1,
-    "step.py: _batch_size_seen": 1,
-    "step.py: _window": 8,
     "train_functions.py: __dict__": 2,
     "train_functions.py: _auto_micro_batch": 2,
     "train_functions.py: _train_functions": 2,
