@@ -60,7 +60,7 @@ from keras_accum import _internals as internals
 from keras_accum import microbatch, scaling
 from keras_accum.normaliser import loss_normaliser, micro_batch_weight
 from keras_accum.plan import plan_of
-from keras_accum.window import noise_scale, slices
+from keras_accum.window import noise_scale
 
 
 class SplitBatch(NamedTuple):
@@ -130,7 +130,7 @@ def accumulate(model, plan, window, data, gradients=None):
             batch.grad_scale,
             normalise=batch.normalise,
             variables=variables,
-            statistic=slices.statistic_of(model.optimizer),
+            statistic=plan.statistic,
             window_occurrences=lambda: _window_batches(plan, split.x),
         )
 
