@@ -263,6 +263,31 @@ def micro_batch_gradients(
     return microbatch.Gradients(grads, grad_scale, weight, normalise, loss, n, y_pred)
 
 
+def compute_split(model, window, data):
+    """The first half of a split step (auto_replicas.py): the batch's
+    `SplitBatch` as the plan splits it, no state written but by the layers'
+    forward passes."""
+    plan = plan_of(model)
+    internals.build_compiled_loss(model, data)
+    if plan.uses_buffers:
+        variables = window.buffers.window_variables
+        if variables is None:
+            # Raises the ordinary step's error: the model is not built.
+            return accumulate(model, plan, window, data)
+    else:
+        variables = model.trainable_variables
+    return split_gradients(model, plan, window, data, variables)
+
+
+def write_split(model, window, data, split):
+    """The second half: `split` (what `compute_split` returned for `data`)
+    written as the ordinary step writes it; the logs."""
+    plan = plan_of(model)
+    if plan.uses_buffers:
+        return accumulate(model, plan, window, data, gradients=split)
+    return batch_to_optimizer(model, plan, window, data, gradients=split)
+
+
 def split_gradients(model, plan, window, data, variables):
     """The batch's summed gradients from micro-batches of `plan.split_size`
     samples, in tensors; no state is written but by the layers' forward

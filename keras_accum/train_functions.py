@@ -101,12 +101,12 @@ class TrainFunctions:
             # The batch's pooled moments (and noise scale) are applied in
             # the step: their variables are made now, outside any replica.
             window.build_parts(model.distribute_strategy)
-        captured = _captured(model, plan)
+        captured = _captured(model, plan, window)
         entry = None if force else self._cache.get(plan.cache_key)
         if entry is not None and _same_capture(entry[0], captured):
             function = entry[1]
         else:
-            function = self._new(model, plan)
+            function = self._new(model, plan, window)
             # Entries of an earlier compile or of replaced buffers would
             # never be used again, yet hold on to their traced graphs.
             buffers = (tuple(window.buffers.acc_grads), ())
@@ -120,24 +120,28 @@ class TrainFunctions:
         self.function = function
         return function
 
-    def _new(self, model, plan):
+    def _new(self, model, plan, window):
         strategy = model.distribute_strategy
         if plan.micro_batch_size == "auto":
-            state = StepState(lambda: written_before_gradients(model), strategy)
+            state = StepState(lambda: written_before_gradients(model, window), strategy)
             if strategy.num_replicas_in_sync > 1 or internals.multi_worker(strategy):
                 # Several replicas: computed apart from every collective, so
                 # that running out of memory on one blocks no other.
-                after_step = _replica_step(model)[1] if plan.uses_buffers else None
+                after_step = _replica_step(model, window)[1] if plan.uses_buffers else None
+                halves = (
+                    lambda data: step.compute_split(model, window, data),
+                    lambda data, split: step.write_split(model, window, data, split),
+                )
                 return auto_replicas.train_function(
-                    model._auto_micro_batch, model, after_step, state
+                    model._auto_micro_batch, model, halves, after_step, state
                 )
             return model._auto_micro_batch.train_function(
-                model, lambda: self._step_on_data(model), state
+                model, lambda: self._step_on_data(model, window), state
             )
         if plan.uses_buffers:
             if internals.replicated(strategy):
                 return internals.make_replicated_function(
-                    model, *_replica_step(model)
+                    model, *_replica_step(model, window)
                 )
         elif internals.multi_worker(strategy):
             # Keras's own train function fails across workers (its log
@@ -148,7 +152,7 @@ class TrainFunctions:
         keras.Model.make_train_function(model, force=True)
         return self.function
 
-    def _step_on_data(self, model):
+    def _step_on_data(self, model, window):
         # One step on a batch in hand ("auto"), traced per batch shape: the
         # split is static and exact for every batch, the short last one too.
         plan = plan_of(model)
@@ -157,7 +161,7 @@ class TrainFunctions:
             # window is applied in cross-replica context, as by the
             # replicated train function.
             return internals.make_step_on_data(
-                model, *_replica_step(model), reduce_retracing=False
+                model, *_replica_step(model, window), reduce_retracing=False
             )
         return internals.make_step_on_data(model, model.train_step, reduce_retracing=False)
 
@@ -209,11 +213,9 @@ class TrainFunctions:
         return function
 
 
-def _replica_step(model):
+def _replica_step(model, window):
     # The replica's part (accumulate) and the cross-replica part (apply the
     # window once full: replica 0's micro-step decides for all).
-    window = model._window
-
     def replica_step(data):
         return step.accumulate(model, plan_of(model), window, data)
 
@@ -226,7 +228,7 @@ def _replica_step(model):
     return replica_step, after_step
 
 
-def _captured(model, plan):
+def _captured(model, plan, window):
     """What a traced step captured: `(compiled, buffers)`.
 
     `compiled`: the optimizer, the loss tracker and the trainable variables
@@ -239,7 +241,7 @@ def _captured(model, plan):
         (model.optimizer, internals.loss_tracker(model), *model.trainable_variables),
         (model.jit_compile, model.run_eagerly, model.steps_per_execution),
     )
-    buffers = (tuple(model._window.buffers.acc_grads) if plan.uses_buffers else (), ())
+    buffers = (tuple(window.buffers.acc_grads) if plan.uses_buffers else (), ())
     return compiled, buffers
 
 
