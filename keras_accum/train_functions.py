@@ -27,6 +27,8 @@ owner.current()            # what fit calls: the skipping, then the step
 ```
 """
 
+from typing import NamedTuple
+
 import keras
 import tensorflow as tf
 
@@ -101,22 +103,22 @@ class TrainFunctions:
             # The batch's pooled moments (and noise scale) are applied in
             # the step: their variables are made now, outside any replica.
             window.build_parts(model.distribute_strategy)
-        captured = _captured(model, plan, window)
+        compiled, buffers = _captured(model, plan, window)
         entry = None if force else self._cache.get(plan.cache_key)
-        if entry is not None and _same_capture(entry[0], captured):
-            function = entry[1]
+        if entry is not None and entry.compiled.same(compiled) and entry.buffers.same(buffers):
+            function = entry.function
         else:
             function = self._new(model, plan, window)
             # Entries of an earlier compile or of replaced buffers would
             # never be used again, yet hold on to their traced graphs.
-            buffers = (tuple(window.buffers.acc_grads), ())
+            current = _Captured(tuple(window.buffers.acc_grads))
             self._cache = {
                 key: kept
                 for key, kept in self._cache.items()
-                if _same(kept[0][0], captured[0])
-                and (not kept[0][1][0] or _same(kept[0][1], buffers))
+                if kept.compiled.same(compiled)
+                and (not kept.buffers.objects or kept.buffers.same(current))
             }
-            self._cache[plan.cache_key] = (captured, function)
+            self._cache[plan.cache_key] = _Entry(compiled, buffers, function)
         self.function = function
         return function
 
@@ -192,12 +194,11 @@ class TrainFunctions:
         """The traced function that applies `model`'s open window: one per
         optimizer and window variables, each called about once an epoch."""
         window = model._window
-        captured = (
-            (model.optimizer, *window.buffers.acc_grads, *window.moments.variables),
-            (),
+        captured = _Captured(
+            (model.optimizer, *window.buffers.acc_grads, *window.moments.variables)
         )
         kept, function = self._flush
-        if kept is None or not _same(kept, captured):
+        if kept is None or not kept.same(captured):
             # TensorFlow's frequent-retracing warning counts traces of the
             # same code over every model in the process: one per compile is
             # not excessive.
@@ -228,34 +229,43 @@ def _replica_step(model, window):
     return replica_step, after_step
 
 
+class _Captured(NamedTuple):
+    """Objects a trace captured, compared by identity (and kept alive
+    here, so ids are not reused), and plain settings, compared by value."""
+
+    objects: tuple
+    settings: tuple = ()
+
+    def same(self, other):
+        return (
+            self.settings == other.settings
+            and len(self.objects) == len(other.objects)
+            and all(x is y for x, y in zip(self.objects, other.objects))
+        )
+
+
+class _Entry(NamedTuple):
+    """A cached train function and what its trace captured (`_captured`)."""
+
+    compiled: _Captured
+    buffers: _Captured
+    function: object
+
+
 def _captured(model, plan, window):
-    """What a traced step captured: `(compiled, buffers)`.
+    """What a traced step captured: `(compiled, buffers)`, two `_Captured`.
 
     `compiled`: the optimizer, the loss tracker and the trainable variables
-    (compared by identity, kept alive here so ids are not reused) with the
-    plain settings (compared by value): a new compile makes every entry
-    stale. `buffers`: the window's buffers, only where the step adds into
-    them (the first window's buffers leave Keras's own step as it was).
+    with the plain settings: a new compile makes every entry stale.
+    `buffers`: the window's buffers, only where the step adds into them
+    (the first window's buffers leave Keras's own step as it was).
     """
-    compiled = (
+    compiled = _Captured(
         (model.optimizer, internals.loss_tracker(model), *model.trainable_variables),
         (model.jit_compile, model.run_eagerly, model.steps_per_execution),
     )
-    buffers = (tuple(window.buffers.acc_grads) if plan.uses_buffers else (), ())
+    buffers = _Captured(tuple(window.buffers.acc_grads) if plan.uses_buffers else ())
     return compiled, buffers
-
-
-def _same_capture(a, b):
-    return all(_same(x, y) for x, y in zip(a, b))
-
-
-def _same(a, b):
-    (objects_a, settings_a), (objects_b, settings_b) = a, b
-    return (
-        settings_a == settings_b
-        and len(objects_a) == len(objects_b)
-        and all(x is y for x, y in zip(objects_a, objects_b))
-    )
 
 
 class TrainFunctionSlot:
