@@ -27,7 +27,7 @@ succeeds as one call, so no agreement call is needed.
 Example:
 
 ```python
-function = train_function(model._auto_micro_batch, model, after_step, state)
+function = train_function(auto, model, (compute, write), after_step, state)
 function(iterator)  # what fit calls: up to steps_per_execution steps
 ```
 """
@@ -36,9 +36,7 @@ import tensorflow as tf
 from keras import tree
 
 from keras_accum import _internals as internals
-from keras_accum import step
 from keras_accum.auto_micro_batch import NOTHING_FITS
-from keras_accum.plan import plan_of
 
 # What a worker proposes in the agreement.
 NO_LIMIT = 2**31 - 1  # its attempt succeeded
@@ -48,12 +46,17 @@ FAILED = -1  # its attempt raised something other than running out of memory
 _COLLECTIVE_PREFIXES = ("Collective", "Nccl")
 
 
-def train_function(auto, model, after_step, state):
+def train_function(auto, model, halves, after_step, state):
     """A train function for `fit` under a multi-replica strategy in auto mode.
 
     Args:
         auto: the model's `AutoMicroBatch` (the size, kept across calls).
         model: the model trained.
+        halves: `(compute, write)`, the step's two halves in a replica:
+            `compute(data)`, the batch's gradients in tensors, no state
+            written (step.py's `SplitBatch`, any structure `tf.nest`
+            flattens); `write(data, computed)`, what it computed written,
+            the logs. Each reads the current size when traced.
         after_step: the cross-replica part of a step (the window applied once
             full), or None where the step updates by itself.
         state: a `StepState` for what an attempt may write (per replica).
@@ -64,14 +67,15 @@ def train_function(auto, model, after_step, state):
     Example:
 
     ```python
-    state = StepState(lambda: written_before_gradients(model), strategy)
-    function = train_function(model._auto_micro_batch, model, after_step, state)
+    state = StepState(lambda: written_before_gradients(model, window), strategy)
+    halves = (compute, write)  # step.compute_split, step.write_split
+    function = train_function(model._auto_micro_batch, model, halves, after_step, state)
     model.chosen_micro_batch_size  # the same on every worker
     ```
     """
     strategy = model.distribute_strategy
     agree = _agreement(strategy) if internals.multi_worker(strategy) else None
-    phases = _Phases(model, after_step)
+    phases = _Phases(model, halves, after_step)
 
     def run(data):
         nonlocal phases
@@ -99,7 +103,7 @@ def train_function(auto, model, after_step, state):
                 auto.size or _local_batch_size(strategy, data),
                 " on at least one replica",
             )
-            phases = _Phases(model, after_step)
+            phases = _Phases(model, halves, after_step)
 
     def function(iterator):
         return internals.each_batch(model, iterator, run)
@@ -126,8 +130,9 @@ def _raise_if_final(agreed, error):
 class _Phases:
     """The traced attempt and commit for the current size (read at trace)."""
 
-    def __init__(self, model, after_step):
+    def __init__(self, model, halves, after_step):
         self._model = model
+        self._compute_split, self._write_split = halves
         strategy = model.distribute_strategy
         # Per traced batch shape: where the attempt's tensors go back in.
         self._layouts = {}
@@ -166,17 +171,7 @@ class _Phases:
         return self._commit(data, flat)
 
     def _compute(self, data):
-        model = self._model
-        plan = plan_of(model)
-        internals.build_compiled_loss(model, data)
-        if plan.uses_buffers:
-            variables = model._window.buffers.window_variables
-            if variables is None:
-                # Raises the ordinary step's error: the model is not built.
-                return step.accumulate(model, plan, data)
-        else:
-            variables = model.trainable_variables
-        computed = step.split_gradients(model, plan, data, variables)
+        computed = self._compute_split(data)
         # The tensors leave the call; everything else (None gradients, the
         # layers' moment windows, flags) stays here for the commit.
         leaves = tf.nest.flatten(computed)
@@ -186,8 +181,6 @@ class _Phases:
         return [leaf for leaf in leaves if _is_tensor(leaf)]
 
     def _write(self, data, flat):
-        model = self._model
-        plan = plan_of(model)
         structure, layout = self._layouts[_shapes(data)]
         # Made again on this replica's device: a reduction of a tensor that
         # came in as an argument has no device to reduce to.
@@ -195,9 +188,7 @@ class _Phases:
         tensors = iter(flat)
         leaves = [next(tensors) if kept is None else kept[0] for kept in layout]
         computed = tf.nest.pack_sequence_as(structure, leaves)
-        if plan.uses_buffers:
-            return step.accumulate(model, plan, data, gradients=computed)
-        return step.batch_to_optimizer(model, plan, data, gradients=computed)
+        return self._write_split(data, computed)
 
     def _check_no_collectives(self, data):
         concrete = self._attempt.get_concrete_function(data)

@@ -185,7 +185,7 @@ class AccumModel(
         return self._train_functions.make(self, force=force)
 
     def train_step(self, data):
-        return step.train_step(self, data)
+        return step.train_step(self, data, self._window)
 
     # -- settings ------------------------------------------------------------
 

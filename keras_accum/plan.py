@@ -1,9 +1,11 @@
 """The step plan: everything a traced train step reads as a Python constant.
 
 A traced step bakes in the window length, whether it uses buffers, how it
-splits a batch into micro-batches and the batch size that split is for.
-`StepPlan` holds exactly these, frozen; `plan_of(model)` makes it from the
-model's settings at the moment a step is traced. It is also the one key
+splits a batch into micro-batches, the batch size that split is for and the
+statistic of a sparse gradient's occurrences its window keeps. `StepPlan`
+holds exactly these, frozen, each once: the model's settings and what was
+learnt beside them; `make_plan(...)` makes it from values, `plan_of(model)`
+from the model at the moment a step is traced. Its `cache_key` is the key
 under which train functions are cached (train_functions.py): a setting that
 changes the plan gets its own function, and switching back reuses it.
 
@@ -19,26 +21,43 @@ plan.split_size        # micro-batch size the step splits into, or None
 from typing import NamedTuple
 
 from keras_accum.arguments import AUTO
+from keras_accum.window import slices
 
 
 class StepPlan(NamedTuple):
     """What a traced step reads as constants.
 
     Attributes:
-        accum_steps: micro-batches per optimizer update.
-        skip_nonfinite: whether windows may be skipped (then buffers are
-            used even for `accum_steps=1`, to decide before applying).
-        micro_batch_size: the setting: an int, "auto" or None.
-        batch_size_seen: the batch size the split is for (the first training
-            batch's), when batches are split; None otherwise.
+        settings: the model's `AccumSettings` (`accum_steps`,
+            `skip_nonfinite`, `micro_batch_size`, ... as set now).
+        batch_size_seen: the first training batch's size (None: not seen):
+            the batch size the split is for, and the window's most
+            occurrences of a sparse gradient's rows.
         auto_size: the size "auto" has chosen (None: the whole batch).
+        statistic: the statistic of a sparse gradient's occurrences the
+            optimizer's update reads (`slices.statistic_of`).
     """
 
-    accum_steps: int
-    skip_nonfinite: bool
-    micro_batch_size: object
-    batch_size_seen: object
+    settings: object
+    batch_size_seen: object = None
     auto_size: object = None
+    statistic: object = slices.SQUARE
+
+    @property
+    def accum_steps(self):
+        """Micro-batches per optimizer update (the setting)."""
+        return self.settings.accum_steps
+
+    @property
+    def skip_nonfinite(self):
+        """Whether windows may be skipped (then buffers are used even for
+        `accum_steps=1`, to decide before applying)."""
+        return self.settings.skip_nonfinite
+
+    @property
+    def micro_batch_size(self):
+        """The setting: an int, "auto" or None."""
+        return self.settings.micro_batch_size
 
     @property
     def uses_buffers(self):
@@ -64,18 +83,29 @@ class StepPlan(NamedTuple):
     @property
     def cache_key(self):
         """The key of the train function for this plan: "auto" makes its
-        own steps for each size it chooses (auto_micro_batch.py)."""
-        return self._replace(auto_size=None)
+        own steps for each size it chooses (auto_micro_batch.py); the batch
+        size is the key's only where the step splits (elsewhere a cached
+        step keeps the size read when it was traced); the statistic follows
+        the optimizer, which the cache compares itself."""
+        return self._replace(
+            batch_size_seen=self.batch_size_seen if self.splits else None,
+            auto_size=None,
+            statistic=None,
+        )
+
+
+def make_plan(settings, batch_size_seen=None, auto_size=None, statistic=slices.SQUARE):
+    """The plan of a step for `settings` (`AccumSettings`), the first
+    training batch's size, "auto"'s chosen size and the optimizer's
+    statistic (`slices.statistic_of(optimizer)`)."""
+    return StepPlan(settings, batch_size_seen, auto_size, statistic)
 
 
 def plan_of(model):
     """The plan of `model`'s next traced step, from its current settings."""
-    settings = model._settings
-    splits = settings.micro_batch_size is not None
-    return StepPlan(
-        accum_steps=settings.accum_steps,
-        skip_nonfinite=settings.skip_nonfinite,
-        micro_batch_size=settings.micro_batch_size,
-        batch_size_seen=model._batch_size_seen if splits else None,
-        auto_size=model._auto_micro_batch.size,
+    return make_plan(
+        model._settings,
+        model._batch_size_seen,
+        model._auto_micro_batch.size,
+        slices.statistic_of(model.optimizer),
     )

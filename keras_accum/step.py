@@ -1,7 +1,8 @@
 """The train step: functions of (model, plan, window), traced once per plan.
 
-`train_step(model, data)` is `AccumModel.train_step`. It reads the step
-plan (plan.py) as Python constants and takes one of three paths:
+`train_step(model, data, window)` is `AccumModel.train_step`, `window` the
+model's `Window`, handed in. It reads the step plan (plan.py) as Python
+constants and takes one of three paths:
 
 - no buffers, no split (`accum_steps=1`): Keras's own `train_step`;
 - no buffers, split (`micro_batch_size` with `accum_steps=1`): the batch's
@@ -46,9 +47,11 @@ Example:
 ```python
 class AccumModel(keras.Model):
     def train_step(self, data):
-        return step.train_step(self, data)
+        return step.train_step(self, data, self._window)
 ```
 """
+
+from typing import NamedTuple
 
 import keras
 import tensorflow as tf
@@ -57,18 +60,42 @@ from keras_accum import _internals as internals
 from keras_accum import microbatch, scaling
 from keras_accum.normaliser import loss_normaliser, micro_batch_weight
 from keras_accum.plan import plan_of
-from keras_accum.window import noise_scale, slices
+from keras_accum.window import noise_scale
 
 
-def train_step(model, data):
-    """One train step of `model` on `data`, as its plan says (see above)."""
+class SplitBatch(NamedTuple):
+    """A batch's gradients, computed into tensors and not yet written.
+
+    What `split_gradients` returns and `_write` writes (`tf.nest` flattens
+    it in field order: auto_replicas.py passes its tensors between calls).
+
+    Attributes:
+        x, y, sample_weight: the batch, as Keras unpacks it.
+        gradients: `microbatch.Gradients`, summed over the micro-batches.
+        batchnorm_records: the micro-batches' BatchNormalization moments,
+            a list of `BatchNormRecord` to be added to the window; None when
+            they were added as the forward pass ran (no split).
+        noise_sums: the noise scale's sums over the micro-batches; None when
+            it is not measured.
+    """
+
+    x: object
+    y: object
+    sample_weight: object
+    gradients: object
+    batchnorm_records: object
+    noise_sums: object
+
+
+def train_step(model, data, window):
+    """One train step of `model` on `data`, as its plan says (see above);
+    `window`: the model's `Window`."""
     plan = plan_of(model)
     if not plan.uses_buffers:
         if not plan.splits:
             return keras.Model.train_step(model, data)
-        return batch_to_optimizer(model, plan, data)
-    window = model._window
-    logs = accumulate(model, plan, data)
+        return batch_to_optimizer(model, plan, window, data)
+    logs = accumulate(model, plan, window, data)
     window.when_full(
         plan.accum_steps,
         lambda: window.apply(model.optimizer, model.distribute_strategy),
@@ -76,16 +103,16 @@ def train_step(model, data):
     return logs
 
 
-def accumulate(model, plan, data, gradients=None):
-    """Adds `data`'s gradient to the window; the logs of Keras's train_step.
+def accumulate(model, plan, window, data, gradients=None):
+    """Adds `data`'s gradient to `window`; the logs of Keras's train_step.
 
     `TensorFlowTrainer.train_step` with the update replaced by accumulation
     (keep in step with it: see the internals' fingerprints). `gradients`:
-    what `split_gradients` returned for `data`, computed in an earlier call
-    (auto_replicas.py), else computed here.
+    the `SplitBatch` `split_gradients` returned for `data`, computed in an
+    earlier call (auto_replicas.py), else computed here.
     """
     internals.build_compiled_loss(model, data)
-    buffers = model._window.buffers
+    buffers = window.buffers
     variables = buffers.window_variables
     if variables is None:
         raise ValueError(
@@ -103,11 +130,11 @@ def accumulate(model, plan, data, gradients=None):
             batch.grad_scale,
             normalise=batch.normalise,
             variables=variables,
-            statistic=slices.statistic_of(model.optimizer),
-            window_occurrences=lambda: _window_batches(model, plan, x),
+            statistic=plan.statistic,
+            window_occurrences=lambda: _window_batches(plan, split.x),
         )
 
-    noise = model._window.noise
+    noise = window.noise
 
     def add_measured(batch, sums):
         add(batch)
@@ -115,43 +142,39 @@ def accumulate(model, plan, data, gradients=None):
             noise.record(sums)
 
     if plan.splits:
-        x, y, sample_weight, batch, moments, sums = gradients or split_gradients(
-            model, plan, data, variables
-        )
-        return _write(model, x, y, sample_weight, batch, moments, add_measured, sums)
+        split = gradients or split_gradients(model, plan, window, data, variables)
+        return _write(model, window, split, add_measured)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    batch = micro_batch_gradients(model, x, y, sample_weight, variables)
-    sums = _measured(model, [batch])
-    return _write(model, x, y, sample_weight, batch, None, add_measured, sums)
+    batch = micro_batch_gradients(model, window, x, y, sample_weight, variables)
+    split = SplitBatch(x, y, sample_weight, batch, None, _measured(window, [batch]))
+    return _write(model, window, split, add_measured)
 
 
-def _measured(model, parts):
+def _measured(window, parts):
     # The noise scale's per-micro-batch sums, when measured (noise_scale.py):
     # of losses averaged over the batch only (a sum has no mean gradient).
-    if model._window.noise is None or not parts[0].normalise:
+    if window.noise is None or not parts[0].normalise:
         return None
     return noise_scale.micro_batch_sums(parts)
 
 
-def _window_batches(model, plan, x):
+def _window_batches(plan, x):
     """How many of this batch a window holds at most: `accum_steps` full
     (first-seen) batches. Derived from shapes, so a constant under XLA."""
-    full = model._batch_size_seen
+    full = plan.batch_size_seen
     if full is None:
         return plan.accum_steps
     n = internals.batch_size(x)
     return plan.accum_steps * ((full + n - 1) // n)
 
 
-def batch_to_optimizer(model, plan, data, gradients=None):
+def batch_to_optimizer(model, plan, window, data, gradients=None):
     """`accum_steps=1` with a split: the batch's gradient, summed over its
     micro-batches, goes straight to the optimizer; no buffers. `gradients`:
     as for `accumulate`."""
     internals.build_compiled_loss(model, data)
     variables = model.trainable_variables
-    x, y, sample_weight, batch, moments, sums = gradients or split_gradients(
-        model, plan, data, variables
-    )
+    split = gradients or split_gradients(model, plan, window, data, variables)
 
     def update(batch, sums):
         total = batch.weight
@@ -163,7 +186,7 @@ def batch_to_optimizer(model, plan, data, gradients=None):
             # number of replicas.
             total = context.all_reduce(tf.distribute.ReduceOp.SUM, total)
             total = total / context.num_replicas_in_sync
-        model._window.moments.apply()
+        window.moments.apply()
         loss_scale = scaling.loss_scale_of(model.optimizer)
         scale = scaling.out_of_window(batch.normalise, total, loss_scale)
         grads = [
@@ -172,35 +195,40 @@ def batch_to_optimizer(model, plan, data, gradients=None):
         ]
         if sums is not None:
             # The batch is the window: its estimate goes straight to the epoch.
-            window = [g for g in grads if g is not None]
+            batch_grads = [g for g in grads if g is not None]
             if replicated:
                 # Two reductions: one all-reduce packs tensors of one dtype.
                 sums = context.all_reduce(tf.distribute.ReduceOp.SUM, sums)
-                window = context.all_reduce(tf.distribute.ReduceOp.SUM, window)
-            norm = noise_scale.squared_norm(window)
+                batch_grads = context.all_reduce(tf.distribute.ReduceOp.SUM, batch_grads)
+            norm = noise_scale.squared_norm(batch_grads)
             if loss_scale is not None:
                 norm = norm / tf.square(tf.cast(loss_scale, tf.float64))
-            model._window.noise.add_window(sums, norm)
+            window.noise.add_window(sums, norm)
         model.optimizer.apply(grads, variables)
 
-    return _write(model, x, y, sample_weight, batch, moments, update, sums)
+    return _write(model, window, split, update)
 
 
-def _write(model, x, y, sample_weight, batch, moments, update, sums=None):
-    """The step's one state-writing tail: moments, `update(batch, sums)`,
-    loss, metrics. With `moments` (a split batch's, deferred), every write
-    waits for all of the batch's gradients. `sums`: the noise scale's, or
-    None."""
-    after = [] if moments is None else microbatch.control_after(batch)
+def _write(model, window, split, update):
+    """The step's one state-writing tail: BatchNormalization records,
+    `update(gradients, noise_sums)`, loss, metrics, for the `SplitBatch`
+    `split`. With records (a split batch's, deferred), every write waits for
+    all of the batch's gradients."""
+    batch, records = split.gradients, split.batchnorm_records
+    after = [] if records is None else microbatch.control_after(batch)
     with tf.control_dependencies(after):
-        if moments is not None:
-            model._window.moments.record(moments)
+        if records is not None:
+            window.moments.record(records)
         internals.track_loss(model, batch.loss, batch.num_samples)
-        update(batch, sums)
-        return model.compute_metrics(x, y, batch.y_pred, sample_weight=sample_weight)
+        update(batch, split.noise_sums)
+        return model.compute_metrics(
+            split.x, split.y, batch.y_pred, sample_weight=split.sample_weight
+        )
 
 
-def micro_batch_gradients(model, x, y, sample_weight, variables, moments=None, live=None):
+def micro_batch_gradients(
+    model, window, x, y, sample_weight, variables, moments=None, live=None
+):
     """One forward and backward pass, as Keras's train_step makes it.
 
     Returns `microbatch.Gradients`: the gradients and the weight (what
@@ -217,7 +245,7 @@ def micro_batch_gradients(model, x, y, sample_weight, variables, moments=None, l
     fold = loss_scale is None and model.dtype_policy.compute_dtype != "float16"
     normalisers = []
     with tf.GradientTape() as tape:
-        with model._window.moments.micro_batch(moments):
+        with window.moments.micro_batch(moments):
             y_pred = internals.call_for_training(model, x)
         with internals.recording_loss_calls(
             model, lambda *call: normalisers.append(loss_normaliser(*call))
@@ -235,13 +263,37 @@ def micro_batch_gradients(model, x, y, sample_weight, variables, moments=None, l
     return microbatch.Gradients(grads, grad_scale, weight, normalise, loss, n, y_pred)
 
 
-def split_gradients(model, plan, data, variables):
+def compute_split(model, window, data):
+    """The first half of a split step (auto_replicas.py): the batch's
+    `SplitBatch` as the plan splits it, no state written but by the layers'
+    forward passes."""
+    plan = plan_of(model)
+    internals.build_compiled_loss(model, data)
+    if plan.uses_buffers:
+        variables = window.buffers.window_variables
+        if variables is None:
+            # Raises the ordinary step's error: the model is not built.
+            return accumulate(model, plan, window, data)
+    else:
+        variables = model.trainable_variables
+    return split_gradients(model, plan, window, data, variables)
+
+
+def write_split(model, window, data, split):
+    """The second half: `split` (what `compute_split` returned for `data`)
+    written as the ordinary step writes it; the logs."""
+    plan = plan_of(model)
+    if plan.uses_buffers:
+        return accumulate(model, plan, window, data, gradients=split)
+    return batch_to_optimizer(model, plan, window, data, gradients=split)
+
+
+def split_gradients(model, plan, window, data, variables):
     """The batch's summed gradients from micro-batches of `plan.split_size`
     samples, in tensors; no state is written but by the layers' forward
-    passes. Returns `(x, y, sample_weight, batch, moments, sums)`, `sums`
-    the noise scale's over the micro-batches (None when not measured)."""
+    passes. Returns a `SplitBatch`."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    moments = []
+    records = []
     parts = []
     for part, live in microbatch.split(
         (x, y, sample_weight), plan.split_size, plan.batch_size_seen
@@ -249,17 +301,17 @@ def split_gradients(model, plan, data, variables):
         if parts:
             part = microbatch.after(parts[-1], part)
         if live is None:
-            parts.append(micro_batch_gradients(model, *part, variables, moments))
+            parts.append(micro_batch_gradients(model, window, *part, variables, records))
             continue
         # A stand-in past a short batch's end: weighs nothing, counts no
         # sample, predicts no row, adds no BatchNormalization moments.
         live = tf.cast(live, tf.float32)
-        first = len(moments)
-        step = micro_batch_gradients(model, *part, variables, moments, live=live)
+        first = len(records)
+        step = micro_batch_gradients(model, window, *part, variables, records, live=live)
         rows = step.num_samples * tf.cast(live, step.num_samples.dtype)
-        moments[first:] = [
-            (pooled, count * tf.cast(live, count.dtype), mean, variance)
-            for pooled, count, mean, variance in moments[first:]
+        records[first:] = [
+            record._replace(count=record.count * tf.cast(live, record.count.dtype))
+            for record in records[first:]
         ]
         parts.append(
             step._replace(
@@ -268,4 +320,6 @@ def split_gradients(model, plan, data, variables):
                 y_pred=microbatch.drop_rows(step.y_pred, rows),
             )
         )
-    return x, y, sample_weight, microbatch.combine(parts), moments, _measured(model, parts)
+    return SplitBatch(
+        x, y, sample_weight, microbatch.combine(parts), records, _measured(window, parts)
+    )

@@ -27,6 +27,8 @@ owner.current()            # what fit calls: the skipping, then the step
 ```
 """
 
+from typing import NamedTuple
+
 import keras
 import tensorflow as tf
 
@@ -101,43 +103,47 @@ class TrainFunctions:
             # The batch's pooled moments (and noise scale) are applied in
             # the step: their variables are made now, outside any replica.
             window.build_parts(model.distribute_strategy)
-        captured = _captured(model, plan)
+        compiled, buffers = _captured(model, plan, window)
         entry = None if force else self._cache.get(plan.cache_key)
-        if entry is not None and _same_capture(entry[0], captured):
-            function = entry[1]
+        if entry is not None and entry.compiled.same(compiled) and entry.buffers.same(buffers):
+            function = entry.function
         else:
-            function = self._new(model, plan)
+            function = self._new(model, plan, window)
             # Entries of an earlier compile or of replaced buffers would
             # never be used again, yet hold on to their traced graphs.
-            buffers = (tuple(window.buffers.acc_grads), ())
+            current = _Captured(tuple(window.buffers.acc_grads))
             self._cache = {
                 key: kept
                 for key, kept in self._cache.items()
-                if _same(kept[0][0], captured[0])
-                and (not kept[0][1][0] or _same(kept[0][1], buffers))
+                if kept.compiled.same(compiled)
+                and (not kept.buffers.objects or kept.buffers.same(current))
             }
-            self._cache[plan.cache_key] = (captured, function)
+            self._cache[plan.cache_key] = _Entry(compiled, buffers, function)
         self.function = function
         return function
 
-    def _new(self, model, plan):
+    def _new(self, model, plan, window):
         strategy = model.distribute_strategy
         if plan.micro_batch_size == "auto":
-            state = StepState(lambda: written_before_gradients(model), strategy)
+            state = StepState(lambda: written_before_gradients(model, window), strategy)
             if strategy.num_replicas_in_sync > 1 or internals.multi_worker(strategy):
                 # Several replicas: computed apart from every collective, so
                 # that running out of memory on one blocks no other.
-                after_step = _replica_step(model)[1] if plan.uses_buffers else None
+                after_step = _replica_step(model, window)[1] if plan.uses_buffers else None
+                halves = (
+                    lambda data: step.compute_split(model, window, data),
+                    lambda data, split: step.write_split(model, window, data, split),
+                )
                 return auto_replicas.train_function(
-                    model._auto_micro_batch, model, after_step, state
+                    model._auto_micro_batch, model, halves, after_step, state
                 )
             return model._auto_micro_batch.train_function(
-                model, lambda: self._step_on_data(model), state
+                model, lambda: self._step_on_data(model, window), state
             )
         if plan.uses_buffers:
             if internals.replicated(strategy):
                 return internals.make_replicated_function(
-                    model, *_replica_step(model)
+                    model, *_replica_step(model, window)
                 )
         elif internals.multi_worker(strategy):
             # Keras's own train function fails across workers (its log
@@ -148,7 +154,7 @@ class TrainFunctions:
         keras.Model.make_train_function(model, force=True)
         return self.function
 
-    def _step_on_data(self, model):
+    def _step_on_data(self, model, window):
         # One step on a batch in hand ("auto"), traced per batch shape: the
         # split is static and exact for every batch, the short last one too.
         plan = plan_of(model)
@@ -157,7 +163,7 @@ class TrainFunctions:
             # window is applied in cross-replica context, as by the
             # replicated train function.
             return internals.make_step_on_data(
-                model, *_replica_step(model), reduce_retracing=False
+                model, *_replica_step(model, window), reduce_retracing=False
             )
         return internals.make_step_on_data(model, model.train_step, reduce_retracing=False)
 
@@ -188,12 +194,11 @@ class TrainFunctions:
         """The traced function that applies `model`'s open window: one per
         optimizer and window variables, each called about once an epoch."""
         window = model._window
-        captured = (
-            (model.optimizer, *window.buffers.acc_grads, *window.moments.variables),
-            (),
+        captured = _Captured(
+            (model.optimizer, *window.buffers.acc_grads, *window.moments.variables)
         )
         kept, function = self._flush
-        if kept is None or not _same(kept, captured):
+        if kept is None or not kept.same(captured):
             # TensorFlow's frequent-retracing warning counts traces of the
             # same code over every model in the process: one per compile is
             # not excessive.
@@ -209,13 +214,11 @@ class TrainFunctions:
         return function
 
 
-def _replica_step(model):
+def _replica_step(model, window):
     # The replica's part (accumulate) and the cross-replica part (apply the
     # window once full: replica 0's micro-step decides for all).
-    window = model._window
-
     def replica_step(data):
-        return step.accumulate(model, plan_of(model), data)
+        return step.accumulate(model, plan_of(model), window, data)
 
     def after_step():
         window.when_full(
@@ -226,34 +229,43 @@ def _replica_step(model):
     return replica_step, after_step
 
 
-def _captured(model, plan):
-    """What a traced step captured: `(compiled, buffers)`.
+class _Captured(NamedTuple):
+    """Objects a trace captured, compared by identity (and kept alive
+    here, so ids are not reused), and plain settings, compared by value."""
+
+    objects: tuple
+    settings: tuple = ()
+
+    def same(self, other):
+        return (
+            self.settings == other.settings
+            and len(self.objects) == len(other.objects)
+            and all(x is y for x, y in zip(self.objects, other.objects))
+        )
+
+
+class _Entry(NamedTuple):
+    """A cached train function and what its trace captured (`_captured`)."""
+
+    compiled: _Captured
+    buffers: _Captured
+    function: object
+
+
+def _captured(model, plan, window):
+    """What a traced step captured: `(compiled, buffers)`, two `_Captured`.
 
     `compiled`: the optimizer, the loss tracker and the trainable variables
-    (compared by identity, kept alive here so ids are not reused) with the
-    plain settings (compared by value): a new compile makes every entry
-    stale. `buffers`: the window's buffers, only where the step adds into
-    them (the first window's buffers leave Keras's own step as it was).
+    with the plain settings: a new compile makes every entry stale.
+    `buffers`: the window's buffers, only where the step adds into them
+    (the first window's buffers leave Keras's own step as it was).
     """
-    compiled = (
+    compiled = _Captured(
         (model.optimizer, internals.loss_tracker(model), *model.trainable_variables),
         (model.jit_compile, model.run_eagerly, model.steps_per_execution),
     )
-    buffers = (tuple(model._window.buffers.acc_grads) if plan.uses_buffers else (), ())
+    buffers = _Captured(tuple(window.buffers.acc_grads) if plan.uses_buffers else ())
     return compiled, buffers
-
-
-def _same_capture(a, b):
-    return all(_same(x, y) for x, y in zip(a, b))
-
-
-def _same(a, b):
-    (objects_a, settings_a), (objects_b, settings_b) = a, b
-    return (
-        settings_a == settings_b
-        and len(objects_a) == len(objects_b)
-        and all(x is y for x, y in zip(objects_a, objects_b))
-    )
 
 
 class TrainFunctionSlot:

@@ -11,6 +11,7 @@ layer's own momentum.
 import contextlib
 import threading
 import weakref
+from typing import NamedTuple
 
 import numpy as np
 import tensorflow as tf
@@ -18,6 +19,23 @@ import tensorflow as tf
 from keras_accum import _internals as internals
 from keras_accum.arguments import BATCHNORM_PER_WINDOW, check_batchnorm
 from keras_accum.window import replicas
+
+
+class BatchNormRecord(NamedTuple):
+    """One layer's moments of one micro-batch, recorded to be added later.
+
+    Attributes:
+        window: the layer's pooled moments over the open window, which the
+            record is added to (`_LayerMoments`).
+        count: how many values each channel's moments were computed over.
+        mean: the micro-batch's mean, per channel.
+        variance: the micro-batch's variance, per channel.
+    """
+
+    window: object
+    count: object
+    mean: object
+    variance: object
 
 
 class _LayerMoments(tf.Module):
@@ -162,8 +180,8 @@ class BatchNormMoments(tf.Module, internals.SavedState):
     def micro_batch(self, deferred=None):
         """Records the moments of every pooled layer's forward pass in the block.
 
-        With a list `deferred`, the moments are appended to it as tensors
-        instead of being added to the window: `record(deferred)` adds them
+        With a list `deferred`, the moments are appended to it as
+        `BatchNormRecord`s instead of being added to the window: `record(deferred)` adds them
         later (micro-batches inside one step write no window state until
         every one of them has run).
 
@@ -212,15 +230,15 @@ class BatchNormMoments(tf.Module, internals.SavedState):
                 if context is not None and context.num_replicas_in_sync > 1:
                     count = context.all_reduce(tf.distribute.ReduceOp.SUM, count)
             shape = pooled.mean.shape
-            moments = (
-                pooled,
-                tf.broadcast_to(count, shape),
-                tf.reshape(mean, shape),
-                tf.reshape(variance, shape),
+            moments = BatchNormRecord(
+                window=pooled,
+                count=tf.broadcast_to(count, shape),
+                mean=tf.reshape(mean, shape),
+                variance=tf.reshape(variance, shape),
             )
             deferred = getattr(self._before, "deferred", None)
             if deferred is None:
-                pooled.add(*moments[1:])
+                pooled.add(moments.count, moments.mean, moments.variance)
             else:
                 deferred.append(moments)
 
@@ -232,12 +250,12 @@ class BatchNormMoments(tf.Module, internals.SavedState):
         A micro-batch with no values (an empty trailing slice of a short
         batch) has NaN moments and count 0: it adds nothing.
         """
-        for pooled, count, mean, variance in deferred:
-            seen = count > 0
-            pooled.add(
-                count,
-                tf.where(seen, mean, tf.zeros_like(mean)),
-                tf.where(seen, variance, tf.zeros_like(variance)),
+        for moments in deferred:
+            seen = moments.count > 0
+            moments.window.add(
+                moments.count,
+                tf.where(seen, moments.mean, tf.zeros_like(moments.mean)),
+                tf.where(seen, moments.variance, tf.zeros_like(moments.variance)),
             )
 
     def apply(self, finite_only=False):
