@@ -4,15 +4,19 @@ and the window applied when an epoch's data ends.
 Example:
 
 ```python
-with one_fit(model, callbacks, accum_steps=8, micro_batch_size=None) as callbacks:
+with one_fit(model, control, callbacks, accum_steps=8) as callbacks:
     keras.Model.fit(model, x, y, callbacks=callbacks)
 ```
+
+The model hands in a `FitControl`, made from its own methods and values:
+nothing here reads the model's attributes.
 """
 
 import contextlib
 import inspect
 import math
 import warnings
+from typing import Callable, NamedTuple, Optional
 
 import keras
 
@@ -23,8 +27,69 @@ from keras_accum.arguments import (
     check_keywords,
     check_micro_batch_size,
 )
-from keras_accum.microbatch import static_batch_size
-from keras_accum.scheduler import AccumScheduler
+
+
+class FitControl(NamedTuple):
+    """What a `fit` may read and change of its model, handed in by the
+    model (`AccumModel._fit_control`), so that neither `one_fit` nor its
+    callbacks read the model's attributes.
+
+    Example:
+
+    ```python
+    control = model._fit_control()
+    control.set_accum_steps(8)        # for this fit only
+    control.restore(previous)         # at its end: the open window stays
+    ```
+    """
+
+    # The model's `AccumSettings` now.
+    settings: Callable
+    # `accum_steps` for this fit only (a pending window of another length
+    # is applied first); not the setter, whose value outlives the fit.
+    set_accum_steps: Callable
+    # `micro_batch_size` for this fit only.
+    set_micro_batch_size: Callable
+    # `restore(settings)`: the settings back without applying the open
+    # window; the next step is made for them.
+    restore: Callable
+    # Ends a resumed epoch's skipping left by an interrupted fit.
+    stop_skipping: Callable
+    # The settings the user assigns during the fit (`FitChanges`).
+    changes: "FitChanges"
+    # The batch size the step splits (None until a training batch is seen).
+    batch_size_seen: Callable
+    # The window's `NoiseScale`, or None when the model does not measure.
+    noise: Optional[object]
+    # `measured(value)`: an epoch's noise scale estimate, for the model's
+    # `noise_scale` property.
+    measured: Callable
+
+
+class FitSetting(keras.callbacks.Callback):
+    """A callback that changes the model's settings for one `fit` only
+    (`AccumScheduler`): `one_fit` hands it the fit's `FitControl`, and asks
+    it, before training, what it sets for the epoch training starts at.
+
+    Example:
+
+    ```python
+    class AccumScheduler(FitSetting): ...
+    ```
+    """
+
+    # The running fit's `FitControl`, given by `one_fit`; None outside a fit.
+    fit_control = None
+
+    def bind_fit(self, control):
+        """Called by `one_fit` with its `FitControl` before training, and
+        with None when the fit ends."""
+        self.fit_control = control
+
+    def value_at_start(self, epoch):
+        """The `accum_steps` set for `epoch` as far as known before
+        training; None: none (the value in force)."""
+        return None
 
 
 class EpochEndFlush(keras.callbacks.Callback):
@@ -39,20 +104,21 @@ class EpochEndFlush(keras.callbacks.Callback):
     Example:
 
     ```python
-    callbacks = [EpochEndFlush(model), *user_callbacks]
+    callbacks = [EpochEndFlush(model, control), *user_callbacks]
     ```
     """
 
-    def __init__(self, model):
+    def __init__(self, model, control):
         super().__init__()
         self._accum_model = model
+        self._noise = control.noise
+        self._measured = control.measured
         self._trained = False
         self._warned = False
 
     def on_epoch_begin(self, epoch, logs=None):
-        noise = self._accum_model._window.noise
-        if noise is not None:
-            noise.start_epoch()
+        if self._noise is not None:
+            self._noise.start_epoch()
 
     def on_train_batch_end(self, batch, logs=None):
         self._trained = True
@@ -66,14 +132,14 @@ class EpochEndFlush(keras.callbacks.Callback):
         if logs is not None and model.skip_nonfinite:
             # Printed as an integer by the progress bar (LoggedCount).
             logs["skipped_windows"] = internals.LoggedCount(model.skipped_windows)
-        if model._window.noise is not None:
+        if self._noise is not None:
             self._log_noise_scale(logs)
 
     def _log_noise_scale(self, logs):
         # After the flush: the epoch's last window is in the estimate.
         model = self._accum_model
-        value = model._window.noise.end_epoch()
-        model._noise_scale = value
+        value = self._noise.end_epoch()
+        self._measured(value)
         if logs is not None:
             logs["noise_scale"] = value
         if math.isnan(value) and not self._warned:
@@ -108,7 +174,7 @@ class FitChanges:
     Example:
 
     ```python
-    model._fit_changes.set_by_user(accum_steps=2)  # the setter, during fit
+    changes.set_by_user(accum_steps=2)  # the model's setter, during fit
     ```
     """
 
@@ -160,9 +226,9 @@ def check_schedule_agrees(callbacks, accum_steps, initial_epoch):
     if accum_steps is None:
         return
     for callback in callbacks:
-        if not isinstance(callback, AccumScheduler):
+        if not isinstance(callback, FitSetting):
             continue
-        value = callback._value_at_start(initial_epoch)
+        value = callback.value_at_start(initial_epoch)
         if value is not None and value != accum_steps:
             raise ValueError(
                 f"fit(accum_steps={accum_steps}) and the AccumScheduler in "
@@ -181,7 +247,8 @@ _KERAS_FIT_ARGUMENTS = frozenset(inspect.signature(keras.Model.fit).parameters)
 
 
 @contextlib.contextmanager
-def one_fit(model, callbacks, accum_steps=None, micro_batch_size=None, fit_kwargs=None):
+def one_fit(model, control, callbacks, accum_steps=None, micro_batch_size=None,
+            fit_kwargs=None):
     """The settings and callbacks of one `fit` call; yields the callbacks.
 
     Every argument is checked before anything changes. `accum_steps` and
@@ -192,7 +259,7 @@ def one_fit(model, callbacks, accum_steps=None, micro_batch_size=None, fit_kwarg
     user assigns during the fit (`model.accum_steps = n` in a callback) is
     the model's own, and stays. A resumed epoch's skipping belongs to this
     call too. `fit_kwargs` are the other arguments of this `fit`, checked
-    for a misspelling of ours.
+    for a misspelling of ours. `control` is the model's `FitControl`.
     """
     fit_kwargs = fit_kwargs or {}
     check_keywords(fit_kwargs, "fit()", FIT_ARGUMENTS, passed_on=_KERAS_FIT_ARGUMENTS)
@@ -205,43 +272,30 @@ def one_fit(model, callbacks, accum_steps=None, micro_batch_size=None, fit_kwarg
     if micro_batch_size is not None:
         micro_batch_size = check_micro_batch_size(micro_batch_size)
     check_schedule_agrees(given, accum_steps, fit_kwargs.get("initial_epoch", 0))
-    previous = model._settings
+    previous = control.settings()
     if accum_steps is not None:
-        model._set_accum_steps(accum_steps)
+        control.set_accum_steps(accum_steps)
     if micro_batch_size is not None:
-        model._change(micro_batch_size=micro_batch_size)
-    model._fit_changes.start()
-    flush = EpochEndFlush(model)
+        control.set_micro_batch_size(micro_batch_size)
+    settings_callbacks = [c for c in given if isinstance(c, FitSetting)]
+    for callback in settings_callbacks:
+        callback.bind_fit(control)
+    control.changes.start()
+    flush = EpochEndFlush(model, control)
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks.callbacks.insert(0, flush)
         flush.set_model(model)
     else:
         callbacks = [flush] + list(callbacks or [])
-    model._training_build = True
     try:
-        yield callbacks
+        with internals.training_build(model):
+            yield callbacks
     finally:
-        model._training_build = False
         if isinstance(callbacks, keras.callbacks.CallbackList):
             callbacks.callbacks.remove(flush)
-        previous = previous._replace(**model._fit_changes.stop())
-        if model._settings != previous:
-            # Not through the setters: the open window stays open.
-            model._settings = previous
-            model._train_functions.invalidate()
-        model._train_functions.stop_skipping()
+        # Not through the setters: the open window stays open.
+        control.restore(previous._replace(**control.changes.stop()))
+        control.stop_skipping()
+        for callback in settings_callbacks:
+            callback.bind_fit(None)
 
-
-def see_training_batch(model, data_batch):
-    """The first training batch of a `fit` or `train_on_batch`, in Python.
-
-    The step splits a batch whose size the trace may not know (fit's batch
-    dimension is None): the size is taken from here, and a new size gets
-    its own train function.
-    """
-    size = None if data_batch is None else static_batch_size(data_batch)
-    if size is None or size == model._batch_size_seen:
-        return
-    model._batch_size_seen = size
-    if model._settings.micro_batch_size is not None:
-        model._train_functions.invalidate()

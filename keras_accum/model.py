@@ -4,7 +4,8 @@ The model is the public surface; the work is done by what it composes:
 its settings (arguments.py) make a step plan (plan.py); the step
 (step.py) adds into the window (window/) and applies it; the train
 functions (train_functions.py) are made, cached and swapped by one owner;
-`fit`'s per-call settings and epoch-end flush are fitting.py's.
+`fit`'s per-call settings and epoch-end flush are fitting.py's, and
+faithful configs and all-or-nothing loads saving.py's.
 
 Training with micro-batch `b` and `accum_steps=N` is the same training as
 a plain `keras.Model` with batch `N * b`: each update uses the gradient of
@@ -38,10 +39,10 @@ import inspect
 import keras
 
 from keras_accum import _internals as internals
-from keras_accum import arguments, fitting, step
+from keras_accum import arguments, fitting, saving, step
 from keras_accum.auto_micro_batch import AutoMicroBatch
+from keras_accum.microbatch import static_batch_size
 from keras_accum.optimizer import check_not_accumulating
-from keras_accum.saving import SavedWithWindow
 from keras_accum.train_functions import TrainFunctionSlot
 from keras_accum.window import Window
 from keras_accum.window.batchnorm import BatchNormMoments
@@ -63,7 +64,6 @@ _KERAS_MODEL_ARGUMENTS = frozenset(
 class AccumModel(
     internals.FunctionalVariants,
     internals.BuildFromFirstBatch,
-    SavedWithWindow,
     keras.Model,
 ):
     """A `keras.Model` that accumulates gradients over `accum_steps` batches.
@@ -182,7 +182,13 @@ class AccumModel(
     train_function = TrainFunctionSlot(check_not_accumulating)
 
     def make_train_function(self, force=False):
-        return self._train_functions.make(self, force=force)
+        return self._functions().make(
+            self, self._window, self._auto_micro_batch, force=force
+        )
+
+    def _functions(self):
+        # The model's TrainFunctions, made and kept by the slot above.
+        return type(self).train_function.owner(self)
 
     def train_step(self, data):
         return step.train_step(self, data, self._window)
@@ -230,7 +236,7 @@ class AccumModel(
         settings = self._settings._replace(**settings)
         if settings != self._settings:
             self._settings = settings
-            self._train_functions.retrace(self)
+            self._functions().retrace(self)
 
     @property
     def micro_batch_size(self):
@@ -310,6 +316,9 @@ class AccumModel(
     # The last epoch's estimate, set at its end (fitting.py); not saved.
     _noise_scale = None
 
+    def _measured(self, noise_scale):
+        self._noise_scale = noise_scale
+
     @property
     def noise_scale(self):
         """The last epoch's gradient noise scale `B_simple`, in samples.
@@ -383,7 +392,10 @@ class AccumModel(
         assert model.accum_steps == 1 and int(model.optimizer.iterations) == 1
         ```
         """
-        with fitting.one_fit(self, callbacks, accum_steps, micro_batch_size, kwargs) as callbacks:
+        control = self._fit_control()
+        with fitting.one_fit(
+            self, control, callbacks, accum_steps, micro_batch_size, kwargs
+        ) as callbacks:
             return super().fit(
                 x,
                 y,
@@ -394,8 +406,41 @@ class AccumModel(
                 **kwargs,
             )
 
+    def _fit_control(self):
+        # What a fit and its callbacks may read and change of this model
+        # (fitting.py), without reaching into it.
+        return fitting.FitControl(
+            settings=lambda: self._settings,
+            set_accum_steps=self._set_accum_steps,
+            set_micro_batch_size=lambda value: self._change(micro_batch_size=value),
+            restore=self._restore_settings,
+            stop_skipping=self._functions().stop_skipping,
+            changes=self._fit_changes,
+            batch_size_seen=lambda: self._batch_size_seen,
+            noise=self._window.noise,
+            measured=self._measured,
+        )
+
+    def _restore_settings(self, settings):
+        # A fit's end: the model's own settings back, not through the
+        # setters, so the open window stays open; the next step is made
+        # for them.
+        if settings != self._settings:
+            self._settings = settings
+            self._functions().invalidate()
+
     def _see_batch(self, data_batch):
-        fitting.see_training_batch(self, data_batch)
+        # The first training batch of a fit or train_on_batch, in Python
+        # (internals.BuildFromFirstBatch). The step splits a batch whose
+        # size the trace may not know (fit's batch dimension is None): the
+        # size is taken from here, and a new size gets its own train
+        # function.
+        size = None if data_batch is None else static_batch_size(data_batch)
+        if size is None or size == self._batch_size_seen:
+            return
+        self._batch_size_seen = size
+        if self._settings.micro_batch_size is not None:
+            self._functions().invalidate()
 
     # -- the open window -------------------------------------------------------
 
@@ -424,7 +469,7 @@ class AccumModel(
         if self.run_eagerly:
             window.apply(self.optimizer, self.distribute_strategy)
         else:
-            self._train_functions.flush_function(self)()
+            self._functions().flush_function(self, window)()
 
     def reset_window(self):
         """Discards the open window: its gradients are dropped, no update is made.
@@ -457,3 +502,73 @@ class AccumModel(
         # with, and do not leak into the next window.
         if self.built:
             self._window.moments.build(self.distribute_strategy)
+
+    # -- saving and loading (saving.py) -----------------------------------------
+
+    def load_weights(self, filepath, *args, **kwargs):
+        """`keras.Model.load_weights`, all or nothing.
+
+        Restores the weights, the optimizer state and a pending window. An
+        optimizer not built yet (a model compiled and not trained) is built
+        when the file holds its state, so that the state loads (Keras alone
+        skips it with a warning, and training would go on from a fresh
+        optimizer). If loading fails (a corrupted or mismatched file), the
+        model is left as it was before the call and the error is raised.
+
+        Args:
+            filepath: as `keras.Model.load_weights`.
+            *args: as `keras.Model.load_weights`.
+            **kwargs: as `keras.Model.load_weights`.
+
+        Example:
+
+        ```python
+        model = keras_accum.AccumModel(inputs, outputs, accum_steps=4)
+        model.compile("adam", "sparse_categorical_crossentropy")
+        model.train_on_batch(x[:32], y[:32])  # a window left open
+        model.save_weights("mid-window.weights.h5")
+        model.load_weights("mid-window.weights.h5")  # the window comes back too
+        ```
+        """
+        load = super().load_weights
+        result = saving.all_or_nothing(
+            self, self._window, lambda: load(filepath, *args, **kwargs)
+        )
+        if not saving.step_continues(
+            self._window, self.trainable_variables, self._settings.accum_steps
+        ):
+            # The traced step would continue the restored window with
+            # another length or other variables: the next one is made anew
+            # and refuses it, naming what differs.
+            self._functions().invalidate()
+        return result
+
+    def save(self, filepath, *args, **kwargs):
+        """`keras.Model.save`; refuses, before writing, a model whose `.keras`
+        file would not load (a layer shared across a nested model, see
+        `keras_accum.saving`)."""
+        if str(filepath).endswith(".keras"):
+            self._check_config_is_faithful()
+        return super().save(filepath, *args, **kwargs)
+
+    def _check_config_is_faithful(self):
+        saving.check_config_is_faithful(self)
+
+    def get_config(self):
+        self._check_config_is_faithful()
+        return {**super().get_config(), **self._accum_config()}
+
+    def _accum_config(self):
+        # What AccumModel adds to a Keras model's config (its own arguments).
+        return self._settings.config()
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        settings = arguments.settings_from_config(config)
+        # Keras makes functional models with only their graph's arguments:
+        # the settings are given to the model it made, before any training
+        # (this class's _configure, on the instance it made).
+        model = super().from_config(config, custom_objects=custom_objects)
+        cls._configure(model, settings)
+        return model

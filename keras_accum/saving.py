@@ -15,7 +15,6 @@ those files load as the unwrapped model's do.
 """
 
 from keras_accum import _internals as internals
-from keras_accum import arguments
 from keras_accum.window import binding
 
 
@@ -55,15 +54,15 @@ def check_config_is_faithful(model):
     )
 
 
-def all_or_nothing(model, load):
+def all_or_nothing(model, window, load):
     """Runs `load()` (a `load_weights`); if it raises, puts back the
-    model's weights, its optimizer's state and its window as they were
-    before, and raises.
+    model's weights, its optimizer's state and its window (`window`) as
+    they were before, and raises.
 
     Example:
 
     ```python
-    all_or_nothing(model, lambda: keras.Model.load_weights(model, path))
+    all_or_nothing(model, window, lambda: keras.Model.load_weights(model, path))
     ```
     """
     variables = list(model.weights)
@@ -71,7 +70,7 @@ def all_or_nothing(model, load):
     if optimizer is not None:
         variables += list(optimizer.variables)
     saved = [v.numpy() for v in variables]
-    window = model._window.snapshot()
+    snapshot = window.snapshot()
 
     def build_optimizer():
         # The file holds the optimizer's state (see
@@ -93,84 +92,21 @@ def all_or_nothing(model, load):
     except Exception:
         for v, value in zip(variables, saved):
             v.assign(value)
-        model._window.restore(window)
+        window.restore(snapshot)
         raise
 
 
-class SavedWithWindow:
-    """How an `AccumModel` saves and loads: its settings in its config, its
-    window with its weights, and loading all or nothing.
+def step_continues(window, variables, accum_steps):
+    """Whether a traced step can go on with `window` as loaded: no window
+    open, or one opened for `variables` and `accum_steps`. If not, the next
+    step is made anew, and refuses it naming what differs.
 
     Example:
 
     ```python
-    class AccumModel(SavedWithWindow, keras.Model): ...
+    if not step_continues(window, model.trainable_variables, accum_steps):
+        functions.invalidate()
     ```
     """
-
-    def load_weights(self, filepath, *args, **kwargs):
-        """`keras.Model.load_weights`, all or nothing.
-
-        Restores the weights, the optimizer state and a pending window. An
-        optimizer not built yet (a model compiled and not trained) is built
-        when the file holds its state, so that the state loads (Keras alone
-        skips it with a warning, and training would go on from a fresh
-        optimizer). If loading fails (a corrupted or mismatched file), the
-        model is left as it was before the call and the error is raised.
-
-        Args:
-            filepath: as `keras.Model.load_weights`.
-            *args: as `keras.Model.load_weights`.
-            **kwargs: as `keras.Model.load_weights`.
-
-        Example:
-
-        ```python
-        model = keras_accum.AccumModel(inputs, outputs, accum_steps=4)
-        model.compile("adam", "sparse_categorical_crossentropy")
-        model.train_on_batch(x[:32], y[:32])  # a window left open
-        model.save_weights("mid-window.weights.h5")
-        model.load_weights("mid-window.weights.h5")  # the window comes back too
-        ```
-        """
-        result = all_or_nothing(
-            self, lambda: super(SavedWithWindow, self).load_weights(filepath, *args, **kwargs)
-        )
-        buffers = self._window.buffers
-        if buffers.open_micro_batches() and not binding.fits(
-            buffers, self.trainable_variables, self._settings.accum_steps
-        ):
-            # The traced step would continue the restored window with
-            # another length or other variables: the next one is made anew
-            # and refuses it, naming what differs.
-            self._train_functions.invalidate()
-        return result
-
-    def save(self, filepath, *args, **kwargs):
-        """`keras.Model.save`; refuses, before writing, a model whose `.keras`
-        file would not load (a layer shared across a nested model, see
-        `keras_accum.saving`)."""
-        if str(filepath).endswith(".keras"):
-            self._check_config_is_faithful()
-        return super().save(filepath, *args, **kwargs)
-
-    def _check_config_is_faithful(self):
-        check_config_is_faithful(self)
-
-    def get_config(self):
-        self._check_config_is_faithful()
-        return {**super().get_config(), **self._accum_config()}
-
-    def _accum_config(self):
-        # What AccumModel adds to a Keras model's config (its own arguments).
-        return self._settings.config()
-
-    @classmethod
-    def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        settings = arguments.settings_from_config(config)
-        # Keras makes functional models with only their graph's arguments:
-        # the settings are given to the model it made, before any training.
-        model = super().from_config(config, custom_objects=custom_objects)
-        model._configure(settings)
-        return model
+    buffers = window.buffers
+    return not buffers.open_micro_batches() or binding.fits(buffers, variables, accum_steps)

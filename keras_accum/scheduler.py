@@ -5,13 +5,12 @@ import inspect
 import math
 import numbers
 
-import keras
-
 from keras_accum import _internals as internals
 from keras_accum.arguments import check_accum_steps
+from keras_accum.fitting import FitSetting
 
 
-class AccumScheduler(keras.callbacks.Callback):
+class AccumScheduler(FitSetting):
     """Sets `model.accum_steps` at the start of each epoch, from a schedule.
 
     Like `keras.callbacks.LearningRateScheduler`, for the effective batch:
@@ -105,7 +104,7 @@ class AccumScheduler(keras.callbacks.Callback):
 
     def _from_noise_scale(self, epoch):
         measured = self.model.noise_scale
-        size = self.model._batch_size_seen
+        size = self.fit_control.batch_size_seen()
         if measured is None or math.isnan(measured) or not size:
             return None
         current = self.model.accum_steps
@@ -123,7 +122,7 @@ class AccumScheduler(keras.callbacks.Callback):
                 f"`schedule` returned {value!r} for epoch {epoch}: {error}"
             ) from None
 
-    def _value_at_start(self, epoch):
+    def value_at_start(self, epoch):
         """The value the schedule sets for `epoch`, as far as it is known
         before training: None for "noise_scale" (it grows from the value in
         force) and for a callable returning None. Checked as in `fit`."""
@@ -134,7 +133,7 @@ class AccumScheduler(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._check_model()
         if self.schedule == NOISE_SCALE:
-            if not self.model._settings.noise_scale:
+            if not self.fit_control.settings().noise_scale:
                 raise ValueError(
                     'AccumScheduler("noise_scale") follows the noise scale '
                     "the model measures, and this model does not measure "
@@ -161,7 +160,7 @@ class AccumScheduler(keras.callbacks.Callback):
         # pending here (a resumed mid-epoch window was opened with this value).
         # For this fit only, as fit(accum_steps=...): not the setter, which
         # would make the value the model's own after fit.
-        self.model._set_accum_steps(value)
+        self.fit_control.set_accum_steps(value)
         if self.verbose > 0:
             print(f"\nEpoch {epoch + 1}: AccumScheduler setting accum_steps to {value}.")
 

@@ -21,9 +21,9 @@ Example:
 
 ```python
 owner = TrainFunctions(check_not_accumulating)
-owner.make(model)          # model.make_train_function()
-owner.skip(3, model)       # the next 3 batches are taken, not trained
-owner.current()            # what fit calls: the skipping, then the step
+owner.make(model, window, auto)  # model.make_train_function()
+owner.skip(3, model)             # the next 3 batches are taken, not trained
+owner.current()                  # what fit calls: the skipping, then the step
 ```
 """
 
@@ -82,13 +82,13 @@ class TrainFunctions:
         Now rather than later: fit reads `train_function` before every step."""
         if self.function is not None:
             self.function = None
-            self.make(model)
+            model.make_train_function()
 
-    def make(self, model, force=False):
-        """`model.make_train_function(force)`: the step for the current plan."""
+    def make(self, model, window, auto, force=False):
+        """`model.make_train_function(force)`: the step for the current plan,
+        over `model`'s window (`window`) and its `AutoMicroBatch` (`auto`)."""
         if self.function is not None and not force:
             return self.function
-        window = model._window
         plan = plan_of(model)
         if model.optimizer is not None:
             self._check_optimizer(model.optimizer, plan.accum_steps)
@@ -108,7 +108,7 @@ class TrainFunctions:
         if entry is not None and entry.compiled.same(compiled) and entry.buffers.same(buffers):
             function = entry.function
         else:
-            function = self._new(model, plan, window)
+            function = self._new(model, plan, window, auto)
             # Entries of an earlier compile or of replaced buffers would
             # never be used again, yet hold on to their traced graphs.
             current = _Captured(tuple(window.buffers.acc_grads))
@@ -122,7 +122,7 @@ class TrainFunctions:
         self.function = function
         return function
 
-    def _new(self, model, plan, window):
+    def _new(self, model, plan, window, auto):
         strategy = model.distribute_strategy
         if plan.micro_batch_size == "auto":
             state = StepState(lambda: written_before_gradients(model, window), strategy)
@@ -135,9 +135,9 @@ class TrainFunctions:
                     lambda data, split: step.write_split(model, window, data, split),
                 )
                 return auto_replicas.train_function(
-                    model._auto_micro_batch, model, halves, after_step, state
+                    auto, model, halves, after_step, state
                 )
-            return model._auto_micro_batch.train_function(
+            return auto.train_function(
                 model, lambda: self._step_on_data(model, window), state
             )
         if plan.uses_buffers:
@@ -190,10 +190,10 @@ class TrainFunctions:
 
     # -- flushing ----------------------------------------------------------
 
-    def flush_function(self, model):
-        """The traced function that applies `model`'s open window: one per
-        optimizer and window variables, each called about once an epoch."""
-        window = model._window
+    def flush_function(self, model, window):
+        """The traced function that applies `model`'s open window (`window`):
+        one per optimizer and window variables, each called about once an
+        epoch."""
         captured = _Captured(
             (model.optimizer, *window.buffers.acc_grads, *window.moments.variables)
         )
@@ -314,8 +314,8 @@ class TrainFunctionSlot:
 
 def owner_of(model):
     """The `TrainFunctions` of a keras_accum model, else None (a plain model)."""
-    owner = getattr(model, "_train_functions", None)
-    return owner if isinstance(owner, TrainFunctions) else None
+    slot = getattr(type(model), "train_function", None)
+    return slot.owner(model) if isinstance(slot, TrainFunctionSlot) else None
 
 
 def skip_batches(model, batches):

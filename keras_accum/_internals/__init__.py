@@ -93,6 +93,7 @@ from keras_accum._internals.losses import (  # noqa: E402
 from keras_accum._internals.model_hooks import (  # noqa: E402
     BuildFromFirstBatch,
     FunctionalVariants,
+    training_build,
 )
 from keras_accum._internals.optimizer import (  # noqa: E402
     build_position,
@@ -186,6 +187,7 @@ __all__ = [
     # model hooks
     "BuildFromFirstBatch",
     "FunctionalVariants",
+    "training_build",
     # optimizer
     "build_position",
     "built_variables",

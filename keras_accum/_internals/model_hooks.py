@@ -17,6 +17,8 @@ class AccumModel(FunctionalVariants, BuildFromFirstBatch, keras.Model):
 ```
 """
 
+import contextlib
+
 import keras
 
 from keras_accum._internals import distribute, layers, trainer
@@ -66,11 +68,8 @@ class BuildFromFirstBatch:
             self._see_batch(data_batch)
 
     def train_on_batch(self, *args, **kwargs):
-        self._training_build = True
-        try:
+        with training_build(self):
             return super().train_on_batch(*args, **kwargs)
-        finally:
-            self._training_build = False
 
     def make_test_function(self, force=False):
         if self.test_function is not None and not force:
@@ -82,6 +81,25 @@ class BuildFromFirstBatch:
             )
             return self.test_function
         return super().make_test_function(force=force)
+
+
+@contextlib.contextmanager
+def training_build(model):
+    """Inside, `model`'s build from its first batch is a training one: its
+    `_see_batch` gets that batch (`fit` and `train_on_batch`).
+
+    Example:
+
+    ```python
+    with training_build(model):
+        keras.Model.fit(model, x, y)
+    ```
+    """
+    model._training_build = True
+    try:
+        yield
+    finally:
+        model._training_build = False
 
 
 def _functional_variant(cls):

@@ -124,7 +124,9 @@ def pretend_measured(model, batch_size, measured):
 
 
 def scheduled_value(scheduler, epoch):
-    """The `accum_steps` an AccumScheduler sets at `epoch` (None: no change)."""
+    """The `accum_steps` an AccumScheduler sets at `epoch` (None: no change),
+    handed its model's fit control as `fit` hands it."""
+    scheduler.bind_fit(scheduler.model._fit_control())
     return scheduler._value(epoch)
 
 
