@@ -187,16 +187,16 @@ class StepState:
             variable.assign(value)
 
 
-def written_before_gradients(model, window):
+def written_before_gradients(model, state):
     """The variables a step of `model` may write before its gradients
     exist (see `StepState`): layers' state, metrics, the moments and
-    counters of `window` (the model's `Window`)."""
-    buffers = window.buffers
+    counters of `state` (the model's `AccumState`)."""
+    buffers = state.buffers
     scalars = [buffers.micro_step, buffers.window_weight] if buffers.built else []
     return [
         *model.non_trainable_variables,
         *model.metrics_variables,
-        *window.moments.variables,
+        *state.moments.variables,
         *scalars,
     ]
 

@@ -27,7 +27,7 @@ succeeds as one call, so no agreement call is needed.
 Example:
 
 ```python
-function = train_function(auto, model, (compute, write), after_step, state)
+function = train_function(auto, model, (compute, write), after_step, written)
 function(iterator)  # what fit calls: up to steps_per_execution steps
 ```
 """
@@ -46,7 +46,7 @@ FAILED = -1  # its attempt raised something other than running out of memory
 _COLLECTIVE_PREFIXES = ("Collective", "Nccl")
 
 
-def train_function(auto, model, halves, after_step, state):
+def train_function(auto, model, halves, after_step, written):
     """A train function for `fit` under a multi-replica strategy in auto mode.
 
     Args:
@@ -59,7 +59,7 @@ def train_function(auto, model, halves, after_step, state):
             the logs. Each reads the current size when traced.
         after_step: the cross-replica part of a step (the window applied once
             full), or None where the step updates by itself.
-        state: a `StepState` for what an attempt may write (per replica).
+        written: a `StepState` for what an attempt may write (per replica).
 
     Returns:
         `function(iterator) -> logs`, as Keras's `train_function`.
@@ -67,9 +67,9 @@ def train_function(auto, model, halves, after_step, state):
     Example:
 
     ```python
-    state = StepState(lambda: written_before_gradients(model, window), strategy)
+    written = StepState(lambda: written_before_gradients(model, state), strategy)
     halves = (compute, write)  # step.compute_split, step.write_split
-    function = train_function(model._auto_micro_batch, model, halves, after_step, state)
+    function = train_function(model._auto_micro_batch, model, halves, after_step, written)
     model.chosen_micro_batch_size  # the same on every worker
     ```
     """
@@ -81,7 +81,7 @@ def train_function(auto, model, halves, after_step, state):
         nonlocal phases
         data = internals.optionals_to_none(data)
         while True:
-            before = state.snapshot()
+            before = written.snapshot()
             computed, error, proposal = None, None, NO_LIMIT
             try:
                 computed = phases.attempt(data)
@@ -96,7 +96,7 @@ def train_function(auto, model, halves, after_step, state):
             if agreed == NO_LIMIT:
                 return phases.commit(data, computed)
             del computed
-            state.restore(before)
+            written.restore(before)
             _raise_if_final(agreed, error)
             auto.adopt(
                 agreed,

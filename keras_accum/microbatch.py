@@ -31,7 +31,7 @@ import tensorflow as tf
 from keras import tree
 
 from keras_accum import _internals as internals
-from keras_accum.scaling import buffer_dtype
+from keras_accum.scaling import scaled
 
 def static_batch_size(data):
     """The batch dimension of `data` as a Python int, or None if unknown."""
@@ -198,18 +198,6 @@ def after(previous, part):
     """
     with tf.control_dependencies(control_after(previous)):
         return tree.map_structure(lambda t: None if t is None else tf.identity(t), part)
-
-
-def scaled(g, scale):
-    """`g * scale` in its sum dtype (float32 for half precision, as the
-    buffers); sparse gradients stay sparse; `scale` None: only the cast."""
-    if g is None:
-        return None
-    if isinstance(g, tf.IndexedSlices):
-        values = scaled(g.values, scale)
-        return tf.IndexedSlices(values, g.indices, g.dense_shape)
-    g = tf.cast(g, buffer_dtype(g.dtype))
-    return g if scale is None else g * tf.cast(scale, g.dtype)
 
 
 def add_gradients(a, b):

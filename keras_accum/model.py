@@ -44,7 +44,8 @@ from keras_accum.auto_micro_batch import AutoMicroBatch
 from keras_accum.microbatch import static_batch_size
 from keras_accum.optimizer import check_not_accumulating
 from keras_accum.train_functions import TrainFunctionSlot
-from keras_accum.window import Window
+from keras_accum import window
+from keras_accum.window import AccumState
 from keras_accum.window.batchnorm import BatchNormMoments
 from keras_accum.window.buffers import GradientAccumulator
 from keras_accum.window.noise_scale import NoiseScale
@@ -173,7 +174,7 @@ class AccumModel(
         # Held by the window only (not an attribute of the model): a
         # measurement, not saved in files.
         noise = NoiseScale() if settings.noise_scale else None
-        self._window = Window(self._accumulator, self._batchnorm, self._nonfinite, noise)
+        self._state = AccumState(self._accumulator, self._batchnorm, self._nonfinite, noise)
 
     # -- the train function: one owner (train_functions.py) --------------------
 
@@ -183,7 +184,7 @@ class AccumModel(
 
     def make_train_function(self, force=False):
         return self._functions().make(
-            self, self._window, self._auto_micro_batch, force=force
+            self, self._state, self._auto_micro_batch, force=force
         )
 
     def _functions(self):
@@ -191,7 +192,7 @@ class AccumModel(
         return type(self).train_function.owner(self)
 
     def train_step(self, data):
-        return step.train_step(self, data, self._window)
+        return step.train_step(self, data, self._state)
 
     # -- settings ------------------------------------------------------------
 
@@ -226,7 +227,7 @@ class AccumModel(
         # Not the user's: fit's per-call value, AccumScheduler (fitting.py).
         if value == self._settings.accum_steps:
             return
-        buffers = self._window.buffers
+        buffers = self._state.buffers
         if buffers.open_micro_batches() and buffers.window_length() != value:
             self.flush()
         self._change(accum_steps=value)
@@ -417,7 +418,7 @@ class AccumModel(
             stop_skipping=self._functions().stop_skipping,
             changes=self._fit_changes,
             batch_size_seen=lambda: self._batch_size_seen,
-            noise=self._window.noise,
+            noise=self._state.noise,
             measured=self._measured,
         )
 
@@ -461,15 +462,15 @@ class AccumModel(
         assert int(model.optimizer.iterations) == 1
         ```
         """
-        window = self._window
-        if not window.open_micro_batches():
+        state = self._state
+        if not state.open_micro_batches():
             return
         self._restore_batchnorm_window()
-        window.prepare_apply(self.trainable_variables, self.optimizer, self.distribute_strategy)
+        state.prepare_flush(self.trainable_variables, self.optimizer, self.distribute_strategy)
         if self.run_eagerly:
-            window.apply(self.optimizer, self.distribute_strategy)
+            window.close(state, self.optimizer, self.distribute_strategy)
         else:
-            self._functions().flush_function(self, window)()
+            self._functions().flush_function(self, state)()
 
     def reset_window(self):
         """Discards the open window: its gradients are dropped, no update is made.
@@ -490,9 +491,9 @@ class AccumModel(
         assert int(model.optimizer.iterations) == 0
         ```
         """
-        if self._window.open_micro_batches():
+        if self._state.open_micro_batches():
             self._restore_batchnorm_window()
-            self._window.discard()
+            self._state.discard()
 
     def _restore_batchnorm_window(self):
         # BatchNormalization moments loaded from a file wait for their
@@ -501,7 +502,7 @@ class AccumModel(
         # moments are applied or discarded with the gradients they came
         # with, and do not leak into the next window.
         if self.built:
-            self._window.moments.build(self.distribute_strategy)
+            self._state.moments.build(self.distribute_strategy)
 
     # -- saving and loading (saving.py) -----------------------------------------
 
@@ -532,10 +533,10 @@ class AccumModel(
         """
         load = super().load_weights
         result = saving.all_or_nothing(
-            self, self._window, lambda: load(filepath, *args, **kwargs)
+            self, self._state, lambda: load(filepath, *args, **kwargs)
         )
         if not saving.step_continues(
-            self._window, self.trainable_variables, self._settings.accum_steps
+            self._state, self.trainable_variables, self._settings.accum_steps
         ):
             # The traced step would continue the restored window with
             # another length or other variables: the next one is made anew

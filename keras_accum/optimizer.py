@@ -15,7 +15,8 @@ from keras_accum.arguments import (
     check_keywords,
     check_skip_nonfinite,
 )
-from keras_accum.window import Window, slices
+from keras_accum import window
+from keras_accum.window import AccumState, slices
 from keras_accum.window.buffers import GradientAccumulator
 from keras_accum.window.nonfinite import NonFiniteWindows, skipped_count
 
@@ -153,7 +154,7 @@ class AccumOptimizer(keras.optimizers.Optimizer):
         self._accum_steps = accum_steps
         self._accumulator = GradientAccumulator(dtype=accum_dtype)
         self._nonfinite = NonFiniteWindows() if skip_nonfinite else None
-        self._window = Window(self._accumulator, skip=self._nonfinite)
+        self._state = AccumState(self._accumulator, skip=self._nonfinite)
 
     @property
     def skipped_windows(self):
@@ -259,10 +260,10 @@ class AccumOptimizer(keras.optimizers.Optimizer):
             statistic=slices.statistic_of(self.inner_optimizer),
             window_occurrences=self._accum_steps,
         )
-        self._window.when_full(self._accum_steps, self._apply_window)
+        self._state.when_full(self._accum_steps, self._apply_window)
 
     def _apply_window(self):
-        self._window.apply(self.inner_optimizer)
+        window.close(self._state, self.inner_optimizer)
 
     def apply_gradients(self, grads_and_vars, weight=None):
         grads, variables = zip(*grads_and_vars)

@@ -54,15 +54,16 @@ def check_config_is_faithful(model):
     )
 
 
-def all_or_nothing(model, window, load):
+def all_or_nothing(model, state, load):
     """Runs `load()` (a `load_weights`); if it raises, puts back the
-    model's weights, its optimizer's state and its window (`window`) as
+    model's weights, its optimizer's state and its window (`state`, its
+    `AccumState`) as
     they were before, and raises.
 
     Example:
 
     ```python
-    all_or_nothing(model, window, lambda: keras.Model.load_weights(model, path))
+    all_or_nothing(model, state, lambda: keras.Model.load_weights(model, path))
     ```
     """
     variables = list(model.weights)
@@ -70,7 +71,7 @@ def all_or_nothing(model, window, load):
     if optimizer is not None:
         variables += list(optimizer.variables)
     saved = [v.numpy() for v in variables]
-    snapshot = window.snapshot()
+    snapshot = state.snapshot()
 
     def build_optimizer():
         # The file holds the optimizer's state (see
@@ -92,12 +93,12 @@ def all_or_nothing(model, window, load):
     except Exception:
         for v, value in zip(variables, saved):
             v.assign(value)
-        window.restore(snapshot)
+        state.restore(snapshot)
         raise
 
 
-def step_continues(window, variables, accum_steps):
-    """Whether a traced step can go on with `window` as loaded: no window
+def step_continues(state, variables, accum_steps):
+    """Whether a traced step can go on with `state`'s window as loaded: no window
     open, or one opened for `variables` and `accum_steps`. If not, the next
     step is made anew, and refuses it naming what differs.
 
@@ -108,5 +109,5 @@ def step_continues(window, variables, accum_steps):
         functions.invalidate()
     ```
     """
-    buffers = window.buffers
+    buffers = state.buffers
     return not buffers.open_micro_batches() or binding.fits(buffers, variables, accum_steps)

@@ -91,3 +91,15 @@ def buffer_dtype(variable_dtype, requested=None):
     if requested is not None:
         return tf.as_dtype(requested)
     return tf.float64 if tf.as_dtype(variable_dtype) == tf.float64 else tf.float32
+
+
+def scaled(g, scale):
+    """`g * scale` in its sum dtype (float32 for half precision, as the
+    buffers); sparse gradients stay sparse; `scale` None: only the cast."""
+    if g is None:
+        return None
+    if isinstance(g, tf.IndexedSlices):
+        values = scaled(g.values, scale)
+        return tf.IndexedSlices(values, g.indices, g.dense_shape)
+    g = tf.cast(g, buffer_dtype(g.dtype))
+    return g if scale is None else g * tf.cast(scale, g.dtype)

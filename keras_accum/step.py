@@ -1,12 +1,13 @@
-"""The train step: functions of (model, plan, window), traced once per plan.
+"""The train step: functions of (model, plan, state), traced once per plan.
 
-`train_step(model, data, window)` is `AccumModel.train_step`, `window` the
-model's `Window`, handed in. It reads the step plan (plan.py) as Python
+`train_step(model, data, state)` is `AccumModel.train_step`, `state` the
+model's `AccumState` (window/state.py), handed in. It reads the step plan (plan.py) as Python
 constants and takes one of three paths:
 
 - no buffers, no split (`accum_steps=1`): Keras's own `train_step`;
-- no buffers, split (`micro_batch_size` with `accum_steps=1`): the batch's
-  gradient, summed over its micro-batches, straight to the optimizer;
+- no buffers, split (`micro_batch_size` with `accum_steps=1`): the batch
+  is its own window, its gradient summed over its micro-batches and
+  applied by the window's rule (`window.close_batch`);
 - buffers (`accum_steps > 1` or `skip_nonfinite`): the micro-batch's (or
   split batch's) gradient added to the window, which is applied once full.
 
@@ -47,7 +48,7 @@ Example:
 ```python
 class AccumModel(keras.Model):
     def train_step(self, data):
-        return step.train_step(self, data, self._window)
+        return step.train_step(self, data, self._state)
 ```
 """
 
@@ -57,7 +58,7 @@ import keras
 import tensorflow as tf
 
 from keras_accum import _internals as internals
-from keras_accum import microbatch, scaling
+from keras_accum import microbatch, scaling, window
 from keras_accum.normaliser import loss_normaliser, micro_batch_weight
 from keras_accum.plan import plan_of
 from keras_accum.window import noise_scale
@@ -87,24 +88,24 @@ class SplitBatch(NamedTuple):
     noise_sums: object
 
 
-def train_step(model, data, window):
+def train_step(model, data, state):
     """One train step of `model` on `data`, as its plan says (see above);
-    `window`: the model's `Window`."""
+    `state`: the model's `AccumState`."""
     plan = plan_of(model)
     if not plan.uses_buffers:
         if not plan.splits:
             return keras.Model.train_step(model, data)
-        return batch_to_optimizer(model, plan, window, data)
-    logs = accumulate(model, plan, window, data)
-    window.when_full(
+        return batch_to_optimizer(model, plan, state, data)
+    logs = accumulate(model, plan, state, data)
+    state.when_full(
         plan.accum_steps,
-        lambda: window.apply(model.optimizer, model.distribute_strategy),
+        lambda: window.close(state, model.optimizer, model.distribute_strategy),
     )
     return logs
 
 
-def accumulate(model, plan, window, data, gradients=None):
-    """Adds `data`'s gradient to `window`; the logs of Keras's train_step.
+def accumulate(model, plan, state, data, gradients=None):
+    """Adds `data`'s gradient to `state`'s window; the logs of Keras's train_step.
 
     `TensorFlowTrainer.train_step` with the update replaced by accumulation
     (keep in step with it: see the internals' fingerprints). `gradients`:
@@ -112,7 +113,7 @@ def accumulate(model, plan, window, data, gradients=None):
     earlier call (auto_replicas.py), else computed here.
     """
     internals.build_compiled_loss(model, data)
-    buffers = window.buffers
+    buffers = state.buffers
     variables = buffers.window_variables
     if variables is None:
         raise ValueError(
@@ -134,7 +135,7 @@ def accumulate(model, plan, window, data, gradients=None):
             window_occurrences=lambda: _window_batches(plan, split.x),
         )
 
-    noise = window.noise
+    noise = state.noise
 
     def add_measured(batch, sums):
         add(batch)
@@ -142,18 +143,18 @@ def accumulate(model, plan, window, data, gradients=None):
             noise.record(sums)
 
     if plan.splits:
-        split = gradients or split_gradients(model, plan, window, data, variables)
-        return _write(model, window, split, add_measured)
+        split = gradients or split_gradients(model, plan, state, data, variables)
+        return _write(model, state, split, add_measured)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    batch = micro_batch_gradients(model, window, x, y, sample_weight, variables)
-    split = SplitBatch(x, y, sample_weight, batch, None, _measured(window, [batch]))
-    return _write(model, window, split, add_measured)
+    batch = micro_batch_gradients(model, state, x, y, sample_weight, variables)
+    split = SplitBatch(x, y, sample_weight, batch, None, _measured(state, [batch]))
+    return _write(model, state, split, add_measured)
 
 
-def _measured(window, parts):
+def _measured(state, parts):
     # The noise scale's per-micro-batch sums, when measured (noise_scale.py):
     # of losses averaged over the batch only (a sum has no mean gradient).
-    if window.noise is None or not parts[0].normalise:
+    if state.noise is None or not parts[0].normalise:
         return None
     return noise_scale.micro_batch_sums(parts)
 
@@ -168,48 +169,21 @@ def _window_batches(plan, x):
     return plan.accum_steps * ((full + n - 1) // n)
 
 
-def batch_to_optimizer(model, plan, window, data, gradients=None):
-    """`accum_steps=1` with a split: the batch's gradient, summed over its
-    micro-batches, goes straight to the optimizer; no buffers. `gradients`:
-    as for `accumulate`."""
+def batch_to_optimizer(model, plan, state, data, gradients=None):
+    """`accum_steps=1` with a split: the batch is its own window, its
+    gradient (summed over its micro-batches) applied by the window's rule
+    (`window.close_batch`); no buffers. `gradients`: as for `accumulate`."""
     internals.build_compiled_loss(model, data)
     variables = model.trainable_variables
-    split = gradients or split_gradients(model, plan, window, data, variables)
+    split = gradients or split_gradients(model, plan, state, data, variables)
 
     def update(batch, sums):
-        total = batch.weight
-        context = tf.distribute.get_replica_context()
-        replicated = context is not None and context.num_replicas_in_sync > 1
-        if replicated:
-            # As for a window across replicas (Window.apply): the optimizer
-            # sums replicas' gradients of losses Keras divided by the
-            # number of replicas.
-            total = context.all_reduce(tf.distribute.ReduceOp.SUM, total)
-            total = total / context.num_replicas_in_sync
-        window.moments.apply()
-        loss_scale = scaling.loss_scale_of(model.optimizer)
-        scale = scaling.out_of_window(batch.normalise, total, loss_scale)
-        grads = [
-            None if g is None else tf.cast(microbatch.scaled(g, scale), v.dtype)
-            for g, v in zip(batch.grads, variables)
-        ]
-        if sums is not None:
-            # The batch is the window: its estimate goes straight to the epoch.
-            batch_grads = [g for g in grads if g is not None]
-            if replicated:
-                # Two reductions: one all-reduce packs tensors of one dtype.
-                sums = context.all_reduce(tf.distribute.ReduceOp.SUM, sums)
-                batch_grads = context.all_reduce(tf.distribute.ReduceOp.SUM, batch_grads)
-            norm = noise_scale.squared_norm(batch_grads)
-            if loss_scale is not None:
-                norm = norm / tf.square(tf.cast(loss_scale, tf.float64))
-            window.noise.add_window(sums, norm)
-        model.optimizer.apply(grads, variables)
+        window.close_batch(state, model.optimizer, batch, sums, variables)
 
-    return _write(model, window, split, update)
+    return _write(model, state, split, update)
 
 
-def _write(model, window, split, update):
+def _write(model, state, split, update):
     """The step's one state-writing tail: BatchNormalization records,
     `update(gradients, noise_sums)`, loss, metrics, for the `SplitBatch`
     `split`. With records (a split batch's, deferred), every write waits for
@@ -218,7 +192,7 @@ def _write(model, window, split, update):
     after = [] if records is None else microbatch.control_after(batch)
     with tf.control_dependencies(after):
         if records is not None:
-            window.moments.record(records)
+            state.moments.record(records)
         internals.track_loss(model, batch.loss, batch.num_samples)
         update(batch, split.noise_sums)
         return model.compute_metrics(
@@ -227,7 +201,7 @@ def _write(model, window, split, update):
 
 
 def micro_batch_gradients(
-    model, window, x, y, sample_weight, variables, moments=None, live=None
+    model, state, x, y, sample_weight, variables, moments=None, live=None
 ):
     """One forward and backward pass, as Keras's train_step makes it.
 
@@ -245,7 +219,7 @@ def micro_batch_gradients(
     fold = loss_scale is None and model.dtype_policy.compute_dtype != "float16"
     normalisers = []
     with tf.GradientTape() as tape:
-        with window.moments.micro_batch(moments):
+        with state.moments.micro_batch(moments):
             y_pred = internals.call_for_training(model, x)
         with internals.recording_loss_calls(
             model, lambda *call: normalisers.append(loss_normaliser(*call))
@@ -263,32 +237,32 @@ def micro_batch_gradients(
     return microbatch.Gradients(grads, grad_scale, weight, normalise, loss, n, y_pred)
 
 
-def compute_split(model, window, data):
+def compute_split(model, state, data):
     """The first half of a split step (auto_replicas.py): the batch's
     `SplitBatch` as the plan splits it, no state written but by the layers'
     forward passes."""
     plan = plan_of(model)
     internals.build_compiled_loss(model, data)
     if plan.uses_buffers:
-        variables = window.buffers.window_variables
+        variables = state.buffers.window_variables
         if variables is None:
             # Raises the ordinary step's error: the model is not built.
-            return accumulate(model, plan, window, data)
+            return accumulate(model, plan, state, data)
     else:
         variables = model.trainable_variables
-    return split_gradients(model, plan, window, data, variables)
+    return split_gradients(model, plan, state, data, variables)
 
 
-def write_split(model, window, data, split):
+def write_split(model, state, data, split):
     """The second half: `split` (what `compute_split` returned for `data`)
     written as the ordinary step writes it; the logs."""
     plan = plan_of(model)
     if plan.uses_buffers:
-        return accumulate(model, plan, window, data, gradients=split)
-    return batch_to_optimizer(model, plan, window, data, gradients=split)
+        return accumulate(model, plan, state, data, gradients=split)
+    return batch_to_optimizer(model, plan, state, data, gradients=split)
 
 
-def split_gradients(model, plan, window, data, variables):
+def split_gradients(model, plan, state, data, variables):
     """The batch's summed gradients from micro-batches of `plan.split_size`
     samples, in tensors; no state is written but by the layers' forward
     passes. Returns a `SplitBatch`."""
@@ -301,13 +275,13 @@ def split_gradients(model, plan, window, data, variables):
         if parts:
             part = microbatch.after(parts[-1], part)
         if live is None:
-            parts.append(micro_batch_gradients(model, window, *part, variables, records))
+            parts.append(micro_batch_gradients(model, state, *part, variables, records))
             continue
         # A stand-in past a short batch's end: weighs nothing, counts no
         # sample, predicts no row, adds no BatchNormalization moments.
         live = tf.cast(live, tf.float32)
         first = len(records)
-        step = micro_batch_gradients(model, window, *part, variables, records, live=live)
+        step = micro_batch_gradients(model, state, *part, variables, records, live=live)
         rows = step.num_samples * tf.cast(live, step.num_samples.dtype)
         records[first:] = [
             record._replace(count=record.count * tf.cast(live, record.count.dtype))
@@ -321,5 +295,5 @@ def split_gradients(model, plan, window, data, variables):
             )
         )
     return SplitBatch(
-        x, y, sample_weight, microbatch.combine(parts), records, _measured(window, parts)
+        x, y, sample_weight, microbatch.combine(parts), records, _measured(state, parts)
     )

@@ -21,7 +21,7 @@ Example:
 
 ```python
 owner = TrainFunctions(check_not_accumulating)
-owner.make(model, window, auto)  # model.make_train_function()
+owner.make(model, state, auto)  # model.make_train_function()
 owner.skip(3, model)             # the next 3 batches are taken, not trained
 owner.current()                  # what fit calls: the skipping, then the step
 ```
@@ -33,7 +33,7 @@ import keras
 import tensorflow as tf
 
 from keras_accum import _internals as internals
-from keras_accum import auto_replicas, step
+from keras_accum import auto_replicas, step, window
 from keras_accum.auto_micro_batch import StepState, written_before_gradients
 from keras_accum.plan import plan_of
 
@@ -84,16 +84,16 @@ class TrainFunctions:
             self.function = None
             model.make_train_function()
 
-    def make(self, model, window, auto, force=False):
+    def make(self, model, state, auto, force=False):
         """`model.make_train_function(force)`: the step for the current plan,
-        over `model`'s window (`window`) and its `AutoMicroBatch` (`auto`)."""
+        over `model`'s `AccumState` (`state`) and its `AutoMicroBatch` (`auto`)."""
         if self.function is not None and not force:
             return self.function
         plan = plan_of(model)
         if model.optimizer is not None:
             self._check_optimizer(model.optimizer, plan.accum_steps)
         if plan.uses_buffers and model.built:
-            window.bind(
+            state.bind(
                 model.trainable_variables,
                 plan.accum_steps,
                 model.distribute_strategy,
@@ -102,16 +102,16 @@ class TrainFunctions:
         elif plan.splits and model.built:
             # The batch's pooled moments (and noise scale) are applied in
             # the step: their variables are made now, outside any replica.
-            window.build_parts(model.distribute_strategy)
-        compiled, buffers = _captured(model, plan, window)
+            state.build_observers(model.distribute_strategy)
+        compiled, buffers = _captured(model, plan, state)
         entry = None if force else self._cache.get(plan.cache_key)
         if entry is not None and entry.compiled.same(compiled) and entry.buffers.same(buffers):
             function = entry.function
         else:
-            function = self._new(model, plan, window, auto)
+            function = self._new(model, plan, state, auto)
             # Entries of an earlier compile or of replaced buffers would
             # never be used again, yet hold on to their traced graphs.
-            current = _Captured(tuple(window.buffers.acc_grads))
+            current = _Captured(tuple(state.buffers.acc_grads))
             self._cache = {
                 key: kept
                 for key, kept in self._cache.items()
@@ -122,28 +122,28 @@ class TrainFunctions:
         self.function = function
         return function
 
-    def _new(self, model, plan, window, auto):
+    def _new(self, model, plan, state, auto):
         strategy = model.distribute_strategy
         if plan.micro_batch_size == "auto":
-            state = StepState(lambda: written_before_gradients(model, window), strategy)
+            written = StepState(lambda: written_before_gradients(model, state), strategy)
             if strategy.num_replicas_in_sync > 1 or internals.multi_worker(strategy):
                 # Several replicas: computed apart from every collective, so
                 # that running out of memory on one blocks no other.
-                after_step = _replica_step(model, window)[1] if plan.uses_buffers else None
+                after_step = _replica_step(model, state)[1] if plan.uses_buffers else None
                 halves = (
-                    lambda data: step.compute_split(model, window, data),
-                    lambda data, split: step.write_split(model, window, data, split),
+                    lambda data: step.compute_split(model, state, data),
+                    lambda data, split: step.write_split(model, state, data, split),
                 )
                 return auto_replicas.train_function(
-                    auto, model, halves, after_step, state
+                    auto, model, halves, after_step, written
                 )
             return auto.train_function(
-                model, lambda: self._step_on_data(model, window), state
+                model, lambda: self._step_on_data(model, state), written
             )
         if plan.uses_buffers:
             if internals.replicated(strategy):
                 return internals.make_replicated_function(
-                    model, *_replica_step(model, window)
+                    model, *_replica_step(model, state)
                 )
         elif internals.multi_worker(strategy):
             # Keras's own train function fails across workers (its log
@@ -154,7 +154,7 @@ class TrainFunctions:
         keras.Model.make_train_function(model, force=True)
         return self.function
 
-    def _step_on_data(self, model, window):
+    def _step_on_data(self, model, state):
         # One step on a batch in hand ("auto"), traced per batch shape: the
         # split is static and exact for every batch, the short last one too.
         plan = plan_of(model)
@@ -163,7 +163,7 @@ class TrainFunctions:
             # window is applied in cross-replica context, as by the
             # replicated train function.
             return internals.make_step_on_data(
-                model, *_replica_step(model, window), reduce_retracing=False
+                model, *_replica_step(model, state), reduce_retracing=False
             )
         return internals.make_step_on_data(model, model.train_step, reduce_retracing=False)
 
@@ -190,12 +190,12 @@ class TrainFunctions:
 
     # -- flushing ----------------------------------------------------------
 
-    def flush_function(self, model, window):
-        """The traced function that applies `model`'s open window (`window`):
+    def flush_function(self, model, state):
+        """The traced function that applies `model`'s open window (of `state`):
         one per optimizer and window variables, each called about once an
         epoch."""
         captured = _Captured(
-            (model.optimizer, *window.buffers.acc_grads, *window.moments.variables)
+            (model.optimizer, *state.buffers.acc_grads, *state.moments.variables)
         )
         kept, function = self._flush
         if kept is None or not kept.same(captured):
@@ -204,7 +204,7 @@ class TrainFunctions:
             # not excessive.
             traced = internals.without_retracing_warning(
                 tf.function(
-                    lambda: window.apply(model.optimizer, model.distribute_strategy)
+                    lambda: window.close(state, model.optimizer, model.distribute_strategy)
                 )
             )
             # Held in a plain closure: a tf.function attribute would be
@@ -214,16 +214,16 @@ class TrainFunctions:
         return function
 
 
-def _replica_step(model, window):
+def _replica_step(model, state):
     # The replica's part (accumulate) and the cross-replica part (apply the
     # window once full: replica 0's micro-step decides for all).
     def replica_step(data):
-        return step.accumulate(model, plan_of(model), window, data)
+        return step.accumulate(model, plan_of(model), state, data)
 
     def after_step():
-        window.when_full(
+        state.when_full(
             plan_of(model).accum_steps,
-            lambda: window.apply(model.optimizer, model.distribute_strategy),
+            lambda: window.close(state, model.optimizer, model.distribute_strategy),
         )
 
     return replica_step, after_step
@@ -252,7 +252,7 @@ class _Entry(NamedTuple):
     function: object
 
 
-def _captured(model, plan, window):
+def _captured(model, plan, state):
     """What a traced step captured: `(compiled, buffers)`, two `_Captured`.
 
     `compiled`: the optimizer, the loss tracker and the trainable variables
@@ -264,7 +264,7 @@ def _captured(model, plan, window):
         (model.optimizer, internals.loss_tracker(model), *model.trainable_variables),
         (model.jit_compile, model.run_eagerly, model.steps_per_execution),
     )
-    buffers = _Captured(tuple(window.buffers.acc_grads) if plan.uses_buffers else ())
+    buffers = _Captured(tuple(state.buffers.acc_grads) if plan.uses_buffers else ())
     return compiled, buffers
 
 

@@ -382,22 +382,22 @@ def test_snapshot_and_restore_bring_back_the_moments():
 
 @pytest.mark.unit
 def test_a_nonfinite_window_of_moments_is_skipped_and_the_next_starts_clean():
-    from helpers.internals import NonFiniteWindows, Window
+    from helpers.internals import AccumState, NonFiniteWindows, close
 
     acc = GradientAccumulator()
-    window = Window(acc, skip=NonFiniteWindows())
+    state = AccumState(acc, skip=NonFiniteWindows())
     weights = tf.Variable(tf.ones((3, 2)))
     acc.build([weights], accum_steps=1)
     bad = tf.constant([[np.nan, 1.0], [1.0, 1.0], [2.0, 2.0], [1.0, 3.0]])
     acc.add([tf.IndexedSlices(bad, tf.constant([0, 0, 1, 1]))], weight=1.0)
     assert int(acc.slice_counts[0].numpy()) == sparse.MOMENTS
-    window.apply(keras.optimizers.SGD(1.0))
-    assert int(window.skip.skipped.numpy()) == 1
+    close(state, keras.optimizers.SGD(1.0))
+    assert int(state.skip.skipped.numpy()) == 1
     np.testing.assert_array_equal(weights.numpy(), np.ones((3, 2)))
     # The next window, moments again, holds only its own occurrences.
     good = tf.constant([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0], [7.0, 8.0]])
     acc.add([tf.IndexedSlices(good, tf.constant([2, 2, 0, 2]))], weight=1.0)
-    window.apply(keras.optimizers.SGD(1.0))
+    close(state, keras.optimizers.SGD(1.0))
     np.testing.assert_allclose(weights.numpy(), [[-4, -5], [1, 1], [-10, -13]], rtol=1e-6)
 
 

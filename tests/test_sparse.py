@@ -22,7 +22,7 @@ from helpers.data import TEXT_LENGTH as LENGTH
 from helpers.data import TEXT_TOKENS as TOKENS
 from helpers.data import TEXT_VOCAB as VOCAB
 from helpers.data import token_data
-from helpers.internals import GradientAccumulator, NonFiniteWindows, Window, sparse
+from helpers.internals import AccumState, GradientAccumulator, NonFiniteWindows, close, sparse
 from helpers.models import DenseGradientModel, loss
 from helpers.models import text_net as net
 from helpers import mirrored as mirrored_runs
@@ -451,13 +451,13 @@ def test_slices_are_appended_and_a_new_window_starts_by_count():
 @pytest.mark.unit
 def test_nonfinite_slices_skip_the_window():
     acc = GradientAccumulator()
-    window = Window(acc, skip=NonFiniteWindows())
+    state = AccumState(acc, skip=NonFiniteWindows())
     weights = tf.Variable(tf.ones((10, 2)))
     acc.build([weights], accum_steps=1)
     bad = tf.IndexedSlices(tf.constant([[np.nan, 1.0]]), tf.constant([4]))
     acc.add([bad], weight=1.0)
-    window.apply(keras.optimizers.SGD(1.0))
-    assert int(window.skip.skipped.numpy()) == 1
+    close(state, keras.optimizers.SGD(1.0))
+    assert int(state.skip.skipped.numpy()) == 1
     np.testing.assert_array_equal(weights.numpy(), np.ones((10, 2)))
 
 

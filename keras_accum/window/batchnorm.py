@@ -288,6 +288,15 @@ class BatchNormMoments(tf.Module, internals.SavedState):
                 moving.assign(tf.cast(tf.where(seen, new, old), moving.dtype))
             pooled.reset()
 
+    def close(self, closed):
+        """The window is applied (`state.ClosedWindow` `closed`): its moments
+        are folded in; those not finite are kept out under a skip policy."""
+        self.apply(finite_only=closed.skipping)
+
+    def discard(self):
+        """The window is dropped: so are its moments."""
+        self.reset()
+
     def reset(self):
         """Drops the open window's moments."""
         for pooled in self._windows.values():

@@ -42,7 +42,7 @@ Example:
 noise = NoiseScale()
 noise.build(strategy)                    # eagerly, before the step is traced
 noise.record(micro_batch_sums(parts))    # in the step, per micro-batch(es)
-noise.close_window(window_squared_norm)  # when the window is applied
+noise.close(closed)                      # when the window is applied
 noise.end_epoch()                        # B_simple of the epoch, a float
 ```
 """
@@ -122,29 +122,33 @@ class NoiseScale:
         the replica: no collective)."""
         self.window_sums.assign_add(sums)
 
-    def close_window(self, squared_norm, micro_steps):
-        """Adds the window's estimates to the epoch's and starts a new window.
+    def close(self, closed):
+        """The window is applied: its estimates are added to the epoch's and
+        a new window starts. In each replica (`state.ClosedWindow` `closed`):
+        the window's gradient and sums are summed across replicas, the one
+        all-reduce of the gradient measuring adds."""
+        grads = [g for g in closed.gradients if g is not None]
+        sums = closed.noise_sums
+        recorded = sums is None
+        if recorded:
+            sums = self.window_sums.read_value()
+        context = tf.distribute.get_replica_context()
+        if context.num_replicas_in_sync > 1:
+            # Two reductions: one all-reduce packs tensors of one dtype.
+            grads = context.all_reduce(tf.distribute.ReduceOp.SUM, grads)
+            if recorded:
+                sums = context.all_reduce(tf.distribute.ReduceOp.SUM, sums)
+        norm = squared_norm(grads)
+        if closed.loss_scale is not None:
+            norm = norm / tf.square(tf.cast(closed.loss_scale, tf.float64))
+        # A window whose steps were not all recorded (resumed from a file)
+        # says nothing.
+        measured = tf.equal(sums[STEPS], tf.cast(closed.micro_steps, tf.float64))
+        self.epoch_sums.assign_add(window_estimates(sums, norm, measured))
+        if recorded:
+            self.window_sums.assign(tf.zeros_like(sums))
 
-        In cross-replica context under a strategy (the window's `apply`).
-
-        Args:
-            squared_norm: `|G_B|^2`, the squared norm of the window's
-                (global, unscaled) gradient.
-            micro_steps: the train steps the window holds (its `micro_step`),
-                times the replicas: the steps a fully measured window
-                recorded.
-        """
-        sums = self.window_sums.read_value()
-        measured = tf.equal(sums[STEPS], tf.cast(micro_steps, tf.float64))
-        self.add_window(sums, squared_norm, measured)
-        self.window_sums.assign(tf.zeros_like(sums))
-
-    def add_window(self, sums, squared_norm, measured=True):
-        """Adds one window's estimates (from its `sums` over all replicas)
-        to the epoch's; the window of a split batch comes straight here."""
-        self.epoch_sums.assign_add(window_estimates(sums, squared_norm, measured))
-
-    def discard_window(self):
+    def discard(self):
         """The open window is dropped (skipped, discarded): so is its measure."""
         if self.built:
             self.window_sums.assign(tf.zeros_like(self.window_sums))

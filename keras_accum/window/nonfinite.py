@@ -1,9 +1,9 @@
 """Skipping windows whose gradient is not finite (`skip_nonfinite=True`):
 a policy around the window's `apply`, as optax's `should_skip_update_fn`.
 
-`Window.apply` (window/__init__.py) asks the policy once per window; the
-policy decides for all of the window's state at once (the gradient, the
-BatchNormalization moments), so a skipped window moves nothing.
+`state.close` asks the policy once per window; the policy decides for all
+of the window's state at once (the gradient, the BatchNormalization
+moments, the noise scale), so a skipped window moves nothing.
 """
 
 import keras
@@ -55,7 +55,7 @@ class NonFiniteWindows(tf.Module, internals.SavedState):
 
     ```python
     guard = NonFiniteWindows()
-    guard.one_device(grads, optimizer, apply, discard)  # apply() unless not finite
+    guard(lambda: all_finite(grads), optimizer, apply, discard)  # apply() unless not finite
     ```
     """
 
@@ -70,30 +70,16 @@ class NonFiniteWindows(tf.Module, internals.SavedState):
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
             )
 
-    def one_device(self, grads, optimizer, apply, discard):
-        """`apply()` if every one of `grads` is finite, else `discard()`; counted.
+    def __call__(self, finite, optimizer, apply, discard):
+        """The skip policy (state.py): `apply()` if `finite()` (the window's
+        gradient has no NaN or Inf, agreed across replicas), else
+        `discard()`; counted either way.
 
-        The one-device twin of `across_replicas`: all the window state that
-        `apply` and `discard` touch (gradients, BatchNormalization moments)
-        follows the one decision.
+        All the window state that `apply` and `discard` touch (gradients,
+        BatchNormalization moments, the noise scale) follows the one
+        decision.
         """
-        self._decide(all_finite(grads), optimizer, apply, discard)
-
-    def across_replicas(self, strategy, replica_gradients, optimizer, apply, discard):
-        """Cross-replica context: `apply()` if every replica's window is finite.
-
-        `replica_gradients()` (run on each replica) gives that replica's
-        share of the window's gradient; one scalar per replica crosses
-        devices to agree, so every replica skips or none does. Otherwise
-        `discard()` is run and the window counted.
-        """
-        flags = strategy.run(
-            lambda: tf.cast(tf.logical_not(all_finite(replica_gradients())), tf.float32)
-        )
-        finite = tf.equal(strategy.reduce("SUM", flags, axis=None), 0.0)
-        self._decide(finite, optimizer, apply, discard)
-
-    def _decide(self, finite, optimizer, apply, discard):
+        finite = finite()
         if _loss_scaled(optimizer):
             apply()
         else:

@@ -1,0 +1,306 @@
+"""The accumulation state, and the one rule by which a window closes.
+
+`AccumState` is everything a model (or an `AccumOptimizer`) accumulates
+between two optimizer updates, held as one object and handed to the step's
+functions as an argument. Closing a window is one rule, `close`, whatever
+produced it:
+
+1. the skip policy (always present: `ALWAYS_APPLY` unless `skip_nonfinite`)
+   decides, once for the whole window, whether it is applied;
+2. applied: in each replica, the window's gradient is computed, every
+   observer closes its part of the window (`ClosedWindow`), the optimizer
+   applies the gradient, and the buffers start a new window;
+3. skipped: every part of the window is discarded, nothing moves.
+
+A batch split inside the step without buffers (`micro_batch_size` with
+`accum_steps=1`) is a window of one step, closed by the same rule in its
+replica (`close_batch`): it never has a skip policy (one implies buffers).
+
+Observers are the window's other state, each a module of its own: the
+BatchNormalization moments pooled over the window (batchnorm.py) and the
+gradient noise scale measured from it (noise_scale.py). Each has
+`record(...)` (its part of a step), `close(closed)` (the window applied) and
+`discard()` (the window dropped).
+
+Example:
+
+```python
+state = AccumState(GradientAccumulator(), BatchNormMoments(model), NonFiniteWindows())
+state.buffers.add(grads, weight)                   # every micro-batch
+state.when_full(4, lambda: close(state, optimizer, strategy))
+```
+"""
+
+from typing import NamedTuple
+
+import tensorflow as tf
+
+from keras_accum import _internals as internals
+from keras_accum import scaling
+from keras_accum.window import nonfinite
+
+
+class AlwaysApply:
+    """The skip policy without `skip_nonfinite`: every window is applied.
+
+    A skip policy is called as `policy(finite, optimizer, apply, discard)`,
+    `finite()` giving the window's verdict (a boolean scalar), and runs
+    `apply()` or `discard()` (as optax's `should_skip_update_fn`, with the
+    two outcomes handed in, since a traced conditional needs both).
+
+    Example:
+
+    ```python
+    ALWAYS_APPLY(finite, optimizer, apply, discard)  # apply(); finite() unread
+    ```
+    """
+
+    def __call__(self, finite, optimizer, apply, discard):
+        apply()
+
+    def snapshot(self):
+        """Nothing: the policy has no state."""
+        return None
+
+    def restore(self, snapshot):
+        """Nothing to put back."""
+
+
+ALWAYS_APPLY = AlwaysApply()
+
+
+class ClosedWindow(NamedTuple):
+    """What a window's observers learn as it is applied (in a replica).
+
+    Attributes:
+        gradients: the window's gradient as the optimizer receives it (this
+            replica's share of it, loss scale included).
+        loss_scale: the optimizer's loss scale, or None.
+        micro_steps: the train steps the window held, over all replicas.
+        noise_sums: the noise scale's sums, over all replicas, of a batch
+            that is its own window (`close_batch`); None for a buffered
+            window, whose sums the noise scale recorded step by step.
+        skipping: whether a skip policy is in force: then moments that are
+            not finite are kept out of the moving statistics too.
+    """
+
+    gradients: list
+    loss_scale: object
+    micro_steps: object
+    noise_sums: object
+    skipping: bool
+
+
+class AccumState:
+    """A model's accumulation state: one window of gradients and its observers.
+
+    Attributes:
+        buffers: the `GradientAccumulator`: the window's sum of weighted
+            gradients, its weight and its position (`micro_step`).
+        moments: the `BatchNormMoments` pooled over the window, or None
+            (an `AccumOptimizer` has no layers).
+        skip: the skip policy: `ALWAYS_APPLY`, or a `NonFiniteWindows`.
+        noise: the `NoiseScale` measured from the window, or None.
+
+    Example:
+
+    ```python
+    state = AccumState(GradientAccumulator(), skip=NonFiniteWindows())
+    close(state, optimizer)  # applied unless its gradient is not finite
+    ```
+    """
+
+    def __init__(self, buffers, moments=None, skip=None, noise=None):
+        self.buffers = buffers
+        self.moments = moments
+        self.skip = ALWAYS_APPLY if skip is None else skip
+        self.noise = noise
+        # Held by the buffers too only so that files keep their layout: Keras
+        # saves an object at the first attribute path that reaches it, and
+        # the skip count has always been reached through the buffers.
+        buffers.nonfinite = skip
+
+    @property
+    def observers(self):
+        """The window's observers present: moments, noise scale."""
+        return tuple(o for o in (self.moments, self.noise) if o is not None)
+
+    @property
+    def skipping(self):
+        """Whether a window can be skipped (`skip_nonfinite`)."""
+        return self.skip is not ALWAYS_APPLY
+
+    def bind(self, variables, accum_steps, strategy, optimizer):
+        """Makes the window the trainable `variables`' and builds `optimizer`.
+
+        Eager, before a step is traced: the step trains the window's
+        variables (a trainable change takes effect at the next `compile()`,
+        as in Keras), and an open window computed for other variables is
+        refused with an error naming them (binding.py).
+        """
+        self.buffers.bind(variables, accum_steps=accum_steps, strategy=strategy)
+        self.build_observers(strategy)
+        if not optimizer.built:
+            # Built here, eagerly: the optimizer first runs inside a
+            # conditional branch, where it cannot create its variables.
+            optimizer.build(self.buffers.window_variables)
+
+    def build_observers(self, strategy):
+        """Makes the observers' variables (eagerly)."""
+        for observer in self.observers:
+            observer.build(strategy)
+
+    def prepare_flush(self, variables, optimizer, strategy):
+        """Eagerly, before an open window is closed outside a step (`flush`).
+
+        A window restored from a file and not stepped since is paired with
+        `variables` by position, as Keras pairs weights; the optimizer is
+        built in the strategy's scope if it is not; a window holding
+        gradients for variables the optimizer was not built for (compiled
+        again after what is trainable changed) is refused, naming them.
+        """
+        buffers = self.buffers
+        if buffers.window_variables is None:
+            buffers.bind(variables, accum_steps=buffers.window_length())
+        if not optimizer.built:
+            # Under a strategy, the optimizer's variables must be made in
+            # its scope (flush is called outside it).
+            with strategy.scope():
+                optimizer.build(buffers.window_variables)
+        unknown = internals.unknown_variables(optimizer, buffers.window_variables)
+        if unknown:
+            raise ValueError(
+                f"The open window ({self.open_micro_batches()} micro-batches) "
+                f"holds gradients for {[v.path for v in unknown]}, which the "
+                "optimizer was not built for (the model was compiled again "
+                "after what is trainable changed). Call `flush()` before "
+                "changing what is trainable, or `reset_window()` to discard "
+                "the window."
+            )
+
+    def open_micro_batches(self):
+        """Micro-batches in the open window (a Python int)."""
+        return self.buffers.open_micro_batches()
+
+    def when_full(self, accum_steps, apply):
+        """Runs `apply()` once the window holds `accum_steps` micro-batches."""
+        self.buffers.when_full(accum_steps, apply)
+
+    def discard(self):
+        """Drops the open window: gradients and observers; no update."""
+        self.buffers.reset()
+        for observer in self.observers:
+            observer.discard()
+
+    def snapshot(self):
+        """All of this process's window state as numpy, for `restore`: the
+        buffers, the BatchNormalization moments and the skip count (a file
+        can fail to load after its count has loaded)."""
+        moments = None if self.moments is None else self.moments.snapshot()
+        return self.buffers.snapshot(), moments, self.skip.snapshot()
+
+    def restore(self, snapshot):
+        """Puts back a `snapshot()` (after a failed load)."""
+        buffers, moments, skipped = snapshot
+        self.buffers.restore(buffers)
+        if self.moments is not None:
+            self.moments.restore(moments)
+        self.skip.restore(skipped)
+
+
+def close(state, optimizer, strategy=None):
+    """Closes `state`'s window: applied, or skipped as its policy decides.
+
+    Under a strategy (one replica included) this runs in cross-replica
+    context: a replica's optimizer update is a `merge_call`, which cannot
+    run in a conditional traced inside the replica.
+    """
+    buffers = state.buffers
+    loss_scale = scaling.loss_scale_of(optimizer)
+    if internals.replicated(strategy):
+        # Read here, across replicas: the window's weight over all replicas.
+        # Keras divides each replica's loss by the number of replicas (so
+        # that summing replica gradients gives a mean); the window's total
+        # weight is divided likewise to undo it.
+        replicas = strategy.num_replicas_in_sync
+        total = buffers.window_weight.read_value() / replicas
+        run = strategy.run
+        gradients = lambda: buffers.window_gradients(loss_scale, total)  # noqa: E731
+        finite = lambda: _finite_across(strategy, gradients)  # noqa: E731
+    else:
+        replicas, run = 1, _call
+        # On one device, the gradient the policy checks is the one applied.
+        gradients = _once(lambda: buffers.window_gradients(loss_scale))
+        finite = lambda: nonfinite.all_finite(gradients())  # noqa: E731
+
+    def apply():
+        steps = None
+        if state.noise is not None:
+            # Read before the update starts a new window.
+            steps = buffers.micro_step.read_value() * replicas
+
+        def in_replica():
+            closed = ClosedWindow(gradients(), loss_scale, steps, None, state.skipping)
+            _apply(state, closed, optimizer, buffers.window_variables)
+            buffers.reset()
+
+        run(in_replica)
+
+    state.skip(finite, optimizer, apply, lambda: run(state.discard))
+
+
+def close_batch(state, optimizer, batch, noise_sums, variables):
+    """A batch split without buffers is its own window: `batch`'s gradient
+    (`microbatch.Gradients`, summed over its micro-batches) is applied to
+    `variables` by the same rule, in its replica; no skip policy."""
+    total = batch.weight
+    context = tf.distribute.get_replica_context()
+    replicas = context.num_replicas_in_sync
+    if replicas > 1:
+        # As for a window across replicas (`close`): the optimizer sums
+        # replicas' gradients of losses Keras divided by the replicas.
+        total = context.all_reduce(tf.distribute.ReduceOp.SUM, total) / replicas
+        if noise_sums is not None:
+            noise_sums = context.all_reduce(tf.distribute.ReduceOp.SUM, noise_sums)
+    loss_scale = scaling.loss_scale_of(optimizer)
+    scale = scaling.out_of_window(batch.normalise, total, loss_scale)
+    grads = [
+        None if g is None else tf.cast(scaling.scaled(g, scale), v.dtype)
+        for g, v in zip(batch.grads, variables)
+    ]
+    if noise_sums is None and state.noise is not None:
+        # A sum (no mean gradient) says nothing of the noise.
+        noise_sums = tf.zeros([5], tf.float64)
+    closed = ClosedWindow(grads, loss_scale, float(replicas), noise_sums, False)
+    _apply(state, closed, optimizer, variables)
+
+
+def _apply(state, closed, optimizer, variables):
+    # The one place a window is applied: its observers close, then the update.
+    for observer in state.observers:
+        observer.close(closed)
+    optimizer.apply(closed.gradients, variables)
+
+
+def _finite_across(strategy, gradients):
+    # One scalar per replica crosses devices to agree: every replica skips
+    # or none does.
+    flags = strategy.run(
+        lambda: tf.cast(tf.logical_not(nonfinite.all_finite(gradients())), tf.float32)
+    )
+    return tf.equal(strategy.reduce("SUM", flags, axis=None), 0.0)
+
+
+def _call(function):
+    return function()
+
+
+def _once(make):
+    made = []
+
+    def get():
+        if not made:
+            made.append(make())
+        return made[0]
+
+    return get
