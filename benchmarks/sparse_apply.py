@@ -17,7 +17,7 @@ accum_steps=8 micro-batches of 32 sequences of 32 tokens (8,192 slices):
   the window's slices and indices and scaling them.
 
 With `--rows` below the window's 8,192 occurrences the window is kept as
-per-row moments instead, and `window` hands Adam the synthesised
+per-row sums instead, and `window` hands Adam the synthesised
 `IndexedSlices` (window/slices.py).
 
 Each round times each once, in an order rotated per round, so background
@@ -78,7 +78,7 @@ def main(argv=None):
             grad_scale=MICRO,
         )
     count = int(acc.slice_counts[0].numpy())
-    assert count == (N * tokens if N * tokens <= rows else slices.MOMENTS), count
+    assert count == (N * tokens if N * tokens <= rows else slices.ROW_SUMS), count
 
     @tf.function
     def window():
@@ -143,7 +143,7 @@ def main(argv=None):
     lines = [
         f"Keras {keras.__version__}, TensorFlow {tf.__version__}; table "
         f"{rows:,} x {WIDTH}, Adam; a window of {N} x {tokens} occurrences, "
-        f"kept as {'slices' if count >= 0 else 'moments'}; "
+        f"kept as {'slices' if count >= 0 else 'row sums'}; "
         f"{args.rounds} rounds; load average {load_before[0]:.2f} before, "
         f"{load_after[0]:.2f} after.",
         "",

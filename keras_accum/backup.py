@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_accum import _internals as internals
-from keras_accum.train_functions import skip_batches, stop_skipping
+from keras_accum.train_functions import fast_forward, stop_fast_forward
 
 _COMMITTED = re.compile(r"^epoch-(\d+)(?:-batch-(\d+))?\.json$")
 # A restore point (epoch, batch) travels in the all-gather as one integer.
@@ -68,12 +68,12 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             callback skips the batches the backup had already seen, so the
             resumed run makes exactly the updates of an uninterrupted one.
             The logged loss and metrics of the resumed epoch then cover the
-            batches after the backup only. The skipping holds whatever else
+            batches after the backup only. The fast-forward holds whatever else
             changes the train function meanwhile (`AccumScheduler`,
             `fit(accum_steps=...)`, `micro_batch_size`, in any callback
             order); a resumed window that the step in force cannot continue
             (another `accum_steps`) raises the error naming both values
-            when the skipping ends, before any batch is trained.
+            when the fast-forward ends, before any batch is trained.
         double_checkpoint: keep the previous backup too (required across
             workers). Also used when the newest backup cannot be read.
         delete_checkpoint: delete `backup_dir` when training ends.
@@ -122,7 +122,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     def on_train_begin(self, logs=None):
         internals.backup_counts_from_zero(self)
         self._restored = None
-        stop_skipping(self.model)  # left by a `fit` interrupted while skipping
+        stop_fast_forward(self.model)  # left by a `fit` interrupted in a fast-forward
         strategy = self.model.distribute_strategy
         own = self._restore_points()
         if internals.multi_worker(strategy):
@@ -149,7 +149,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         internals.set_initial_epoch(self.model, epoch)
         if batches:
             self._restored = point
-            skip_batches(self.model, batches)
+            fast_forward(self.model, batches)
 
     def _restore_points(self):
         """(epoch, batch) of each committed backup here that opens, oldest first."""

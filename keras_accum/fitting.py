@@ -53,8 +53,8 @@ class FitControl(NamedTuple):
     # `restore(settings)`: the settings back without applying the open
     # window; the next step is made for them.
     restore: Callable
-    # Ends a resumed epoch's skipping left by an interrupted fit.
-    stop_skipping: Callable
+    # Ends a resumed epoch's fast-forward left by an interrupted fit.
+    stop_fast_forward: Callable
     # The settings the user assigns during the fit (`FitChanges`).
     changes: "FitChanges"
     # The batch size the step splits (None until a training batch is seen).
@@ -257,7 +257,7 @@ def one_fit(model, control, callbacks, accum_steps=None, micro_batch_size=None,
     without applying the open window (after an interrupted fit it stays
     open, to be resumed), and the next fit traces its own step. A value the
     user assigns during the fit (`model.accum_steps = n` in a callback) is
-    the model's own, and stays. A resumed epoch's skipping belongs to this
+    the model's own, and stays. A resumed epoch's fast-forward belongs to this
     call too. `fit_kwargs` are the other arguments of this `fit`, checked
     for a misspelling of ours. `control` is the model's `FitControl`.
     """
@@ -295,7 +295,7 @@ def one_fit(model, control, callbacks, accum_steps=None, micro_batch_size=None,
             callbacks.callbacks.remove(flush)
         # Not through the setters: the open window stays open.
         control.restore(previous._replace(**control.changes.stop()))
-        control.stop_skipping()
+        control.stop_fast_forward()
         for callback in settings_callbacks:
             callback.bind_fit(None)
 

@@ -39,17 +39,14 @@ import inspect
 import keras
 
 from keras_accum import _internals as internals
-from keras_accum import arguments, fitting, saving, step
+from keras_accum import arguments, fitting, plan, saving, step, window
 from keras_accum.auto_micro_batch import AutoMicroBatch
 from keras_accum.microbatch import static_batch_size
 from keras_accum.optimizer import check_not_accumulating
-from keras_accum.train_functions import TrainFunctionSlot
-from keras_accum import window
-from keras_accum.window import AccumState
+from keras_accum.train_functions import TrainFunctions
+from keras_accum.window import AccumState, slices
 from keras_accum.window.batchnorm import BatchNormMoments
-from keras_accum.window.buffers import GradientAccumulator
 from keras_accum.window.noise_scale import NoiseScale
-from keras_accum.window.nonfinite import NonFiniteWindows, skipped_count
 
 
 # The keyword arguments Keras's Model takes (a Layer's, and a functional
@@ -154,45 +151,64 @@ class AccumModel(
             accum_steps, accum_dtype, skip_nonfinite, batchnorm, micro_batch_size,
             noise_scale,
         )
-        self._init_model(super().__init__, args, kwargs)
+        internals.init_model(self, super().__init__, args, kwargs)
         # The batch size the step splits into micro-batches, learnt from the
         # first training batch (see _maybe_symbolic_build).
         self._batch_size_seen = None
         self._auto_micro_batch = AutoMicroBatch()
         # Settings assigned during a fit, which outlive it (fitting.py).
         self._fit_changes = fitting.FitChanges()
-        type(self).train_function.owner(self)
+        internals.holder_of(self, "train_function")
         self._configure(settings)
 
     def _configure(self, settings):
         # The settings and the window they make, for a model not yet trained
         # (__init__, from_config). The attribute names are the files' paths.
         self._settings = settings
-        self._accumulator = GradientAccumulator(dtype=settings.accum_dtype)
-        self._nonfinite = NonFiniteWindows() if settings.skip_nonfinite else None
-        self._batchnorm = BatchNormMoments(self, settings.batchnorm)
-        # Held by the window only (not an attribute of the model): a
-        # measurement, not saved in files.
-        noise = NoiseScale() if settings.noise_scale else None
-        self._state = AccumState(self._accumulator, self._batchnorm, self._nonfinite, noise)
+        state = AccumState.new(
+            settings.accum_dtype,
+            settings.skip_nonfinite,
+            BatchNormMoments(self, settings.batchnorm),
+            # Held by the state only (not an attribute of the model): a
+            # measurement, not saved in files.
+            NoiseScale() if settings.noise_scale else None,
+        )
+        # The files' paths: Keras saves an object at the first attribute
+        # path that reaches it (the skip count: `_accumulator/nonfinite`).
+        self._accumulator = state.buffers
+        self._nonfinite = state.buffers.nonfinite
+        self._batchnorm = state.moments
+        self._accum_state = state
 
     # -- the train function: one owner (train_functions.py) --------------------
 
     # What fit calls next: the step for the current settings, or a resumed
-    # epoch's batch skipping over it. Keras assigns it too (compile: None).
-    train_function = TrainFunctionSlot(check_not_accumulating)
+    # epoch's fast-forward over its first batches. Keras assigns it too
+    # (compile: None).
+    train_function = internals.HeldAttribute(
+        lambda: TrainFunctions(check_not_accumulating)
+    )
 
     def make_train_function(self, force=False):
         return self._functions().make(
-            self, self._state, self._auto_micro_batch, force=force
+            self, self._accum_state, self._auto_micro_batch, self._step_plan, force=force
+        )
+
+    def _step_plan(self):
+        # The plan of the next traced step, from the current settings.
+        return plan.make_plan(
+            self._settings,
+            self._batch_size_seen,
+            self._auto_micro_batch.size,
+            slices.statistic_of(self.optimizer),
         )
 
     def _functions(self):
         # The model's TrainFunctions, made and kept by the slot above.
-        return type(self).train_function.owner(self)
+        return internals.holder_of(self, "train_function")
 
     def train_step(self, data):
-        return step.train_step(self, data, self._state)
+        return step.train_step(self, self._step_plan(), self._accum_state, data)
 
     # -- settings ------------------------------------------------------------
 
@@ -227,7 +243,7 @@ class AccumModel(
         # Not the user's: fit's per-call value, AccumScheduler (fitting.py).
         if value == self._settings.accum_steps:
             return
-        buffers = self._state.buffers
+        buffers = self._accum_state.buffers
         if buffers.open_micro_batches() and buffers.window_length() != value:
             self.flush()
         self._change(accum_steps=value)
@@ -312,7 +328,7 @@ class AccumModel(
         assert model.skipped_windows == history.history["skipped_windows"][-1] == 0
         ```
         """
-        return skipped_count(self._nonfinite)
+        return self._accum_state.skipped_windows
 
     # The last epoch's estimate, set at its end (fitting.py); not saved.
     _noise_scale = None
@@ -415,10 +431,10 @@ class AccumModel(
             set_accum_steps=self._set_accum_steps,
             set_micro_batch_size=lambda value: self._change(micro_batch_size=value),
             restore=self._restore_settings,
-            stop_skipping=self._functions().stop_skipping,
+            stop_fast_forward=self._functions().stop_fast_forward,
             changes=self._fit_changes,
             batch_size_seen=lambda: self._batch_size_seen,
-            noise=self._state.noise,
+            noise=self._accum_state.noise,
             measured=self._measured,
         )
 
@@ -462,7 +478,7 @@ class AccumModel(
         assert int(model.optimizer.iterations) == 1
         ```
         """
-        state = self._state
+        state = self._accum_state
         if not state.open_micro_batches():
             return
         self._restore_batchnorm_window()
@@ -491,9 +507,9 @@ class AccumModel(
         assert int(model.optimizer.iterations) == 0
         ```
         """
-        if self._state.open_micro_batches():
+        if self._accum_state.open_micro_batches():
             self._restore_batchnorm_window()
-            self._state.discard()
+            self._accum_state.discard()
 
     def _restore_batchnorm_window(self):
         # BatchNormalization moments loaded from a file wait for their
@@ -502,7 +518,7 @@ class AccumModel(
         # moments are applied or discarded with the gradients they came
         # with, and do not leak into the next window.
         if self.built:
-            self._state.moments.build(self.distribute_strategy)
+            self._accum_state.moments.build(self.distribute_strategy)
 
     # -- saving and loading (saving.py) -----------------------------------------
 
@@ -533,10 +549,10 @@ class AccumModel(
         """
         load = super().load_weights
         result = saving.all_or_nothing(
-            self, self._state, lambda: load(filepath, *args, **kwargs)
+            self, self._accum_state, lambda: load(filepath, *args, **kwargs)
         )
         if not saving.step_continues(
-            self._state, self.trainable_variables, self._settings.accum_steps
+            self._accum_state, self.trainable_variables, self._settings.accum_steps
         ):
             # The traced step would continue the restored window with
             # another length or other variables: the next one is made anew
@@ -557,11 +573,12 @@ class AccumModel(
 
     def get_config(self):
         self._check_config_is_faithful()
-        return {**super().get_config(), **self._accum_config()}
+        return {**self._model_config(), **self._settings.config()}
 
-    def _accum_config(self):
-        # What AccumModel adds to a Keras model's config (its own arguments).
-        return self._settings.config()
+    def _model_config(self):
+        # The Keras model's own config, to which the settings are added;
+        # `wrap`'s model gives the model it wraps instead.
+        return super().get_config()
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
@@ -573,3 +590,4 @@ class AccumModel(
         model = super().from_config(config, custom_objects=custom_objects)
         cls._configure(model, settings)
         return model
+

@@ -17,8 +17,6 @@ from keras_accum.arguments import (
 )
 from keras_accum import window
 from keras_accum.window import AccumState, slices
-from keras_accum.window.buffers import GradientAccumulator
-from keras_accum.window.nonfinite import NonFiniteWindows, skipped_count
 
 
 def check_not_accumulating(optimizer, accum_steps):
@@ -152,9 +150,10 @@ class AccumOptimizer(keras.optimizers.Optimizer):
         super().__init__(learning_rate=0.0, name=name)
         self.inner_optimizer = optimizer
         self._accum_steps = accum_steps
-        self._accumulator = GradientAccumulator(dtype=accum_dtype)
-        self._nonfinite = NonFiniteWindows() if skip_nonfinite else None
-        self._state = AccumState(self._accumulator, skip=self._nonfinite)
+        self._accum_state = AccumState.new(accum_dtype, skip_nonfinite)
+        # The files' paths, as they have always been.
+        self._accumulator = self._accum_state.buffers
+        self._nonfinite = self._accum_state.buffers.nonfinite
 
     @property
     def skipped_windows(self):
@@ -167,7 +166,7 @@ class AccumOptimizer(keras.optimizers.Optimizer):
         assert opt.skipped_windows == 0
         ```
         """
-        return skipped_count(self._nonfinite)
+        return self._accum_state.skipped_windows
 
     @property
     def accum_steps(self):
@@ -260,10 +259,10 @@ class AccumOptimizer(keras.optimizers.Optimizer):
             statistic=slices.statistic_of(self.inner_optimizer),
             window_occurrences=self._accum_steps,
         )
-        self._state.when_full(self._accum_steps, self._apply_window)
+        self._accum_state.when_full(self._accum_steps, self._apply_window)
 
     def _apply_window(self):
-        window.close(self._state, self.inner_optimizer)
+        window.close(self._accum_state, self.inner_optimizer)
 
     def apply_gradients(self, grads_and_vars, weight=None):
         grads, variables = zip(*grads_and_vars)

@@ -4,15 +4,15 @@ A traced step bakes in the window length, whether it uses buffers, how it
 splits a batch into micro-batches, the batch size that split is for and the
 statistic of a sparse gradient's occurrences its window keeps. `StepPlan`
 holds exactly these, frozen, each once: the model's settings and what was
-learnt beside them; `make_plan(...)` makes it from values, `plan_of(model)`
-from the model at the moment a step is traced. Its `cache_key` is the key
+learnt beside them; `make_plan(...)` makes it from values (the model
+makes its own at the moment a step is traced, and hands it in). Its `cache_key` is the key
 under which train functions are cached (train_functions.py): a setting that
 changes the plan gets its own function, and switching back reuses it.
 
 Example:
 
 ```python
-plan = plan_of(model)
+plan = make_plan(settings, batch_size_seen=64)
 plan.uses_buffers      # accum_steps > 1, or windows may be skipped
 plan.split_size        # micro-batch size the step splits into, or None
 ```
@@ -99,13 +99,3 @@ def make_plan(settings, batch_size_seen=None, auto_size=None, statistic=slices.S
     training batch's size, "auto"'s chosen size and the optimizer's
     statistic (`slices.statistic_of(optimizer)`)."""
     return StepPlan(settings, batch_size_seen, auto_size, statistic)
-
-
-def plan_of(model):
-    """The plan of `model`'s next traced step, from its current settings."""
-    return make_plan(
-        model._settings,
-        model._batch_size_seen,
-        model._auto_micro_batch.size,
-        slices.statistic_of(model.optimizer),
-    )

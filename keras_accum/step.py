@@ -33,7 +33,7 @@ traced graphs, in benchmarks/step_mode_ops.md):
   sum, the same memory traffic as the built-in's read, add and assign.
   A sparse gradient's slices are appended instead (two scatters), or,
   once the window holds more occurrences than the table has rows, added
-  to its per-row moments (three scatter-adds: sum, statistic, count):
+  to its per-row sums (three scatter-adds: sum, statistic, count):
   what makes Keras's occurrence-wise sparse update exact (window/slices.py);
 - `window_weight += weight`, `micro_step += 1` and the `normalise` flag,
   three scalar writes: the window's divisor, its position (so that
@@ -48,7 +48,7 @@ Example:
 ```python
 class AccumModel(keras.Model):
     def train_step(self, data):
-        return step.train_step(self, data, self._state)
+        return step.train_step(self, self._step_plan(), self._accum_state, data)
 ```
 """
 
@@ -60,7 +60,6 @@ import tensorflow as tf
 from keras_accum import _internals as internals
 from keras_accum import microbatch, scaling, window
 from keras_accum.normaliser import loss_normaliser, micro_batch_weight
-from keras_accum.plan import plan_of
 from keras_accum.window import noise_scale
 
 
@@ -88,10 +87,9 @@ class SplitBatch(NamedTuple):
     noise_sums: object
 
 
-def train_step(model, data, state):
-    """One train step of `model` on `data`, as its plan says (see above);
+def train_step(model, plan, state, data):
+    """One train step of `model` on `data`, as its `plan` says (see above);
     `state`: the model's `AccumState`."""
-    plan = plan_of(model)
     if not plan.uses_buffers:
         if not plan.splits:
             return keras.Model.train_step(model, data)
@@ -201,13 +199,13 @@ def _write(model, state, split, update):
 
 
 def micro_batch_gradients(
-    model, state, x, y, sample_weight, variables, moments=None, live=None
+    model, state, x, y, sample_weight, variables, records=None, live=None
 ):
     """One forward and backward pass, as Keras's train_step makes it.
 
     Returns `microbatch.Gradients`: the gradients and the weight (what
     Keras normalised the loss by) that make them exact to sum.
-    BatchNormalization moments go to the window, or to the list `moments`
+    BatchNormalization moments go to the window, or to the list `records`
     to be recorded later. `live` (a 0/1 float tensor) multiplies the
     weight: 0 makes the gradient exactly zero.
     """
@@ -219,7 +217,7 @@ def micro_batch_gradients(
     fold = loss_scale is None and model.dtype_policy.compute_dtype != "float16"
     normalisers = []
     with tf.GradientTape() as tape:
-        with state.moments.micro_batch(moments):
+        with state.moments.micro_batch(records):
             y_pred = internals.call_for_training(model, x)
         with internals.recording_loss_calls(
             model, lambda *call: normalisers.append(loss_normaliser(*call))
@@ -237,11 +235,10 @@ def micro_batch_gradients(
     return microbatch.Gradients(grads, grad_scale, weight, normalise, loss, n, y_pred)
 
 
-def compute_split(model, state, data):
+def compute_split(model, plan, state, data):
     """The first half of a split step (auto_replicas.py): the batch's
     `SplitBatch` as the plan splits it, no state written but by the layers'
     forward passes."""
-    plan = plan_of(model)
     internals.build_compiled_loss(model, data)
     if plan.uses_buffers:
         variables = state.buffers.window_variables
@@ -253,10 +250,9 @@ def compute_split(model, state, data):
     return split_gradients(model, plan, state, data, variables)
 
 
-def write_split(model, state, data, split):
+def write_split(model, plan, state, data, split):
     """The second half: `split` (what `compute_split` returned for `data`)
     written as the ordinary step writes it; the logs."""
-    plan = plan_of(model)
     if plan.uses_buffers:
         return accumulate(model, plan, state, data, gradients=split)
     return batch_to_optimizer(model, plan, state, data, gradients=split)

@@ -7,8 +7,8 @@ new `accum_steps` (the setter, `fit(accum_steps=)`, `AccumScheduler`), a new
 load that leaves a window the traced step cannot continue, and
 BackupAndRestore, whose resumed epoch takes its first batches without
 training. They compose: the owner holds the step made for the current plan
-(`function`, None until made) and, apart from it, the batches still to skip;
-the model's `train_function` is `current()`: the skipping while batches
+(`function`, None until made) and, apart from it, the batches still to fast-forward over;
+the model's `train_function` is `current()`: the fast-forward while batches
 remain, then the step current at that moment, made then if none is.
 
 Choosing: a function is made for the step plan (plan.py) and kept under
@@ -21,9 +21,9 @@ Example:
 
 ```python
 owner = TrainFunctions(check_not_accumulating)
-owner.make(model, state, auto)  # model.make_train_function()
-owner.skip(3, model)             # the next 3 batches are taken, not trained
-owner.current()                  # what fit calls: the skipping, then the step
+owner.make(model, state, auto, plan_of)  # model.make_train_function()
+owner.fast_forward(3, model)     # the next 3 batches are taken, not trained
+owner.current()                  # what fit calls: the fast-forward, then the step
 ```
 """
 
@@ -35,12 +35,11 @@ import tensorflow as tf
 from keras_accum import _internals as internals
 from keras_accum import auto_replicas, step, window
 from keras_accum.auto_micro_batch import StepState, written_before_gradients
-from keras_accum.plan import plan_of
 
 
 class TrainFunctions:
     """What a model's `train_function` is: the current step, under any
-    skipping; and the cached steps and flush function behind it.
+    fast-forward; and the cached steps and flush function behind it.
 
     Args:
         check_optimizer: called as `check_optimizer(optimizer, accum_steps)`
@@ -56,7 +55,7 @@ class TrainFunctions:
     def __init__(self, check_optimizer):
         self._check_optimizer = check_optimizer
         self.function = None
-        self._skipping = None
+        self._fast_forward = None
         self._cache = {}
         self._flush = (None, None)
 
@@ -64,11 +63,11 @@ class TrainFunctions:
 
     def current(self):
         """The function `fit` calls next (None: none made yet)."""
-        return self.function if self._skipping is None else self._skipping
+        return self.function if self._fast_forward is None else self._fast_forward
 
     def assign(self, value):
-        """`model.train_function = value`: the step, not the skipping."""
-        if self._skipping is not None and value is self._skipping:
+        """`model.train_function = value`: the step, not the fast-forward."""
+        if self._fast_forward is not None and value is self._fast_forward:
             return  # put back by whoever read it (Keras's export does)
         self.function = value
 
@@ -84,12 +83,14 @@ class TrainFunctions:
             self.function = None
             model.make_train_function()
 
-    def make(self, model, state, auto, force=False):
+    def make(self, model, state, auto, plan_of, force=False):
         """`model.make_train_function(force)`: the step for the current plan,
-        over `model`'s `AccumState` (`state`) and its `AutoMicroBatch` (`auto`)."""
+        over `model`'s `AccumState` (`state`) and its `AutoMicroBatch`
+        (`auto`); `plan_of()` gives the model's plan as it is now (a trace
+        reads it when it is made: "auto" traces a step per size it chooses)."""
         if self.function is not None and not force:
             return self.function
-        plan = plan_of(model)
+        plan = plan_of()
         if model.optimizer is not None:
             self._check_optimizer(model.optimizer, plan.accum_steps)
         if plan.uses_buffers and model.built:
@@ -108,7 +109,7 @@ class TrainFunctions:
         if entry is not None and entry.compiled.same(compiled) and entry.buffers.same(buffers):
             function = entry.function
         else:
-            function = self._new(model, plan, state, auto)
+            function = self._new(model, plan, state, auto, plan_of)
             # Entries of an earlier compile or of replaced buffers would
             # never be used again, yet hold on to their traced graphs.
             current = _Captured(tuple(state.buffers.acc_grads))
@@ -122,28 +123,28 @@ class TrainFunctions:
         self.function = function
         return function
 
-    def _new(self, model, plan, state, auto):
+    def _new(self, model, plan, state, auto, plan_of):
         strategy = model.distribute_strategy
         if plan.micro_batch_size == "auto":
             written = StepState(lambda: written_before_gradients(model, state), strategy)
             if strategy.num_replicas_in_sync > 1 or internals.multi_worker(strategy):
                 # Several replicas: computed apart from every collective, so
                 # that running out of memory on one blocks no other.
-                after_step = _replica_step(model, state)[1] if plan.uses_buffers else None
+                after_step = _replica_step(model, state, plan_of)[1] if plan.uses_buffers else None
                 halves = (
-                    lambda data: step.compute_split(model, state, data),
-                    lambda data, split: step.write_split(model, state, data, split),
+                    lambda data: step.compute_split(model, plan_of(), state, data),
+                    lambda data, split: step.write_split(model, plan_of(), state, data, split),
                 )
                 return auto_replicas.train_function(
                     auto, model, halves, after_step, written
                 )
             return auto.train_function(
-                model, lambda: self._step_on_data(model, state), written
+                model, lambda: self._step_on_data(model, state, plan_of), written
             )
         if plan.uses_buffers:
             if internals.replicated(strategy):
                 return internals.make_replicated_function(
-                    model, *_replica_step(model, state)
+                    model, *_replica_step(model, state, plan_of)
                 )
         elif internals.multi_worker(strategy):
             # Keras's own train function fails across workers (its log
@@ -154,22 +155,22 @@ class TrainFunctions:
         keras.Model.make_train_function(model, force=True)
         return self.function
 
-    def _step_on_data(self, model, state):
+    def _step_on_data(self, model, state, plan_of):
         # One step on a batch in hand ("auto"), traced per batch shape: the
         # split is static and exact for every batch, the short last one too.
-        plan = plan_of(model)
+        plan = plan_of()
         if plan.uses_buffers and internals.replicated(model.distribute_strategy):
             # Under a one-replica strategy (several: auto_replicas.py), the
             # window is applied in cross-replica context, as by the
             # replicated train function.
             return internals.make_step_on_data(
-                model, *_replica_step(model, state), reduce_retracing=False
+                model, *_replica_step(model, state, plan_of), reduce_retracing=False
             )
         return internals.make_step_on_data(model, model.train_step, reduce_retracing=False)
 
-    # -- skipping (BackupAndRestore) ---------------------------------------
+    # -- fast-forward (BackupAndRestore) ---------------------------------------
 
-    def skip(self, batches, model):
+    def fast_forward(self, batches, model):
         """Makes the next `batches` batches be taken from `fit`'s iterator
         without training, whatever step is made or assigned meanwhile.
 
@@ -179,14 +180,14 @@ class TrainFunctions:
         before any batch trains).
         """
         def done():
-            self._skipping = None
+            self._fast_forward = None
             if self.function is None:
                 model.make_train_function()
 
-        self._skipping = _skipping(model, batches, done) if batches else None
+        self._fast_forward = _fast_forwarding(model, batches, done) if batches else None
 
-    def stop_skipping(self):
-        self._skipping = None
+    def stop_fast_forward(self):
+        self._fast_forward = None
 
     # -- flushing ----------------------------------------------------------
 
@@ -214,15 +215,15 @@ class TrainFunctions:
         return function
 
 
-def _replica_step(model, state):
+def _replica_step(model, state, plan_of):
     # The replica's part (accumulate) and the cross-replica part (apply the
     # window once full: replica 0's micro-step decides for all).
     def replica_step(data):
-        return step.accumulate(model, plan_of(model), state, data)
+        return step.accumulate(model, plan_of(), state, data)
 
     def after_step():
         state.when_full(
-            plan_of(model).accum_steps,
+            plan_of().accum_steps,
             lambda: window.close(state, model.optimizer, model.distribute_strategy),
         )
 
@@ -268,84 +269,34 @@ def _captured(model, plan, state):
     return compiled, buffers
 
 
-class TrainFunctionSlot:
-    """`model.train_function`, held by the model's `TrainFunctions`.
-
-    Reading gives `current()`; assigning (Keras does: `compile()` sets
-    None, its `make_train_function` the function it made) replaces the
-    step and leaves any skipping alone.
-
-    Args:
-        check_optimizer: handed to every `TrainFunctions` the slot makes.
-
-    Example:
-
-    ```python
-    model = keras_accum.AccumModel(inputs, outputs, accum_steps=4)
-    model.compile("adam", "sparse_categorical_crossentropy")
-    assert model.train_function is None  # until fit or make_train_function()
-    model.make_train_function()
-    assert model.train_function is model._train_functions.function
-    ```
-    """
-
-    def __init__(self, check_optimizer):
-        self._check_optimizer = check_optimizer
-
-    def __get__(self, model, owner=None):
-        if model is None:
-            return self
-        functions = model.__dict__.get("_train_functions")
-        return None if functions is None else functions.current()
-
-    def __set__(self, model, value):
-        self.owner(model).assign(value)
-
-    def owner(self, model):
-        """The model's `TrainFunctions`, made at first need: Keras's
-        constructor may assign `train_function` before the model's own
-        `__init__` runs."""
-        functions = model.__dict__.get("_train_functions")
-        if functions is None:
-            functions = TrainFunctions(self._check_optimizer)
-            model._train_functions = functions
-        return functions
-
-
-def owner_of(model):
-    """The `TrainFunctions` of a keras_accum model, else None (a plain model)."""
-    slot = getattr(type(model), "train_function", None)
-    return slot.owner(model) if isinstance(slot, TrainFunctionSlot) else None
-
-
-def skip_batches(model, batches):
+def fast_forward(model, batches):
     """Makes `model`'s coming `batches` train steps take their data only.
 
-    A keras_accum model's owner keeps the skipping through any retrace; a
+    A keras_accum model's owner keeps the fast-forward through any retrace; a
     plain Keras model (whose function nothing retraces during `fit`) gets
     its current function wrapped.
     """
-    owner = owner_of(model)
+    owner = internals.holder_of(model, "train_function")
     if owner is not None:
-        owner.skip(batches, model)
+        owner.fast_forward(batches, model)
         return
     train_function = model.train_function
 
     def done():
         model.train_function = train_function
 
-    skipping = _skipping(model, batches, done)
-    skipping.train_function = train_function
-    model.train_function = skipping
+    forward = _fast_forwarding(model, batches, done)
+    forward.train_function = train_function
+    model.train_function = forward
 
 
-def _skipping(model, batches, done):
+def _fast_forwarding(model, batches, done):
     """A train function that takes `fit`'s next `batches` batches without
     training (up to `steps_per_execution` a call, logging nothing), and
     calls `done()` once the last is taken."""
     remaining = batches
 
-    def skipping(iterator):
+    def fast_forwarding(iterator):
         nonlocal remaining
         for _ in range(min(model.steps_per_execution, remaining)):
             next(iterator)
@@ -354,14 +305,14 @@ def _skipping(model, batches, done):
             done()
         return {}
 
-    return skipping
+    return fast_forwarding
 
 
-def stop_skipping(model):
-    """Ends a skipping left by a `fit` interrupted while it skipped."""
-    owner = owner_of(model)
+def stop_fast_forward(model):
+    """Ends a fast-forward left by a `fit` interrupted during it."""
+    owner = internals.holder_of(model, "train_function")
     if owner is not None:
-        owner.stop_skipping()
+        owner.stop_fast_forward()
         return
     original = getattr(model.train_function, "train_function", None)
     if original is not None:

@@ -110,10 +110,8 @@ class RebuiltModel(AccumModel):
             # The model's own config is the layer graph after all.
             check_config_is_faithful(source)
 
-    def get_config(self):
-        self._check_config_is_faithful()
+    def _model_config(self):
         config = {"name": self.name, "trainable": self.trainable}
-        config.update(self._accum_config())
         model = keras.saving.serialize_keras_object(self._source.model)
         # The wrapper is what is compiled; the model's own compile state
         # (KerasHub tasks compile themselves in __init__) would only make

@@ -83,7 +83,7 @@ def assert_kept_as_moments(model):
     model.train_on_batch(x, y)
     counts = internals.accumulator(model).slice_counts
     assert [int(counts[i].numpy()) for i in range(len(SMALL_TABLES))] == [
-        sparse.MOMENTS
+        sparse.ROW_SUMS
     ] * len(SMALL_TABLES)
     model.reset_window()
 
@@ -327,7 +327,7 @@ def test_resume_mid_window(kind, tmp_path):
     for batch in batches[:6]:  # one window applied, two micro-batches pending
         first.train_on_batch(*batch)
     counts = internals.accumulator(first).slice_counts
-    assert int(counts[0].numpy()) == sparse.MOMENTS
+    assert int(counts[0].numpy()) == sparse.ROW_SUMS
     resumed = _save_and_load(kind, first, tmp_path)
     assert internals.pending(resumed) == 2
     for batch in batches[6:]:
@@ -371,7 +371,7 @@ def test_snapshot_and_restore_bring_back_the_moments():
     weights = tf.Variable(tf.ones((3, 2)))
     acc.build([weights], accum_steps=4)
     acc.add([tf.IndexedSlices(tf.ones((5, 2)), tf.constant([1, 1, 0, 2, 1]))], weight=1.0)
-    assert int(acc.slice_counts[0].numpy()) == sparse.MOMENTS
+    assert int(acc.slice_counts[0].numpy()) == sparse.ROW_SUMS
     snapshot = acc.snapshot()
     before = tf.convert_to_tensor(acc.window_gradients()[0]).numpy()
     acc.add([tf.IndexedSlices(3 * tf.ones((4, 2)), tf.constant([0, 0, 0, 2]))], weight=1.0)
@@ -390,7 +390,7 @@ def test_a_nonfinite_window_of_moments_is_skipped_and_the_next_starts_clean():
     acc.build([weights], accum_steps=1)
     bad = tf.constant([[np.nan, 1.0], [1.0, 1.0], [2.0, 2.0], [1.0, 3.0]])
     acc.add([tf.IndexedSlices(bad, tf.constant([0, 0, 1, 1]))], weight=1.0)
-    assert int(acc.slice_counts[0].numpy()) == sparse.MOMENTS
+    assert int(acc.slice_counts[0].numpy()) == sparse.ROW_SUMS
     close(state, keras.optimizers.SGD(1.0))
     assert int(state.skip.skipped.numpy()) == 1
     np.testing.assert_array_equal(weights.numpy(), np.ones((3, 2)))

@@ -400,7 +400,7 @@ def test_window_bigger_than_the_table_is_still_the_big_batch(name):
     )
     assert_weights_close(plain, accum)
     accum.train_on_batch(x[:MICRO], y[:MICRO])  # 48 tokens: moments at once
-    assert int(internals.accumulator(accum).slice_counts[0].numpy()) == sparse.MOMENTS
+    assert int(internals.accumulator(accum).slice_counts[0].numpy()) == sparse.ROW_SUMS
     if name in OCCURRENCE_WISE:  # the test can tell the summed window apart
         dense = dense_reference(x, y, OPTIMIZERS[name], vocab=40)
         moved = np.abs(table(plain) - table(net(vocab=40))).max()
@@ -552,7 +552,7 @@ def test_slices_fill_the_buffer_to_capacity_then_spill():
         tf.convert_to_tensor(window).numpy(), expected / 2, rtol=1e-6
     )
     add([1])
-    assert int(acc.slice_counts[0].numpy()) == sparse.MOMENTS  # one more: moments
+    assert int(acc.slice_counts[0].numpy()) == sparse.ROW_SUMS  # one more: moments
     np.testing.assert_allclose(
         tf.convert_to_tensor(acc.window_gradients()[0]).numpy(), expected / 3, rtol=1e-6
     )
@@ -575,11 +575,11 @@ def test_a_window_of_moments_stays_moments_to_its_end():
         acc.add([tf.IndexedSlices(tf.constant(values), tf.constant(ids))], weight=1.0)
 
     add([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0])  # 11 slices, 10 rows: moments at once
-    assert int(acc.slice_counts[0].numpy()) == sparse.MOMENTS
+    assert int(acc.slice_counts[0].numpy()) == sparse.ROW_SUMS
     np.testing.assert_allclose(acc.acc_grads[0].numpy(), expected, rtol=1e-6)
     add([3])  # would fit as slices on their own
     add([3, 7])
-    assert int(acc.slice_counts[0].numpy()) == sparse.MOMENTS
+    assert int(acc.slice_counts[0].numpy()) == sparse.ROW_SUMS
     np.testing.assert_array_equal(acc.slice_indices[0].numpy(), [2, 1, 1, 3, 1, 1, 1, 2, 1, 1])
     np.testing.assert_allclose(acc.acc_grads[0].numpy(), expected, rtol=1e-6)
     np.testing.assert_allclose(

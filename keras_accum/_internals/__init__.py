@@ -27,7 +27,9 @@ By concern:
 - `callbacks`: `BackupAndRestore`'s batch counting and backups, the epoch
   `fit` starts at.
 - `model_hooks`: the private `Model` hooks `AccumModel` overrides (the
-  first-batch build, functional subclassing, test functions across workers).
+  first-batch build, functional subclassing, test functions across workers)
+  and the `train_function` attribute Keras assigns, held by the model's
+  own object (`HeldAttribute`).
 
 Everything is re-exported here: `from keras_accum import _internals as
 internals`, then `internals.name`.
@@ -62,11 +64,13 @@ from keras_accum._internals.callbacks import (  # noqa: E402
     set_initial_epoch,
 )
 from keras_accum._internals.distribute import (  # noqa: E402
+    current_graph,
     in_xla_context,
     metrics_summed_over_replicas,
     multi_worker,
     replica_component,
     replicated,
+    tracing_inside,
 )
 from keras_accum._internals.fingerprints import MIRRORED_SOURCES, mirrored  # noqa: E402
 from keras_accum._internals.layers import (  # noqa: E402
@@ -74,7 +78,9 @@ from keras_accum._internals.layers import (  # noqa: E402
     Functional,
     batch_normalization_layers,
     functional_init_arguments,
+    SharedPatches,
     layers_shared_across_nesting,
+    moments_recorded_not_applied,
     recording_moments,
 )
 from keras_accum._internals.losses import (  # noqa: E402
@@ -93,6 +99,9 @@ from keras_accum._internals.losses import (  # noqa: E402
 from keras_accum._internals.model_hooks import (  # noqa: E402
     BuildFromFirstBatch,
     FunctionalVariants,
+    HeldAttribute,
+    holder_of,
+    init_model,
     training_build,
 )
 from keras_accum._internals.optimizer import (  # noqa: E402
@@ -170,7 +179,9 @@ __all__ = [
     "batch_normalization_layers",
     "functional_init_arguments",
     "layers_shared_across_nesting",
+    "SharedPatches",
     "recording_moments",
+    "moments_recorded_not_applied",
     # saving
     "KerasSaveable",
     "SavedState",
@@ -180,13 +191,18 @@ __all__ = [
     "no_automatic_dependency_tracking",
     # distribute
     "in_xla_context",
+    "current_graph",
     "metrics_summed_over_replicas",
     "multi_worker",
     "replica_component",
     "replicated",
+    "tracing_inside",
     # model hooks
     "BuildFromFirstBatch",
     "FunctionalVariants",
+    "HeldAttribute",
+    "holder_of",
+    "init_model",
     "training_build",
     # optimizer
     "build_position",

@@ -2,6 +2,7 @@
 workers, per-replica variables, metric variables and XLA compilation."""
 
 import inspect
+import weakref
 
 import keras
 import tensorflow as tf
@@ -73,3 +74,26 @@ def replica_component(variable):
     """
     component = getattr(variable, "_get_on_device_or_primary", None)
     return variable if component is None else component()
+
+
+def current_graph():
+    """The graph being traced (a weak reference to it), or None eagerly."""
+    if tf.executing_eagerly():
+        return None
+    return weakref.ref(tf.compat.v1.get_default_graph())
+
+
+def tracing_inside(graph):
+    """Whether the graph being traced is `graph` (a `current_graph()`) or
+    one nested in it (a conditional's branch, a loop's body)."""
+    traced = None if graph is None else graph()
+    if traced is None or tf.executing_eagerly():
+        return False
+    inner = tf.compat.v1.get_default_graph()
+    while inner is not None:
+        if inner is traced:
+            return True
+        # TensorFlow's FuncGraph keeps the graph it is traced in here.
+        inner = getattr(inner, "outer_graph", None)
+    return False
+

@@ -7,6 +7,7 @@ momentum)` from what `_moments` returns; see fingerprints.py.
 """
 
 import contextlib
+import threading
 
 from keras_accum._internals.versions import reach
 
@@ -78,3 +79,67 @@ def layers_shared_across_nesting(model):
             if first is not top:
                 shared.append((layer, first, top))
     return shared
+
+
+@contextlib.contextmanager
+def moments_recorded_not_applied(layer, record):
+    """Inside, `layer`'s batch moments go to `record(inputs, mask, mean,
+    variance)` and its own moving-statistics update changes nothing: its
+    momentum reads 1.0, and `moving * 1 + batch * 0` is exactly `moving`
+    (but for a non-finite batch: the caller puts such values back).
+
+    Example:
+
+    ```python
+    with moments_recorded_not_applied(layer, record):
+        model(x, training=True)
+    ```
+    """
+    momentum = layer.momentum
+    layer.momentum = 1.0
+    try:
+        with recording_moments(layer, record):
+            yield
+    finally:
+        layer.momentum = momentum
+
+
+class SharedPatches:
+    """Patches of layers, shared by every thread inside `applied`: the
+    first to enter applies them, the last to leave takes them off.
+
+    Under MirroredStrategy each replica's step is traced in a thread of its
+    own; all enter, and they may interleave at cross-replica calls.
+
+    Example:
+
+    ```python
+    patches = SharedPatches()
+    with patches.applied(lambda: [moments_recorded_not_applied(layer, record)]):
+        model(x, training=True)
+    ```
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._entered = 0
+        self._stack = None
+
+    @contextlib.contextmanager
+    def applied(self, patches):
+        """Inside, the context managers `patches()` gives are entered (once,
+        by the first thread in)."""
+        with self._lock:
+            if not self._entered:
+                self._stack = contextlib.ExitStack()
+                for patch in patches():
+                    self._stack.enter_context(patch)
+            self._entered += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._entered -= 1
+                if not self._entered:
+                    self._stack.close()
+

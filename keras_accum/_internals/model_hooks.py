@@ -8,6 +8,8 @@
   strategy), and the first training batch's size is handed to
   `_see_batch`.
 - `make_test_function` across workers, where Keras's own fails.
+- `train_function`, which Keras assigns and `fit` reads, held by an object
+  of the model's own (`HeldAttribute`, `holder_of`).
 
 Example:
 
@@ -25,7 +27,8 @@ from keras_accum._internals import distribute, layers, trainer
 
 
 class FunctionalVariants:
-    """Functional calls of a subclass get a `Functional` variant of their own."""
+    """Functional calls of a subclass get a `Functional` variant of their own
+    (`init_model` runs the constructor that variant needs)."""
 
     def __new__(cls, *args, **kwargs):
         if layers.functional_init_arguments(
@@ -33,17 +36,6 @@ class FunctionalVariants:
         ) and not issubclass(cls, layers.Functional):
             cls = _functional_variant(cls)
         return super().__new__(cls, *args, **kwargs)
-
-    def _init_model(self, model_init, args, kwargs):
-        """`model_init(*args, **kwargs)` (the class's `super().__init__`),
-        or, for a functional call, `Functional.__init__`: called ourselves,
-        on a class that already has Functional in its bases (see `__new__`),
-        it keeps Keras from re-basing the class onto Functional, which would
-        break every later `class Net(AccumModel)` in the process."""
-        if layers.functional_init_arguments(args, kwargs):
-            layers.Functional.__init__(self, *args, **kwargs)
-        else:
-            model_init(*args, **kwargs)
 
 
 class BuildFromFirstBatch:
@@ -81,6 +73,83 @@ class BuildFromFirstBatch:
             )
             return self.test_function
         return super().make_test_function(force=force)
+
+
+def init_model(model, model_init, args, kwargs):
+    """`model_init(*args, **kwargs)` (the class's `super().__init__`), or,
+    for a functional call, `Functional.__init__`: called ourselves, on a
+    class that already has Functional in its bases (see
+    `FunctionalVariants`), it keeps Keras from re-basing the class onto
+    Functional, which would break every later `class Net(AccumModel)` in
+    the process.
+
+    Example:
+
+    ```python
+    init_model(self, super().__init__, args, kwargs)  # in AccumModel.__init__
+    ```
+    """
+    if layers.functional_init_arguments(args, kwargs):
+        layers.Functional.__init__(model, *args, **kwargs)
+    else:
+        model_init(*args, **kwargs)
+
+
+class HeldAttribute:
+    """A model attribute that Keras reads and assigns, held by an object of
+    the model's own (a data descriptor: it shadows Keras's attribute).
+
+    Keras assigns `train_function` (`compile()` sets None, its
+    `make_train_function` the function it made) and `fit` reads it before
+    every step; `AccumModel` keeps its train functions in a `TrainFunctions`
+    that decides what a read gives. The holder is made at first need, since
+    Keras's constructor may assign the attribute before the model's own
+    `__init__` runs; reading gives `holder.current()`, assigning calls
+    `holder.assign(value)`.
+
+    Args:
+        make_holder: makes a model's holder (no arguments).
+
+    Example:
+
+    ```python
+    class AccumModel(keras.Model):
+        train_function = HeldAttribute(lambda: TrainFunctions(check))
+    holder_of(model, "train_function")  # the model's TrainFunctions
+    ```
+    """
+
+    def __init__(self, make_holder):
+        self._make_holder = make_holder
+        self._key = None
+
+    def __set_name__(self, owner, name):
+        self._key = f"_{name}_holder"
+
+    def __get__(self, model, owner=None):
+        if model is None:
+            return self
+        holder = model.__dict__.get(self._key)
+        return None if holder is None else holder.current()
+
+    def __set__(self, model, value):
+        self.holder(model).assign(value)
+
+    def holder(self, model):
+        """`model`'s holder, made at first need."""
+        holder = model.__dict__.get(self._key)
+        if holder is None:
+            holder = self._make_holder()
+            # Not through Keras's tracking: the holder is not the model's state.
+            object.__setattr__(model, self._key, holder)
+        return holder
+
+
+def holder_of(model, name):
+    """The holder of `model`'s attribute `name` if its class holds it with a
+    `HeldAttribute` (made at first need), else None (a plain Keras model)."""
+    held = getattr(type(model), name, None)
+    return held.holder(model) if isinstance(held, HeldAttribute) else None
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ The state's parts, each in a module of its own:
 
 - the gradient buffers (buffers.py: the arithmetic; binding.py: which
   variables they belong to; file_format.py: how they are saved; slices.py:
-  sparse gradients kept as slices or per-row moments; trace.py: what the
+  sparse gradients kept as slices or per-row sums; trace.py: what the
   step being traced added; replicas.py: per-replica state);
 - the skip policy (nonfinite.py), asked once per window;
 - the observers: the BatchNormalization moments pooled over the window

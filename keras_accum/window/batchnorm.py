@@ -132,14 +132,15 @@ class BatchNormMoments(tf.Module, internals.SavedState):
         super().__init__(name=name)
         self.mode = check_batchnorm(mode)
         self._model = weakref.ref(model)
-        # Windows by the layer's position among the model's BatchNormalization
-        # layers: the same in any model of the same architecture, unlike
-        # layer names, which Keras numbers per process.
+        # Each layer's pooled moments (`_LayerMoments`), by the layer's
+        # position among the model's BatchNormalization layers: the same in
+        # any model of the same architecture, unlike layer names, which
+        # Keras numbers per process. The attribute's name is a key of
+        # `tf.train.Checkpoint` files, so it stays `_windows`.
         self._windows = {}
         # Restored from a file before the layer was built: used when built.
         self._restored = {}
-        self._lock = threading.Lock()
-        self._entered = 0
+        self._patches = internals.SharedPatches()
         # Per thread (replica): the moving statistics as they were before this
         # micro-batch, put back after it (see micro_batch).
         self._before = threading.local()
@@ -190,32 +191,27 @@ class BatchNormMoments(tf.Module, internals.SavedState):
         they may interleave at cross-replica calls. The first to enter
         patches the layers, the last to leave restores them.
         """
-        with self._lock:
-            if not self._entered:
-                self._patches = contextlib.ExitStack()
-                for index, (layer, plain) in enumerate(self._layers()):
-                    if plain and layer.trainable:
-                        self._patches.enter_context(
-                            internals.recording_moments(layer, self._recorder(index, layer))
-                        )
-                        self._patches.enter_context(_momentum_one(layer))
-            self._entered += 1
-        self._before.values = []
-        self._before.deferred = deferred
-        try:
-            yield
-            # Keras's own update with momentum 1 leaves the moving statistics
-            # as they were, but for a non-finite micro-batch (nan * 0 is nan):
-            # put back what they were, so that only the window decides them.
-            for variable, value in self._before.values:
-                variable.assign(value)
-        finally:
+        def patches():
+            return [
+                internals.moments_recorded_not_applied(layer, self._recorder(index, layer))
+                for index, (layer, plain) in enumerate(self._layers())
+                if plain and layer.trainable
+            ]
+
+        with self._patches.applied(patches):
             self._before.values = []
-            self._before.deferred = None
-            with self._lock:
-                self._entered -= 1
-                if not self._entered:
-                    self._patches.close()
+            self._before.deferred = deferred
+            try:
+                yield
+                # Keras's own update with momentum 1 leaves the moving
+                # statistics as they were, but for a non-finite micro-batch
+                # (nan * 0 is nan): put back what they were, so that only
+                # the window decides them.
+                for variable, value in self._before.values:
+                    variable.assign(value)
+            finally:
+                self._before.values = []
+                self._before.deferred = None
 
     def _recorder(self, index, layer):
         def record(inputs, mask, mean, variance):
@@ -381,12 +377,3 @@ def _count(layer, inputs, mask, dtype):
     weights = tf.broadcast_to(tf.expand_dims(tf.cast(tf.cast(mask, tf.bool), dtype), -1), tf.shape(inputs))
     return tf.reduce_sum(weights, axis=axes)
 
-
-@contextlib.contextmanager
-def _momentum_one(layer):
-    momentum = layer.momentum
-    layer.momentum = 1.0
-    try:
-        yield
-    finally:
-        layer.momentum = momentum

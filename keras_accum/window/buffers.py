@@ -44,12 +44,12 @@ class GradientAccumulator(tf.Module, internals.SavedState):
             they fit, then the per-row sums of its occurrences (slices.py).
         slice_indices: per buffer, the table row of each slice it holds
             (one int per row of the variable); per row, its occurrences,
-            once the window is kept as moments.
+            once the window is kept as row sums.
         slice_counts: per buffer, how many slices it holds; below zero
-            what it holds instead (`slices.MOMENTS`, `slices.DENSE`).
+            what it holds instead (`slices.ROW_SUMS`, `slices.DENSE`).
         acc_stats: per sparse buffer (by its index as a string), the
             per-row sums of its occurrences' statistic once the window is
-            kept as moments; made when the buffer is first given slices.
+            kept as row sums; made when the buffer is first given slices.
         statistic: which statistic (`slices.SQUARE` or `slices.ABS`, as the
             optimizer reads it: `slices.statistic_of`). Saved like
             `sparse`.
@@ -89,9 +89,9 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         self.strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
         # The skip policy, held here for the file layout only (see Window).
         self.nonfinite = None
-        self._unbuild()
+        self.unbuild()
 
-    def _unbuild(self):
+    def unbuild(self):
         self.micro_step = None
         self.window_weight = None
         self.accum_steps = None
@@ -218,7 +218,7 @@ class GradientAccumulator(tf.Module, internals.SavedState):
             window_occurrences: how many times this micro-batch's
                 occurrences a window can hold at most (accum_steps, times
                 full batch over this one's size), or a function giving it:
-                the static size a window of moments is handed over in
+                the static size a window of row sums is handed over in
                 under XLA.
         """
         binding.check_gradients(self, grads, variables)
@@ -266,11 +266,16 @@ class GradientAccumulator(tf.Module, internals.SavedState):
             if i in self.absent:
                 grads.append(None)
             elif i in self.sparse:
-                grads.append(_sparse_window_gradient(self, i, inv, v.dtype))
-            else:
+                padded = internals.in_xla_context()
                 grads.append(
-                    tf.cast(_dense_sum(self, i) * tf.cast(inv, buf.dtype), v.dtype)
+                    _sparse_window_gradient(
+                        self._slices(i), self.acc_stats.get(str(i)), self.statistic,
+                        padded, self._trace.capacity(i) if padded else None, inv, v.dtype,
+                    )
                 )
+            else:
+                dense = _dense_sum(self._slices(i), self._trace.holds(i))
+                grads.append(tf.cast(dense * tf.cast(inv, buf.dtype), v.dtype))
         return grads
 
     def stats_of(self, i):
@@ -368,17 +373,17 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         ]
 
 
-def _sparse_window_gradient(acc, i, inv, dtype):
+def _sparse_window_gradient(parts, stats, statistic, padded, capacity, inv, dtype):
     # One IndexedSlices that Keras's own sparse update makes the big batch's
-    # step of: the window's occurrences, or their moments (slices.py).
-    stats = acc.acc_stats.get(str(i))
-    padded = internals.in_xla_context()
+    # step of: the window's occurrences (`parts`: storage, rows, count), or
+    # their row sums (slices.py); `padded` to static shapes under XLA, to
+    # `capacity` where the step being traced recorded it.
     window = slices.window_slices(
-        *acc._slices(i),
+        *parts,
         padded=padded,
         stats=None if stats is None else internals.replica_component(stats),
-        kind=acc.statistic,
-        capacity=acc._trace.capacity(i) if padded else None,
+        kind=statistic,
+        capacity=capacity,
     )
     values = window.values * tf.cast(inv, window.values.dtype)
     return tf.IndexedSlices(tf.cast(values, dtype), window.indices, window.dense_shape)
@@ -400,12 +405,13 @@ def _make_stats(acc, i):
     return acc.acc_stats[key]
 
 
-def _dense_sum(acc, i):
-    buf = acc.acc_grads[i]
-    if not len(buf.shape):
-        return buf
-    storage, indices, count = acc._slices(i)
-    if acc._trace.holds(i):
+def _dense_sum(parts, held_dense):
+    # `parts`: the buffer's storage, rows and count; `held_dense`: whether
+    # the step being traced adds this buffer a dense gradient.
+    storage, indices, count = parts
+    if not len(storage.shape):
+        return storage
+    if held_dense:
         # In the trace that adds this buffer a dense gradient it holds a
         # dense sum: read as it is. A conditional per variable would sit
         # in the step's graph at every micro-batch, taken or not

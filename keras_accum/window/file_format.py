@@ -16,7 +16,7 @@ files written by earlier releases:
 - `slice_counts_<i>`, `slice_indices_<i>`, `slice_values_<i>`: each local
   replica's slice count, then the live slices one replica after another;
 - `slice_stats_<i>`, `row_counts_<i>`: for the replicas whose window is
-  kept as moments (count `slices.MOMENTS`), the sums of their statistic
+  kept as row sums (count `slices.ROW_SUMS`), the sums of their statistic
   and their occurrence counts per row (their sums are `acc_grad_<i>`);
 - `statistic`: int8, 1 where the statistic is the absolute value (Adamax),
   0 for squares.
@@ -75,20 +75,20 @@ def _save_slices(acc, store, i):
     store[f"acc_grad_{i}"] = (
         sum(dense[1:], dense[0]) if dense else np.zeros(shape, dtype)
     )
-    if slices.MOMENTS in counts:
-        # Moments add up over replicas: saved as their sum. A replica
+    if slices.ROW_SUMS in counts:
+        # Row sums add up over replicas: saved as their sum. A replica
         # still holding an older file's dense sum counts one per row.
         stats = here(acc.stats_of(i))
         statistic = lambda v: np.abs(v) if acc.statistic == slices.ABS else v**2  # noqa: E731
         store[f"slice_stats_{i}"] = sum(
-            st.numpy() if n == slices.MOMENTS else statistic(s.numpy())
+            st.numpy() if n == slices.ROW_SUMS else statistic(s.numpy())
             for s, st, n in zip(storages, stats, counts) if n < 0
         )
         store[f"row_counts_{i}"] = sum(
-            ix.numpy().astype("int64") if n == slices.MOMENTS else np.ones(shape[0], "int64")
+            ix.numpy().astype("int64") if n == slices.ROW_SUMS else np.ones(shape[0], "int64")
             for ix, n in zip(indices, counts) if n < 0
         )
-        counts = [slices.MOMENTS if n < 0 else n for n in counts]
+        counts = [slices.ROW_SUMS if n < 0 else n for n in counts]
     store[f"slice_counts_{i}"] = np.array(counts, "int64")
     store[f"slice_indices_{i}"] = np.concatenate(
         [ix for _, ix, _ in live] or [np.zeros([0], "int64")]
@@ -192,8 +192,8 @@ def _load_slices(acc, store, i):
     indices = np.asarray(store[f"slice_indices_{i}"])
     values = np.asarray(store[f"slice_values_{i}"])
     dense = np.asarray(store[f"acc_grad_{i}"])
-    moments = slices.MOMENTS in counts
-    if moments:
+    row_sums = slices.ROW_SUMS in counts
+    if row_sums:
         stats = local(acc.stats_of(i))
         shares = [
             (dense, np.asarray(store[f"slice_stats_{i}"]),
@@ -203,9 +203,9 @@ def _load_slices(acc, store, i):
     for r, ((storage, index, count), n) in enumerate(zip(components, counts)):
         count.assign(n)
         if n < 0:
-            # The dense share (or moments) on the first replica that
+            # The dense share (or row sums) on the first replica that
             # spilled, zeros on the others: summed over replicas, the saved.
-            if moments:
+            if row_sums:
                 share = shares[0] if not dense_given else [np.zeros_like(a) for a in shares[0]]
                 storage.assign(share[0])
                 stats[r].assign(share[1])
@@ -230,7 +230,7 @@ def snapshot(acc):
 def restore(acc, snapshot):
     """Puts back a `snapshot(acc)`: after a failed load, all as it was."""
     if snapshot is None:
-        acc._unbuild()
+        acc.unbuild()
         return
     values, acc.absent, acc.sparse, acc.statistic = snapshot
     for v, local_values in zip(acc.state(), values):

@@ -1,5 +1,5 @@
 """Skipping windows whose gradient is not finite (`skip_nonfinite=True`):
-a policy around the window's `apply`, as optax's `should_skip_update_fn`.
+the skip policy of `state.close`, as optax's `should_skip_update_fn`.
 
 `state.close` asks the policy once per window; the policy decides for all
 of the window's state at once (the gradient, the BatchNormalization
@@ -114,9 +114,3 @@ class NonFiniteWindows(tf.Module, internals.SavedState):
             )
         self.skipped.assign(int(np.asarray(store["skipped_windows"])))
 
-
-def skipped_count(counter):
-    """The windows `counter` (a `NonFiniteWindows`, or None without
-    `skip_nonfinite`) has counted as skipped, an int: what
-    `AccumModel.skipped_windows` and `AccumOptimizer.skipped_windows` read."""
-    return 0 if counter is None else int(counter.skipped.numpy())

@@ -1,5 +1,5 @@
 """Sparse (`tf.IndexedSlices`) gradients over a window: the occurrences
-while they fit, per-row moments beyond.
+while they fit, per-row sums beyond.
 
 Keras's optimizers apply an `IndexedSlices` gradient occurrence by
 occurrence: Adam, RMSprop, Adagrad and the others square each occurrence's
@@ -16,7 +16,7 @@ one entry per row (`indices`) and a `count`:
   all of them, which is the big batch's gradient: exact for every
   optimizer and option (`clipvalue` too). Starting a new window is
   `count = 0`: no pass over the table.
-- `count == MOMENTS`, **moments**: once a window has more occurrences than
+- `count == ROW_SUMS`, **row sums**: once a window has more occurrences than
   the table has rows, it is kept as per-row sums: `storage[r]` the sum of
   row r's occurrences, `stats[r]` the sum of their statistic (each
   occurrence squared, or its absolute value for Adamax: `statistic_of`),
@@ -26,9 +26,9 @@ one entry per row (`indices`) and a `count`:
   an `IndexedSlices` synthesised to have the same per-row sums:
   `synthesised`. O(table) memory however many tokens the window holds.
 - `count == DENSE`: the dense sum alone, one occurrence per row; only a
-  window from a file written before moments existed (applied as it was).
+  window from a file written before row sums existed (applied as it was).
 
-Where the moments are not enough, the README says so: `clipvalue` clips
+Where the row sums are not enough, the README says so: `clipvalue` clips
 each occurrence, and Adamax with `clipnorm`/`global_clipnorm` needs both
 statistics.
 """
@@ -38,9 +38,9 @@ import tensorflow as tf
 
 # `count` values below zero: what the buffer holds instead of slices.
 DENSE = -1
-MOMENTS = -2
+ROW_SUMS = -2
 
-# The per-occurrence statistic a window of moments keeps beside the sums.
+# The per-occurrence statistic a window of row sums keeps beside the sums.
 SQUARE = "square"
 ABS = "abs"
 
@@ -72,7 +72,7 @@ def append(storage, indices, count, slices, values, stats, kind=SQUARE):
     """Adds one micro-batch's `slices` (with scaled `values`) to the window.
 
     Appended as slices while they fit in `storage`; otherwise the window
-    becomes (or stays) per-row moments: sums in `storage`, the sums of
+    becomes (or stays) per-row sums: sums in `storage`, the sums of
     `statistic(values, kind)` in `stats`, occurrence counts in `indices`.
     """
     rows = storage.shape[0]
@@ -87,7 +87,7 @@ def append(storage, indices, count, slices, values, stats, kind=SQUARE):
         indices.scatter_update(tf.IndexedSlices(idx, positions))
         count.assign_add(n)
 
-    def to_moments():
+    def to_row_sums():
         def from_slices():
             # Only the live slices: the rest of the buffer is stale.
             live_values, rows_of = _padded(storage, indices, count)
@@ -112,10 +112,10 @@ def append(storage, indices, count, slices, values, stats, kind=SQUARE):
         storage.scatter_add(tf.IndexedSlices(values, idx))
         stats.scatter_add(tf.IndexedSlices(statistic(values, kind), idx))
         indices.scatter_add(tf.IndexedSlices(tf.ones_like(idx), idx))
-        count.assign(tf.constant(MOMENTS, count.dtype))
+        count.assign(tf.constant(ROW_SUMS, count.dtype))
 
     fits = tf.logical_and(count >= 0, count + n <= rows)
-    tf.cond(fits, to_slices, to_moments)
+    tf.cond(fits, to_slices, to_row_sums)
 
 
 def _padded(storage, indices, count):
@@ -237,11 +237,11 @@ def window_slices(storage, indices, count, padded=False, stats=None, kind=SQUARE
                   capacity=None):
     """The window's gradient as one `IndexedSlices` (unscaled sums).
 
-    Slices: the window's occurrences in order. Moments: `synthesised` from
+    Slices: the window's occurrences in order. Row sums: `synthesised` from
     the per-row sums. Dense (older files): every row once, which Keras's
     sparse update applies as it would the dense sum. `padded` (XLA, which
     needs static shapes) hands a fixed number: the whole buffer for slices
-    (stale ones zero-valued), every row plus `capacity` for moments; both
+    (stale ones zero-valued), every row plus `capacity` for row sums; both
     padded to the larger, with zero-valued occurrences.
     """
     rows = storage.shape[0]
@@ -256,11 +256,11 @@ def window_slices(storage, indices, count, padded=False, stats=None, kind=SQUARE
     n = tf.maximum(count, 0)
     live = tf.range(n)
 
-    def moments():
+    def row_sums():
         values, idx = synthesised(storage.read_value(), stats.read_value(), indices, kind)
         return values, tf.cast(idx, indices.dtype)
 
-    def not_moments():
+    def slices_only():
         # sparse_read: only the window's rows are read, not the table.
         dense = count < 0
         values = tf.cond(dense, storage.read_value, lambda: storage.sparse_read(live))
@@ -268,9 +268,9 @@ def window_slices(storage, indices, count, padded=False, stats=None, kind=SQUARE
         return values, idx
 
     if stats is None:
-        values, idx = not_moments()
+        values, idx = slices_only()
     else:
-        values, idx = tf.cond(count == MOMENTS, moments, not_moments)
+        values, idx = tf.cond(count == ROW_SUMS, row_sums, slices_only)
     return tf.IndexedSlices(values, idx, dense_shape)
 
 
@@ -287,19 +287,19 @@ def _padded_window(storage, indices, count, stats, kind, capacity, every_row, de
         values, idx = slices_padded()
         return tf.IndexedSlices(values, idx, dense_shape)
 
-    def slices_padded_to_moments():
+    def slices_padded_to_row_sums():
         # Both branches of the conditional have one static shape.
         values, idx = slices_padded()
         zeros = tf.zeros(tf.concat([[capacity], tf.shape(values)[1:]], 0), values.dtype)
         return tf.concat([values, zeros], 0), tf.concat([idx, tf.zeros([capacity], idx.dtype)], 0)
 
-    def moments():
+    def row_sums():
         values, idx = synthesised(
             storage.read_value(), stats.read_value(), indices, kind, capacity
         )
         return values, tf.cast(idx, indices.dtype)
 
-    values, idx = tf.cond(count == MOMENTS, moments, slices_padded_to_moments)
+    values, idx = tf.cond(count == ROW_SUMS, row_sums, slices_padded_to_row_sums)
     return tf.IndexedSlices(values, idx, dense_shape)
 
 

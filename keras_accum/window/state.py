@@ -38,6 +38,7 @@ import tensorflow as tf
 from keras_accum import _internals as internals
 from keras_accum import scaling
 from keras_accum.window import nonfinite
+from keras_accum.window.buffers import GradientAccumulator
 
 
 class AlwaysApply:
@@ -119,6 +120,25 @@ class AccumState:
         # saves an object at the first attribute path that reaches it, and
         # the skip count has always been reached through the buffers.
         buffers.nonfinite = skip
+
+    @classmethod
+    def new(cls, accum_dtype=None, skip_nonfinite=False, moments=None, noise=None):
+        """A fresh state: buffers summing in `accum_dtype`, the skip policy
+        `skip_nonfinite` asks for, and the observers given.
+
+        Example:
+
+        ```python
+        state = AccumState.new("float32", skip_nonfinite=True)
+        ```
+        """
+        skip = nonfinite.NonFiniteWindows() if skip_nonfinite else None
+        return cls(GradientAccumulator(dtype=accum_dtype), moments, skip, noise)
+
+    @property
+    def skipped_windows(self):
+        """Windows skipped so far for a non-finite gradient (an int)."""
+        return int(self.skip.skipped.numpy()) if self.skipping else 0
 
     @property
     def observers(self):

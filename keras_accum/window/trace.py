@@ -10,9 +10,7 @@ trace.holds(i), trace.capacity(i)                     # window_gradients
 ```
 """
 
-import weakref
-
-import tensorflow as tf
+from keras_accum import _internals as internals
 
 
 class StepTrace:
@@ -20,7 +18,7 @@ class StepTrace:
 
     Recorded by `GradientAccumulator.add` when traced; a window applied in
     that graph (or a branch inside it) reads the buffers given dense
-    gradients as dense sums, and hands a sparse buffer's moments over in
+    gradients as dense sums, and hands a sparse buffer's row sums over in
     the static size recorded for it (XLA). Out of sight of `tf.Module`
     tracking; the graph by weak reference, so a window does not keep a
     traced function's graph alive.
@@ -36,20 +34,10 @@ class StepTrace:
     def record(self, indices, capacities):
         self.indices = frozenset(indices)
         self.capacities = capacities
-        self.graph = None if tf.executing_eagerly() else weakref.ref(
-            tf.compat.v1.get_default_graph()
-        )
+        self.graph = internals.current_graph()
 
     def _in_traced(self):
-        traced = None if self.graph is None else self.graph()
-        if traced is None or tf.executing_eagerly():
-            return False
-        graph = tf.compat.v1.get_default_graph()
-        while graph is not None:
-            if graph is traced:
-                return True
-            graph = getattr(graph, "outer_graph", None)
-        return False
+        return internals.tracing_inside(self.graph)
 
     def holds(self, i):
         """Whether buffer `i` was given a dense gradient in the graph being traced."""
