@@ -15,6 +15,53 @@ if bind(buffers, model.trainable_variables, accum_steps=4):
 ```
 """
 
+from typing import NamedTuple
+
+import tensorflow as tf
+
+from keras_accum.window import slices
+
+
+class GradientLayout(NamedTuple):
+    """The shape of the gradient a window sums, variable by variable.
+
+    A fact of the traced step, not a setting: which gradients are None or
+    `tf.IndexedSlices` is known only once the step's gradient is traced
+    (an `Embedding`'s is sparse, a variable the loss does not reach has
+    none), so the step records it as it adds (`GradientLayout.of`). It is
+    saved with the window (file_format.py): a window restored from a file
+    is applied as it began, before any step is traced.
+
+    Attributes:
+        absent: indices of variables whose gradient is None: the optimizer
+            must see None for them, as for a big batch, not a zero gradient
+            (which would still move Adam or decay).
+        sparse: indices of variables whose gradient is `tf.IndexedSlices`:
+            their window is kept as slices (slices.py).
+        statistic: what the optimizer reads of sparse occurrences
+            (`slices.SQUARE` or `slices.ABS`: the plan's `statistic`).
+
+    Example:
+
+    ```python
+    layout = GradientLayout.of(grads, plan.statistic)
+    layout.sparse  # frozenset({0}): an Embedding's table, first
+    ```
+    """
+
+    absent: frozenset = frozenset()
+    sparse: frozenset = frozenset()
+    statistic: str = slices.SQUARE
+
+    @classmethod
+    def of(cls, grads, statistic):
+        """The layout of `grads` (one per variable; None where absent)."""
+        return cls(
+            frozenset(i for i, g in enumerate(grads) if g is None),
+            frozenset(i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)),
+            statistic,
+        )
+
 
 class Binding:
     """Holds the window's variables out of sight of `tf.Module` tracking, so

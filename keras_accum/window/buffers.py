@@ -50,22 +50,13 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         acc_stats: per sparse buffer (by its index as a string), the
             per-row sums of its occurrences' statistic once the window is
             kept as row sums; made when the buffer is first given slices.
-        statistic: which statistic (`slices.SQUARE` or `slices.ABS`, as the
-            optimizer reads it: `slices.statistic_of`). Saved like
-            `sparse`.
         window_variables: the variables the buffers belong to, one each, by
             identity; None for a window restored from a file until it is
             bound to a model's variables (binding.py). A window is only
             ever applied to these variables.
-        absent: indices of variables whose gradient is None in the traced
-            step: the optimizer must see None for them, as it does for a
-            big batch, not a zero gradient (which would still move Adam or
-            decay). A property of the step's graph, hence Python; saved
-            with the window (file_format.py), so a window restored from a
-            file is applied with it before any step is traced.
-        sparse: indices of variables whose gradient is `tf.IndexedSlices`
-            in the traced step: their window is kept as slices. Saved
-            like `absent`.
+        layout: the `GradientLayout` of the gradients the traced step
+            adds (which are None, which are sparse, the statistic): a fact
+            of the step's graph, hence Python; saved with the window.
 
     Args:
         dtype: buffer dtype; None for the rule above.
@@ -102,12 +93,10 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         self.slice_indices = []
         self.slice_counts = []
         self.acc_stats = {}
-        self.statistic = slices.SQUARE
         self.binding = binding.Binding()
         # What the step being traced adds: which buffers dense gradients.
         self._trace = StepTrace()
-        self.absent = frozenset()
-        self.sparse = frozenset()
+        self.layout = binding.GradientLayout()
         self._built = False
 
     @property
@@ -141,8 +130,7 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         per replica under a strategy (replicas.py).
         """
         variables = list(variables)
-        self.absent = frozenset()
-        self.sparse = frozenset()
+        self.layout = self.layout._replace(absent=frozenset(), sparse=frozenset())
         self.binding.variables = None
         strategy = strategy or self.strategy
         self.strategy = strategy
@@ -222,24 +210,20 @@ class GradientAccumulator(tf.Module, internals.SavedState):
                 under XLA.
         """
         binding.check_gradients(self, grads, variables)
-        self.absent = frozenset(i for i, g in enumerate(grads) if g is None)
-        self.sparse = frozenset(
-            i for i, g in enumerate(grads) if isinstance(g, tf.IndexedSlices)
-        )
-        self.statistic = statistic
-        if self.sparse and callable(window_occurrences):
+        self.layout = layout = binding.GradientLayout.of(grads, statistic)
+        if layout.sparse and callable(window_occurrences):
             window_occurrences = window_occurrences()
         self._trace.record(
-            (i for i, g in enumerate(grads) if g is not None and i not in self.sparse),
+            (i for i, g in enumerate(grads) if g is not None and i not in layout.sparse),
             {
                 i: tf.cast(window_occurrences, tf.int32) * tf.shape(grads[i].indices)[0]
-                for i in self.sparse
+                for i in layout.sparse
             },
         )
         for i, (buf, g) in enumerate(zip(self.acc_grads, grads)):
             if g is None:
                 continue
-            if i in self.sparse:
+            if i in layout.sparse:
                 values = _scaled(tf.cast(g.values, buf.dtype), grad_scale)
                 stats = internals.replica_component(self.stats_of(i))
                 slices.append(*self._slices(i), g, values, stats, statistic)
@@ -263,13 +247,13 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         inv = scaling.out_of_window(self.normalise, total_weight, loss_scale)
         grads = []
         for i, (buf, v) in enumerate(zip(self.acc_grads, self._bound())):
-            if i in self.absent:
+            if i in self.layout.absent:
                 grads.append(None)
-            elif i in self.sparse:
+            elif i in self.layout.sparse:
                 padded = internals.in_xla_context()
                 grads.append(
                     _sparse_window_gradient(
-                        self._slices(i), self.acc_stats.get(str(i)), self.statistic,
+                        self._slices(i), self.acc_stats.get(str(i)), self.layout.statistic,
                         padded, self._trace.capacity(i) if padded else None, inv, v.dtype,
                     )
                 )
@@ -328,7 +312,7 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         alone: no pass over the table.
         """
         for i, (buf, count) in enumerate(zip(self.acc_grads, self.slice_counts)):
-            if i not in self.sparse:
+            if i not in self.layout.sparse:
                 buf.assign(tf.zeros_like(buf))
             count.assign(tf.zeros_like(count))
         self.window_weight.assign(0.0)

@@ -46,14 +46,14 @@ def save_window(acc, store):
     store["normalise"] = np.int8(here(acc.normalise)[0].numpy())
     count = len(acc.acc_grads)
     store["has_gradient"] = np.array(
-        [i not in acc.absent for i in range(count)], "int8"
+        [i not in acc.layout.absent for i in range(count)], "int8"
     )
     store["shares"] = np.int64(replicas.shares(strategy))
     store["replicas"] = np.int64(replicas.replicas(strategy))
-    store["sparse"] = np.array([i in acc.sparse for i in range(count)], "int8")
-    store["statistic"] = np.int8(acc.statistic == slices.ABS)
+    store["sparse"] = np.array([i in acc.layout.sparse for i in range(count)], "int8")
+    store["statistic"] = np.int8(acc.layout.statistic == slices.ABS)
     for i, buf in enumerate(acc.acc_grads):
-        if i in acc.sparse:
+        if i in acc.layout.sparse:
             _save_slices(acc, store, i)
         else:
             store[f"acc_grad_{i}"] = replicas.local_sum(here(buf))
@@ -79,7 +79,7 @@ def _save_slices(acc, store, i):
         # Row sums add up over replicas: saved as their sum. A replica
         # still holding an older file's dense sum counts one per row.
         stats = here(acc.stats_of(i))
-        statistic = lambda v: np.abs(v) if acc.statistic == slices.ABS else v**2  # noqa: E731
+        statistic = lambda v: np.abs(v) if acc.layout.statistic == slices.ABS else v**2  # noqa: E731
         store[f"slice_stats_{i}"] = sum(
             st.numpy() if n == slices.ROW_SUMS else statistic(s.numpy())
             for s, st, n in zip(storages, stats, counts) if n < 0
@@ -162,20 +162,24 @@ def load_window(acc, store):
     replicas.assign_all(local(acc.accum_steps), int(entry("accum_steps")))
     if "normalise" in keys:
         replicas.assign_all(local(acc.normalise), bool(entry("normalise")))
+    layout = acc.layout
     if "has_gradient" in keys:
         has = entry("has_gradient")
-        acc.absent = frozenset(int(i) for i in np.flatnonzero(has == 0))
+        layout = layout._replace(absent=frozenset(int(i) for i in np.flatnonzero(has == 0)))
     # Files written before slices existed hold every window as a dense
     # sum: count -1 says so, and such a window is applied as that sum.
     legacy = "sparse" not in keys
-    acc.sparse = frozenset(
+    layout = layout._replace(sparse=frozenset(
         () if legacy else (int(i) for i in np.flatnonzero(entry("sparse")))
-    )
+    ))
     if "statistic" in keys:
-        acc.statistic = slices.ABS if int(entry("statistic")) else slices.SQUARE
+        layout = layout._replace(
+            statistic=slices.ABS if int(entry("statistic")) else slices.SQUARE
+        )
+    acc.layout = layout
     for count in acc.slice_counts:
         replicas.assign_all(local(count), slices.DENSE if legacy and micro_step else 0)
-    for i in acc.sparse:
+    for i in layout.sparse:
         _load_slices(acc, store, i)
 
 
@@ -224,7 +228,7 @@ def snapshot(acc):
     if not acc.built:
         return None
     values = [[c.numpy() for c in replicas.local(acc.strategy, v)] for v in acc.state()]
-    return values, acc.absent, acc.sparse, acc.statistic
+    return values, acc.layout
 
 
 def restore(acc, snapshot):
@@ -232,7 +236,7 @@ def restore(acc, snapshot):
     if snapshot is None:
         acc.unbuild()
         return
-    values, acc.absent, acc.sparse, acc.statistic = snapshot
+    values, acc.layout = snapshot
     for v, local_values in zip(acc.state(), values):
         for component, value in zip(replicas.local(acc.strategy, v), local_values):
             component.assign(value)

@@ -37,7 +37,7 @@ import tensorflow as tf
 
 from keras_accum import _internals as internals
 from keras_accum import scaling
-from keras_accum.window import nonfinite
+from keras_accum.window import noise_scale, nonfinite
 from keras_accum.window.buffers import GradientAccumulator
 
 
@@ -289,8 +289,7 @@ def close_batch(state, optimizer, batch, noise_sums, variables):
         for g, v in zip(batch.grads, variables)
     ]
     if noise_sums is None and state.noise is not None:
-        # A sum (no mean gradient) says nothing of the noise.
-        noise_sums = tf.zeros([5], tf.float64)
+        noise_sums = noise_scale.no_sums()
     closed = ClosedWindow(grads, loss_scale, float(replicas), noise_sums, False)
     _apply(state, closed, optimizer, variables)
 

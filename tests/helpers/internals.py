@@ -44,7 +44,7 @@ def sparse_indices(owner):
     """Indices of the window's buffers that hold slices (an Embedding's), of
     an AccumModel, an AccumOptimizer or a GradientAccumulator."""
     acc = owner if isinstance(owner, GradientAccumulator) else accumulator(owner)
-    return acc.sparse
+    return acc.layout.sparse
 
 
 def batchnorm(model):
