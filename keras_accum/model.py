@@ -186,7 +186,21 @@ class AccumModel(
     # epoch's fast-forward over its first batches. Keras assigns it too
     # (compile: None).
     train_function = internals.HeldAttribute(
-        lambda: TrainFunctions(check_not_accumulating)
+        lambda: TrainFunctions(check_not_accumulating),
+        doc="""What `fit` calls for each step (Keras's attribute, kept by the
+        model's train functions): the step for the current settings, made
+        by `make_train_function()`; None until then and after `compile()`.
+
+        Example:
+
+        ```python
+        model = keras_accum.AccumModel(inputs, outputs, accum_steps=4)
+        model.compile("adam", "sparse_categorical_crossentropy")
+        assert model.train_function is None  # until fit or make_train_function()
+        model.make_train_function()
+        assert model.train_function is not None
+        ```
+        """,
     )
 
     def make_train_function(self, force=False):

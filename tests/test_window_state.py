@@ -21,6 +21,7 @@ import itertools
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from helpers.tiers import wide
 from helpers import internals, references, replicas
 from helpers.assertions import ATOL, RTOL, assert_trained
@@ -285,3 +286,68 @@ def test_flush_after_load_with_an_unbuilt_optimizer(where, tmp_path):
     assert int(model.optimizer.iterations.numpy()) == 2
     assert_window_closed(model, skipped=0)
     assert_as_plain(model, plain_big_batches([(0, 16), (16, 24)], where))
+
+
+# -- the rule itself, on one variable -------------------------------------------------
+
+
+class _Observer:
+    """Records what the window's rule tells an observer (state.py's protocol)."""
+
+    def __init__(self):
+        self.events = []
+
+    def build(self, strategy):
+        pass
+
+    def close(self, closed):
+        self.events.append(("close", [g.numpy().tolist() for g in closed.gradients],
+                            float(closed.micro_steps), closed.skipping))
+
+    def discard(self):
+        self.events.append(("discard",))
+
+    def snapshot(self):
+        return None
+
+    def restore(self, snapshot):
+        pass
+
+
+def _window_of(skip, grads):
+    weights = keras.Variable(np.ones(2, "float32"))
+    acc = internals.GradientAccumulator()
+    acc.build([weights], accum_steps=len(grads))
+    observer = _Observer()
+    state = internals.AccumState(acc, moments=observer, skip=skip)
+    for g in grads:
+        acc.add([tf.constant(g, "float32")], weight=1.0)
+    return state, weights, observer
+
+
+@pytest.mark.unit
+def test_every_window_end_reaches_every_observer_through_one_rule():
+    # A window applied: the observer closes with the gradient as applied.
+    state, weights, observer = _window_of(internals.NonFiniteWindows(), [[1.0, 3.0], [3.0, 5.0]])
+    internals.close(state, keras.optimizers.SGD(1.0))
+    assert observer.events == [("close", [[2.0, 4.0]], 2.0, True)]
+    np.testing.assert_array_equal(weights.numpy(), [-1.0, -3.0])
+    # A window skipped: the observer discards it, nothing moves.
+    state, weights, observer = _window_of(internals.NonFiniteWindows(), [[np.nan, 1.0]])
+    internals.close(state, keras.optimizers.SGD(1.0))
+    assert observer.events == [("discard",)] and state.skipped_windows == 1
+    np.testing.assert_array_equal(weights.numpy(), [1.0, 1.0])
+    # The default policy applies every window.
+    state, weights, observer = _window_of(None, [[np.nan, 1.0]])
+    internals.close(state, keras.optimizers.SGD(1.0))
+    assert [e[0] for e in observer.events] == ["close"] and state.skipped_windows == 0
+    # A batch without buffers is a window of one step, closed by the same rule.
+    observer = _Observer()
+    state = internals.AccumState(internals.GradientAccumulator(), moments=observer)
+    variable = keras.Variable(np.ones(2, "float32"))
+    batch = internals.Gradients(
+        [tf.constant([4.0, 8.0])], None, tf.constant(4.0), True, None, None, None
+    )
+    internals.close_batch(state, keras.optimizers.SGD(1.0), batch, None, [variable])
+    assert observer.events == [("close", [[1.0, 2.0]], 1.0, False)]
+    np.testing.assert_array_equal(variable.numpy(), [0.0, -1.0])

@@ -109,6 +109,7 @@ class HeldAttribute:
 
     Args:
         make_holder: makes a model's holder (no arguments).
+        doc: the attribute's docstring, as the API reference shows it.
 
     Example:
 
@@ -119,9 +120,10 @@ class HeldAttribute:
     ```
     """
 
-    def __init__(self, make_holder):
+    def __init__(self, make_holder, doc=None):
         self._make_holder = make_holder
         self._key = None
+        self.__doc__ = doc
 
     def __set_name__(self, owner, name):
         self._key = f"_{name}_holder"

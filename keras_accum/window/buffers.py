@@ -78,7 +78,7 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         # Made inside a strategy's scope (with its model): build per-replica
         # buffers even when the build comes from loading a checkpoint.
         self.strategy = tf.distribute.get_strategy() if tf.distribute.has_strategy() else None
-        # The skip policy, held here for the file layout only (see Window).
+        # The skip policy, held here for the file layout only (see AccumState).
         self.nonfinite = None
         self.unbuild()
 

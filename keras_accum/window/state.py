@@ -254,10 +254,8 @@ def close(state, optimizer, strategy=None):
         finite = lambda: nonfinite.all_finite(gradients())  # noqa: E731
 
     def apply():
-        steps = None
-        if state.noise is not None:
-            # Read before the update starts a new window.
-            steps = buffers.micro_step.read_value() * replicas
+        # Read before the update starts a new window.
+        steps = buffers.micro_step.read_value() * replicas
 
         def in_replica():
             closed = ClosedWindow(gradients(), loss_scale, steps, None, state.skipping)
