@@ -205,7 +205,8 @@ class AccumModel(
 
     def make_train_function(self, force=False):
         return self._functions().make(
-            self, self._accum_state, self._auto_micro_batch, self._step_plan, force=force
+            self, self._accum_state, self._auto_micro_batch, self._step_plan,
+            force=force,
         )
 
     def _step_plan(self):
@@ -218,7 +219,8 @@ class AccumModel(
         )
 
     def _functions(self):
-        # The model's TrainFunctions, made and kept by the slot above.
+        # The model's TrainFunctions, made at first need and held by
+        # `train_function` above.
         return internals.holder_of(self, "train_function")
 
     def train_step(self, data):
@@ -604,4 +606,3 @@ class AccumModel(
         model = super().from_config(config, custom_objects=custom_objects)
         cls._configure(model, settings)
         return model
-

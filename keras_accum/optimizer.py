@@ -7,7 +7,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_accum import _internals as internals
-from keras_accum import scaling
+from keras_accum import scaling, window
 from keras_accum.arguments import (
     OPTIMIZER_ARGUMENTS,
     check_accum_dtype,
@@ -15,7 +15,6 @@ from keras_accum.arguments import (
     check_keywords,
     check_skip_nonfinite,
 )
-from keras_accum import window
 from keras_accum.window import AccumState, slices
 
 

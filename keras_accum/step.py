@@ -1,8 +1,8 @@
 """The train step: functions of (model, plan, state), traced once per plan.
 
-`train_step(model, data, state)` is `AccumModel.train_step`, `state` the
-model's `AccumState` (window/state.py), handed in. It reads the step plan (plan.py) as Python
-constants and takes one of three paths:
+`train_step(model, plan, state, data)` is `AccumModel.train_step`: the
+model hands in its step plan (plan.py), read as Python constants, and its
+`AccumState` (window/state.py). The step takes one of three paths:
 
 - no buffers, no split (`accum_steps=1`): Keras's own `train_step`;
 - no buffers, split (`micro_batch_size` with `accum_steps=1`): the batch

@@ -7,9 +7,10 @@ new `accum_steps` (the setter, `fit(accum_steps=)`, `AccumScheduler`), a new
 load that leaves a window the traced step cannot continue, and
 BackupAndRestore, whose resumed epoch takes its first batches without
 training. They compose: the owner holds the step made for the current plan
-(`function`, None until made) and, apart from it, the batches still to fast-forward over;
-the model's `train_function` is `current()`: the fast-forward while batches
-remain, then the step current at that moment, made then if none is.
+(`function`, None until made) and, apart from it, the batches still to
+fast-forward over; the model's `train_function` is `current()`: the
+fast-forward while batches remain, then the step current at that moment,
+made then if none is.
 
 Choosing: a function is made for the step plan (plan.py) and kept under
 its key, with the objects its trace captured (optimizer, loss tracker,

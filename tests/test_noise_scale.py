@@ -296,6 +296,30 @@ def test_training_is_bit_identical_with_and_without_measuring_sparse_and_float16
     _assert_identical(on, off)
 
 
+def _squared_norms_in_split_step(reduction):
+    # The `L2Loss` ops (noise_scale.squared_norms) of a traced split step
+    # without buffers: the batch closed as its own window (state.close_batch).
+    model = _classifier(noise_scale=True, micro_batch_size=2)
+    model.compile(
+        "sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
+    )
+    x, y = make_data(8)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)
+    step = tf.function(model.train_step).get_concrete_function(
+        (tf.TensorSpec((4, x.shape[1])), tf.TensorSpec((4,), tf.int64))
+    )
+    graph = step.graph.as_graph_def()
+    nodes = [*graph.node, *(n for f in graph.library.function for n in f.node_def)]
+    return sum(node.op == "L2Loss" for node in nodes)
+
+
+def test_a_sum_loss_is_not_measured_and_costs_no_norm():
+    # A sum has no mean gradient: nothing to estimate, so the step computes
+    # no squared norm for it (a mean loss's step does: the test can see one).
+    assert _squared_norms_in_split_step("sum_over_batch_size") > 0
+    assert _squared_norms_in_split_step("sum") == 0
+
+
 # -- what fit logs, and where -------------------------------------------------
 
 class _Seen(keras.callbacks.Callback):

@@ -96,4 +96,3 @@ def tracing_inside(graph):
         # TensorFlow's FuncGraph keeps the graph it is traced in here.
         inner = getattr(inner, "outer_graph", None)
     return False
-

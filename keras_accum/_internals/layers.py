@@ -142,4 +142,3 @@ class SharedPatches:
                 self._entered -= 1
                 if not self._entered:
                     self._stack.close()
-

@@ -178,12 +178,6 @@ class NoiseScale:
         return trace / signal
 
 
-def no_sums():
-    """`window_sums` that say nothing: a batch of a sum loss (which has no
-    mean gradient) closed as its own window adds no estimate."""
-    return tf.zeros([STEPS + 1], tf.float64)
-
-
 def window_estimates(sums, squared_norm, measured=True):
     """`[tr(Sigma), |G|^2, 1]` of one window from its `window_sums` and
     `|G_B|^2`, or zeros for a window that says nothing (fewer than two

@@ -37,7 +37,7 @@ import tensorflow as tf
 
 from keras_accum import _internals as internals
 from keras_accum import scaling
-from keras_accum.window import noise_scale, nonfinite
+from keras_accum.window import nonfinite
 from keras_accum.window.buffers import GradientAccumulator
 
 
@@ -259,7 +259,7 @@ def close(state, optimizer, strategy=None):
 
         def in_replica():
             closed = ClosedWindow(gradients(), loss_scale, steps, None, state.skipping)
-            _apply(state, closed, optimizer, buffers.window_variables)
+            _apply(state.observers, closed, optimizer, buffers.window_variables)
             buffers.reset()
 
         run(in_replica)
@@ -286,15 +286,18 @@ def close_batch(state, optimizer, batch, noise_sums, variables):
         None if g is None else tf.cast(scaling.scaled(g, scale), v.dtype)
         for g, v in zip(batch.grads, variables)
     ]
-    if noise_sums is None and state.noise is not None:
-        noise_sums = noise_scale.no_sums()
+    observers = state.observers
+    if noise_sums is None:
+        # A sum loss has no mean gradient: the noise scale has nothing to
+        # measure, and the step no norm to compute for it.
+        observers = tuple(o for o in observers if o is not state.noise)
     closed = ClosedWindow(grads, loss_scale, float(replicas), noise_sums, False)
-    _apply(state, closed, optimizer, variables)
+    _apply(observers, closed, optimizer, variables)
 
 
-def _apply(state, closed, optimizer, variables):
+def _apply(observers, closed, optimizer, variables):
     # The one place a window is applied: its observers close, then the update.
-    for observer in state.observers:
+    for observer in observers:
         observer.close(closed)
     optimizer.apply(closed.gradients, variables)
 
