@@ -249,18 +249,15 @@ def test_no_module_touches_another_classes_private_attributes():
     assert sorted(_reaches(ast.parse(_EXAMPLE))) == [
         (7, "__dict__"), (7, "_hosts"), (7, "_window"), (7, "_x"),
     ], "is this test still reading the attributes?"
-    found, where = {}, {}
+    found = []
     for path in MODULES:
         module = path.relative_to(PACKAGE).as_posix()
         if module.startswith("_internals/"):
             continue  # every reach into Keras, and the hooks it gives the model
-        for line, name in sorted(_reaches(_tree(path))):
-            key = f"{module}: {name}"
-            found[key] = found.get(key, 0) + 1
-            where.setdefault(key, []).append(f"{module}:{line}")
+        found += [f"{module}:{line}: {name}" for line, name in sorted(_reaches(_tree(path)))]
     assert not found, (
         "a private attribute of another module's class is touched; give that "
-        f"class a method, or pass the value in: {[where[k] for k in sorted(found)]}"
+        f"class a method, or pass the value in: {found}"
     )
 
 
