@@ -94,21 +94,27 @@ def train_step(model, plan, state, data):
         if not plan.splits:
             return keras.Model.train_step(model, data)
         return batch_to_optimizer(model, plan, state, data)
-    logs = accumulate(model, plan, state, data)
-    state.when_full(
-        plan.accum_steps,
-        lambda: window.close(state, model.optimizer, model.distribute_strategy),
+    optimizer, strategy = model.optimizer, model.distribute_strategy
+    if internals.replicated(strategy):
+        logs = accumulate(model, plan, state, data)
+        state.when_full(plan.accum_steps, lambda: window.close(state, optimizer, strategy))
+        return logs
+    # On one device the micro-batch that fills the window goes straight
+    # into the update (`add_or_close`).
+    return accumulate(
+        model, plan, state, data, close=lambda last: window.close(state, optimizer, None, last)
     )
-    return logs
 
 
-def accumulate(model, plan, state, data, gradients=None):
+def accumulate(model, plan, state, data, gradients=None, close=None):
     """Adds `data`'s gradient to `state`'s window; the logs of Keras's train_step.
 
     `TensorFlowTrainer.train_step` with the update replaced by accumulation
     (keep in step with it: see the internals' fingerprints). `gradients`:
     the `SplitBatch` `split_gradients` returned for `data`, computed in an
-    earlier call (auto_replicas.py), else computed here.
+    earlier call (auto_replicas.py), else computed here. `close`: given,
+    the window is closed here once full, by `close(last)`
+    (`GradientAccumulator.add_or_close`); else by the caller.
     """
     internals.build_compiled_loss(model, data)
     buffers = state.buffers
@@ -123,22 +129,26 @@ def accumulate(model, plan, state, data, gradients=None):
         )
 
     def add(batch):
-        buffers.add(
-            batch.grads,
-            batch.weight,
-            batch.grad_scale,
+        options = dict(
             normalise=batch.normalise,
             variables=variables,
             statistic=plan.statistic,
             window_occurrences=lambda: _window_batches(plan, split.x),
         )
+        if close is None:
+            buffers.add(batch.grads, batch.weight, batch.grad_scale, **options)
+        else:
+            buffers.add_or_close(
+                plan.accum_steps, close, batch.grads, batch.weight, batch.grad_scale, **options
+            )
 
     noise = state.noise
 
     def add_measured(batch, sums):
-        add(batch)
+        # Recorded first: a window closed by `add` reads them.
         if sums is not None:
             noise.record(sums)
+        add(batch)
 
     if plan.splits:
         split = gradients or split_gradients(model, plan, state, data, variables)

@@ -7,6 +7,8 @@ belong to is binding.py's; how they are written to files, file_format.py's;
 whether a window is applied or skipped, the window's (window/__init__.py).
 """
 
+from typing import NamedTuple
+
 import keras
 import tensorflow as tf
 
@@ -209,6 +211,41 @@ class GradientAccumulator(tf.Module, internals.SavedState):
                 the static size a window of row sums is handed over in
                 under XLA.
         """
+        self._record(grads, variables, statistic, window_occurrences)
+        self._write(MicroBatch(grads, weight, grad_scale, normalise), statistic)
+
+    def add_or_close(self, accum_steps, close, grads, weight, grad_scale=None,
+                     normalise=True, variables=None, statistic=slices.SQUARE,
+                     window_occurrences=1):
+        """Adds one micro-batch as `add` does, or, if it completes a window of
+        `accum_steps`, calls `close(last)` instead, `last` the `MicroBatch`
+        (then never written: `window_gradients(last=last)` reads it with the
+        buffers' sum, as Keras's built-in accumulation does).
+
+        One device only (a window across replicas closes in cross-replica
+        context, after every replica has added). Why: the last micro-batch's
+        add and the update's read of the same buffers would otherwise run one
+        after the other; folded, the update reads each buffer once and the
+        executor overlaps the update's independent ops (benchmarks/
+        redesign_before_after.md). A window holding slices (sparse
+        gradients) is added to, then closed, as before: its slices are
+        appended and read by slices.py.
+        """
+        self._record(grads, variables, statistic, window_occurrences)
+        last = MicroBatch(grads, weight, grad_scale, normalise)
+        if self.layout.sparse:
+            self._write(last, statistic)
+            self.when_full(accum_steps, lambda: close(None))
+            return
+        tf.cond(
+            self.micro_step + 1 >= accum_steps,
+            lambda: close(last),
+            lambda: self._write(last, statistic),
+        )
+
+    def _record(self, grads, variables, statistic, window_occurrences):
+        # Python facts of the step being traced, recorded before any branch
+        # is traced: an update traced in a branch reads them.
         binding.check_gradients(self, grads, variables)
         self.layout = layout = binding.GradientLayout.of(grads, statistic)
         if layout.sparse and callable(window_occurrences):
@@ -220,31 +257,44 @@ class GradientAccumulator(tf.Module, internals.SavedState):
                 for i in layout.sparse
             },
         )
-        for i, (buf, g) in enumerate(zip(self.acc_grads, grads)):
+
+    def _write(self, batch, statistic):
+        for i, (buf, g) in enumerate(zip(self.acc_grads, batch.grads)):
             if g is None:
                 continue
-            if i in layout.sparse:
-                values = _scaled(tf.cast(g.values, buf.dtype), grad_scale)
+            if i in self.layout.sparse:
+                values = _scaled(tf.cast(g.values, buf.dtype), batch.grad_scale)
                 stats = internals.replica_component(self.stats_of(i))
                 slices.append(*self._slices(i), g, values, stats, statistic)
             else:
-                buf.assign_add(_scaled(tf.cast(g, buf.dtype), grad_scale))
-        self.window_weight.assign_add(tf.cast(weight, tf.float32))
-        self.normalise.assign(bool(normalise))
+                buf.assign_add(_scaled(tf.cast(g, buf.dtype), batch.grad_scale))
+        self.window_weight.assign_add(tf.cast(batch.weight, tf.float32))
+        self.normalise.assign(bool(batch.normalise))
         self.micro_step.assign_add(1)
 
-    def window_gradients(self, loss_scale=None, total_weight=None):
+    def micro_steps(self, last=None):
+        """The window's micro-batches (a tensor), with `last` if given."""
+        steps = self.micro_step.read_value()
+        return steps if last is None else steps + 1
+
+    def window_gradients(self, loss_scale=None, total_weight=None, last=None):
         """The window's gradient per window variable, in each variable's dtype.
 
         Multiplied by `loss_scale` when given: what a loss-scaling optimizer
         expects. Divided by `total_weight` when given (the window's weight
         summed over replicas), else by this `window_weight`, unless the
         window is a sum. Variables that had no gradient give None, as they
-        would for the big batch.
+        would for the big batch. `last`: a `MicroBatch` that completes the
+        window without having been added (`add_or_close`; dense only).
         """
+        normalise = self.normalise
+        if last is not None:
+            normalise = bool(last.normalise)
+            if total_weight is None:
+                total_weight = self.window_weight + tf.cast(last.weight, tf.float32)
         if total_weight is None:
             total_weight = self.window_weight
-        inv = scaling.out_of_window(self.normalise, total_weight, loss_scale)
+        inv = scaling.out_of_window(normalise, total_weight, loss_scale)
         grads = []
         for i, (buf, v) in enumerate(zip(self.acc_grads, self._bound())):
             if i in self.layout.absent:
@@ -259,7 +309,9 @@ class GradientAccumulator(tf.Module, internals.SavedState):
                 )
             else:
                 dense = _dense_sum(self._slices(i), self._trace.holds(i))
-                grads.append(tf.cast(dense * tf.cast(inv, buf.dtype), v.dtype))
+                if last is not None and last.grads[i] is not None:
+                    dense = dense + _scaled(tf.cast(last.grads[i], buf.dtype), last.grad_scale)
+                grads.append(tf.cast(_scaled(dense, inv), v.dtype))
         return grads
 
     def stats_of(self, i):
@@ -412,6 +464,22 @@ def _dense_sum(parts, held_dense):
 
 
 _VARIABLE_TYPES = (tf.Variable, keras.Variable)
+
+
+class MicroBatch(NamedTuple):
+    """One micro-batch's part of a window, as `add` writes it.
+
+    Attributes:
+        grads: one gradient per buffer (None, dense or `tf.IndexedSlices`).
+        weight: what its loss was normalised by.
+        grad_scale: a scalar multiplying every gradient, or None.
+        normalise: whether the window's gradient is a mean (a Python bool).
+    """
+
+    grads: list
+    weight: object
+    grad_scale: object
+    normalise: bool
 
 
 def _scaled(grad, scale):

@@ -228,12 +228,14 @@ class AccumState:
         self.skip.restore(skipped)
 
 
-def close(state, optimizer, strategy=None):
+def close(state, optimizer, strategy=None, last=None):
     """Closes `state`'s window: applied, or skipped as its policy decides.
 
     Under a strategy (one replica included) this runs in cross-replica
     context: a replica's optimizer update is a `merge_call`, which cannot
-    run in a conditional traced inside the replica.
+    run in a conditional traced inside the replica. `last`: on one device,
+    the `MicroBatch` that completes the window without having been added
+    to it (`GradientAccumulator.add_or_close`).
     """
     buffers = state.buffers
     loss_scale = scaling.loss_scale_of(optimizer)
@@ -250,12 +252,12 @@ def close(state, optimizer, strategy=None):
     else:
         replicas, run = 1, _call
         # On one device, the gradient the policy checks is the one applied.
-        gradients = _once(lambda: buffers.window_gradients(loss_scale))
+        gradients = _once(lambda: buffers.window_gradients(loss_scale, last=last))
         finite = lambda: nonfinite.all_finite(gradients())  # noqa: E731
 
     def apply():
         # Read before the update starts a new window.
-        steps = buffers.micro_step.read_value() * replicas
+        steps = buffers.micro_steps(last) * replicas
 
         def in_replica():
             closed = ClosedWindow(gradients(), loss_scale, steps, None, state.skipping)
