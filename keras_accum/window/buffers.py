@@ -232,16 +232,25 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         appended and read by slices.py.
         """
         self._record(grads, variables, statistic, window_occurrences)
-        last = MicroBatch(grads, weight, grad_scale, normalise)
+        batch = MicroBatch(grads, weight, grad_scale, normalise)
         if self.layout.sparse:
-            self._write(last, statistic)
+            self._write(batch, statistic)
             self.when_full(accum_steps, lambda: close(None))
             return
-        tf.cond(
-            self.micro_step + 1 >= accum_steps,
-            lambda: close(last),
-            lambda: self._write(last, statistic),
-        )
+
+        def add():
+            # A window's first micro-batch is assigned, not added: `reset`
+            # assigned the buffers a constant zero, which an in-place add
+            # would first copy (TensorFlow copies a variable's tensor on
+            # write while another holds it) and the first micro-batch of
+            # each window took 1.06-1.09x the built-in's. 0 + g is g.
+            tf.cond(
+                self.micro_step > 0,
+                lambda: self._write(batch, statistic),
+                lambda: self._write(batch, statistic, first=True),
+            )
+
+        tf.cond(self.micro_step + 1 >= accum_steps, lambda: close(batch), add)
 
     def _record(self, grads, variables, statistic, window_occurrences):
         # Python facts of the step being traced, recorded before any branch
@@ -258,7 +267,8 @@ class GradientAccumulator(tf.Module, internals.SavedState):
             },
         )
 
-    def _write(self, batch, statistic):
+    def _write(self, batch, statistic, first=False):
+        # `first`: the window is empty and its dense buffers zero.
         for i, (buf, g) in enumerate(zip(self.acc_grads, batch.grads)):
             if g is None:
                 continue
@@ -267,7 +277,11 @@ class GradientAccumulator(tf.Module, internals.SavedState):
                 stats = internals.replica_component(self.stats_of(i))
                 slices.append(*self._slices(i), g, values, stats, statistic)
             else:
-                buf.assign_add(_scaled(tf.cast(g, buf.dtype), batch.grad_scale))
+                value = _scaled(tf.cast(g, buf.dtype), batch.grad_scale)
+                if first:
+                    buf.assign(value)
+                else:
+                    buf.assign_add(value)
         self.window_weight.assign_add(tf.cast(batch.weight, tf.float32))
         self.normalise.assign(bool(batch.normalise))
         self.micro_step.assign_add(1)
