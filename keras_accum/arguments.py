@@ -156,6 +156,66 @@ def check_noise_scale(noise_scale):
     return noise_scale
 
 
+def check_coupled_from(coupled_from):
+    """Returns `coupled_from` as a tuple of layer names (None stays None),
+    or raises naming what was received.
+
+    Example:
+
+    ```python
+    check_coupled_from(["query_repr", "item_repr"])  # ("query_repr", "item_repr")
+    ```
+    """
+    if coupled_from is None:
+        return None
+    names = (coupled_from,) if isinstance(coupled_from, str) else coupled_from
+    try:
+        names = tuple(names)
+    except TypeError:
+        names = None
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise TypeError(
+            "`coupled_from` must be a list of layer names (the layers whose "
+            "outputs are the per-sample representations), or None. "
+            f"Received: coupled_from={coupled_from!r}."
+        )
+    if len(set(names)) != len(names):
+        raise ValueError(
+            f"`coupled_from` names a layer twice. Received: coupled_from={coupled_from!r}."
+        )
+    return names
+
+
+def check_coupled_settings(settings):
+    """Raises if `coupled_from` is combined with a setting it cannot honour.
+
+    Example:
+
+    ```python
+    check_coupled_settings(accum_settings(accum_steps=4))  # fine: not coupled
+    ```
+    """
+    if settings.coupled_from is None:
+        return settings
+    if settings.accum_steps > 1:
+        raise ValueError(
+            "`coupled_from` couples the samples of one batch, and a window "
+            "of `accum_steps` batches would not see each other's samples "
+            "(each batch's negatives would be its own). Received: "
+            f"accum_steps={settings.accum_steps}. Use `micro_batch_size` "
+            "with the batch size you want instead: the step splits each "
+            "batch and computes the loss on the whole of it."
+        )
+    if settings.noise_scale:
+        raise ValueError(
+            "`noise_scale=True` measures the noise scale from independent "
+            "micro-batch gradients, which a batch-coupled loss "
+            f"(`coupled_from={list(settings.coupled_from)}`) does not have. "
+            "Set one of them only."
+        )
+    return settings
+
+
 def check_accum_dtype(accum_dtype):
     """Returns `accum_dtype` as a floating `tf.DType` (None stays None: the
     default rule, see `scaling.buffer_dtype`), or raises.
@@ -190,6 +250,8 @@ class AccumSettings(NamedTuple):
         batchnorm: 'window' or 'micro_batch'.
         micro_batch_size: an int, "auto", or None (whole batches).
         noise_scale: whether the gradient noise scale is measured (bool).
+        coupled_from: the layer names where the batch couples (a tuple of
+            str), or None: coupling.py.
     """
 
     accum_steps: int = 1
@@ -198,6 +260,7 @@ class AccumSettings(NamedTuple):
     batchnorm: str = BATCHNORM_PER_WINDOW
     micro_batch_size: object = None
     noise_scale: bool = False
+    coupled_from: object = None
 
     def config(self):
         """The settings as `get_config` writes them (defaults left out, as
@@ -212,6 +275,8 @@ class AccumSettings(NamedTuple):
             config["micro_batch_size"] = self.micro_batch_size
         if self.noise_scale:
             config["noise_scale"] = True
+        if self.coupled_from is not None:
+            config["coupled_from"] = list(self.coupled_from)
         return config
 
 
@@ -222,6 +287,7 @@ def accum_settings(
     batchnorm=BATCHNORM_PER_WINDOW,
     micro_batch_size=None,
     noise_scale=False,
+    coupled_from=None,
 ):
     """Checks every setting of an `AccumModel`; returns them as `AccumSettings`.
 
@@ -231,14 +297,15 @@ def accum_settings(
     accum_settings(accum_steps=8, batchnorm="micro_batch").batchnorm
     ```
     """
-    return AccumSettings(
+    return check_coupled_settings(AccumSettings(
         accum_steps=check_accum_steps(accum_steps),
         accum_dtype=check_accum_dtype(accum_dtype),
         skip_nonfinite=check_skip_nonfinite(skip_nonfinite),
         batchnorm=check_batchnorm(batchnorm),
         micro_batch_size=check_micro_batch_size(micro_batch_size),
         noise_scale=check_noise_scale(noise_scale),
-    )
+        coupled_from=check_coupled_from(coupled_from),
+    ))
 
 
 def settings_from_config(config):

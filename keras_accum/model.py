@@ -39,7 +39,7 @@ import inspect
 import keras
 
 from keras_accum import _internals as internals
-from keras_accum import arguments, fitting, plan, saving, step, window
+from keras_accum import arguments, coupling, fitting, plan, saving, step, window
 from keras_accum.auto_micro_batch import AutoMicroBatch
 from keras_accum.microbatch import static_batch_size
 from keras_accum.optimizer import check_not_accumulating
@@ -107,6 +107,14 @@ class AccumModel(
             (McCandlish et al. 2018) is estimated from the windows and
             logged by `fit` as `noise_scale` every epoch (`noise_scale`
             property); training is unchanged. Default False.
+        coupled_from: for a loss that couples the samples of a batch (a
+            contrastive loss: CLIP's, in-batch negatives), the names of the
+            layers whose outputs are the per-sample representations, in a
+            functional model. With `micro_batch_size`, everything upstream
+            of them runs per micro-batch and everything downstream, the
+            loss included, once on the whole batch: the big batch's
+            gradient with the micro-batch's memory, for a second forward
+            pass (docs/contrastive.md). Needs `accum_steps=1`. Default None.
         **kwargs: passed to `keras.Model`; a misspelling of an argument
             above (`accum_step`) raises a TypeError naming the argument.
 
@@ -143,19 +151,23 @@ class AccumModel(
         batchnorm="window",
         micro_batch_size=None,
         noise_scale=False,
+        coupled_from=None,
         **kwargs,
     ):
         arguments.check_keywords(kwargs, type(self).__name__, arguments.MODEL_ARGUMENTS,
                                  passed_on=_KERAS_MODEL_ARGUMENTS)
         settings = arguments.accum_settings(
             accum_steps, accum_dtype, skip_nonfinite, batchnorm, micro_batch_size,
-            noise_scale,
+            noise_scale, coupled_from,
         )
         internals.init_model(self, super().__init__, args, kwargs)
         # The batch size the step splits into micro-batches, learnt from the
         # first training batch (see _maybe_symbolic_build).
         self._batch_size_seen = None
         self._auto_micro_batch = AutoMicroBatch()
+        # The `Coupling` last made (coupling.py): not tracked, so not saved;
+        # its two models share this model's layers.
+        self._made_coupling = None
         # Settings assigned during a fit, which outlive it (fitting.py).
         self._fit_changes = fitting.FitChanges()
         internals.holder_of(self, "train_function")
@@ -216,7 +228,19 @@ class AccumModel(
             self._batch_size_seen,
             self._auto_micro_batch.size,
             slices.statistic_of(self.optimizer),
+            self._coupling(),
         )
+
+    def _coupling(self):
+        # The model's two parts at `coupled_from`, made once per names (their
+        # models add nodes to the layers: made again, they would add more).
+        names = self._settings.coupled_from
+        if names is None:
+            return None
+        if self._made_coupling is None or self._made_coupling.names != names:
+            self._made_coupling = coupling.Coupling.of(self, names)
+        coupling.check_strategy(self._settings, self.distribute_strategy)
+        return self._made_coupling
 
     def _functions(self):
         # The model's TrainFunctions, made at first need and held by
@@ -259,6 +283,7 @@ class AccumModel(
         # Not the user's: fit's per-call value, AccumScheduler (fitting.py).
         if value == self._settings.accum_steps:
             return
+        arguments.check_coupled_settings(self._settings._replace(accum_steps=value))
         buffers = self._accum_state.buffers
         if buffers.open_micro_batches() and buffers.window_length() != value:
             self.flush()

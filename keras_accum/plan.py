@@ -36,12 +36,15 @@ class StepPlan(NamedTuple):
         auto_size: the size "auto" has chosen (None: the whole batch).
         statistic: the statistic of a sparse gradient's occurrences the
             optimizer's update reads (`slices.statistic_of`).
+        coupling: the model's `Coupling` at `coupled_from` (coupling.py),
+            or None.
     """
 
     settings: object
     batch_size_seen: object = None
     auto_size: object = None
     statistic: object = slices.SQUARE
+    coupling: object = None
 
     @property
     def accum_steps(self):
@@ -94,8 +97,10 @@ class StepPlan(NamedTuple):
         )
 
 
-def make_plan(settings, batch_size_seen=None, auto_size=None, statistic=slices.SQUARE):
+def make_plan(settings, batch_size_seen=None, auto_size=None, statistic=slices.SQUARE,
+              coupling=None):
     """The plan of a step for `settings` (`AccumSettings`), the first
-    training batch's size, "auto"'s chosen size and the optimizer's
-    statistic (`slices.statistic_of(optimizer)`)."""
-    return StepPlan(settings, batch_size_seen, auto_size, statistic)
+    training batch's size, "auto"'s chosen size, the optimizer's
+    statistic (`slices.statistic_of(optimizer)`) and the model's
+    `Coupling`."""
+    return StepPlan(settings, batch_size_seen, auto_size, statistic, coupling)

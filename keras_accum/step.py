@@ -63,7 +63,7 @@ import keras
 import tensorflow as tf
 
 from keras_accum import _internals as internals
-from keras_accum import microbatch, scaling, window
+from keras_accum import coupling, microbatch, scaling, window
 from keras_accum.normaliser import loss_normaliser, micro_batch_weight
 from keras_accum.window import noise_scale
 
@@ -224,12 +224,7 @@ def micro_batch_gradients(
     to be recorded later. `live` (a 0/1 float tensor) multiplies the
     weight: 0 makes the gradient exactly zero.
     """
-    loss_scale = scaling.loss_scale_of(model.optimizer)
-    # The micro-batch's weight is folded into the loss where that is safe:
-    # one scalar multiply instead of one per gradient element. Not under
-    # loss scaling or float16, where it could overflow float16 gradients;
-    # there the (then needed anyway) per-element unscale carries it.
-    fold = loss_scale is None and model.dtype_policy.compute_dtype != "float16"
+    loss_scale, fold = _weight_folding(model)
     normalisers = []
     with tf.GradientTape() as tape:
         with state.moments.micro_batch(records):
@@ -248,6 +243,16 @@ def micro_batch_gradients(
     grads = tape.gradient(scaled, variables)
     grad_scale = None if fold else scaling.into_window(weight, loss_scale)
     return microbatch.Gradients(grads, grad_scale, weight, normalise, loss, n, y_pred)
+
+
+def _weight_folding(model):
+    # The optimizer's loss scale, and whether the micro-batch's weight is
+    # folded into the loss: one scalar multiply instead of one per gradient
+    # element where that is safe. Not under loss scaling or float16, where
+    # it could overflow float16 gradients; there the (then needed anyway)
+    # per-element unscale carries it.
+    loss_scale = scaling.loss_scale_of(model.optimizer)
+    return loss_scale, loss_scale is None and model.dtype_policy.compute_dtype != "float16"
 
 
 def compute_split(model, plan, state, data):
@@ -278,11 +283,19 @@ def split_gradients(model, plan, state, data, variables):
     samples, in tensors; no state is written but by the layers' forward
     passes. Returns a `SplitBatch`."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+    split = microbatch.split((x, y, sample_weight), plan.split_size, plan.batch_size_seen)
+    if plan.coupling is not None and plan.split_size is not None:
+        loss_scale, fold = _weight_folding(model)
+        batch, records = coupling.coupled_gradients(
+            model, plan.coupling, state, split, (x, y, sample_weight), variables,
+            fold, loss_scale,
+        )
+        # A coupled loss has no independent micro-batch gradients: no
+        # noise scale (refused with `coupled_from`).
+        return SplitBatch(x, y, sample_weight, batch, records, None)
     records = []
     parts = []
-    for part, live in microbatch.split(
-        (x, y, sample_weight), plan.split_size, plan.batch_size_seen
-    ):
+    for part, live in split:
         if parts:
             part = microbatch.after(parts[-1], part)
         if live is None:

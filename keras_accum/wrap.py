@@ -142,6 +142,7 @@ def wrap(
     micro_batch_size=None,
     noise_scale=False,
     accum_dtype=None,
+    coupled_from=None,
     **kwargs,
 ):
     """Returns an `AccumModel` that trains `model`'s own layers and weights.
@@ -166,6 +167,9 @@ def wrap(
             epoch; see `AccumModel`. Default False.
         accum_dtype: dtype of the gradient buffers; see `AccumModel`.
             Default None: float32 (float64 for float64 weights).
+        coupled_from: for a batch-coupled (contrastive) loss, the names of
+            the layers whose outputs are the per-sample representations;
+            see `AccumModel`. Default None.
         **kwargs: none are taken: a misspelt argument raises a TypeError
             naming the argument it is close to.
 
@@ -188,6 +192,7 @@ def wrap(
         batchnorm=batchnorm,
         micro_batch_size=micro_batch_size,
         noise_scale=noise_scale,
+        coupled_from=coupled_from,
     )
     accum_steps = checked.accum_steps
     if not isinstance(model, keras.Model):

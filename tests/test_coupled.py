@@ -1,0 +1,350 @@
+"""`coupled_from`: a batch-coupled (contrastive) loss split into micro-batches
+trains as the big batch: the loss on the whole batch's representations, the
+encoders per micro-batch, twice (coupling.py)."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers.assertions import assert_history_close, assert_weights_close
+from helpers.internals import keras_internals
+from helpers.oom import Limit
+from helpers.replicas import mirrored
+
+import keras_accum
+from keras_accum import AccumModel
+
+FEATURES, DIM = 6, 8
+# 92 samples at batch 32: 32, 32 and a short 28, split into micro-batches
+# of 8 (the last batch 8 + 8 + 8 + 4).
+SAMPLES, BATCH, MICRO = 92, 32, 8
+FIT = dict(batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+TOWERS = ["query_repr", "item_repr"]
+
+
+class InBatchSoftmax(keras.losses.Loss):
+    """Each query's item is the positive; every other item of the batch a
+    negative: the loss couples the whole batch."""
+
+    def call(self, y_true, y_pred):
+        labels = tf.range(tf.shape(y_pred)[0])
+        return keras.losses.sparse_categorical_crossentropy(labels, y_pred, from_logits=True)
+
+
+class Similarity(keras.layers.Layer):
+    """Every query against every item of the batch; with `scale`, cosine
+    similarities times a trainable logit scale (CLIP's)."""
+
+    def __init__(self, scale=False, **kwargs):
+        super().__init__(**kwargs)
+        self.scale = scale
+
+    def build(self, shapes):
+        if self.scale:
+            self.logit_scale = self.add_weight(
+                shape=(), initializer=keras.initializers.Constant(1.0), name="logit_scale"
+            )
+
+    def call(self, inputs):
+        queries, items = inputs
+        if self.scale:
+            queries = tf.math.l2_normalize(queries, axis=-1)
+            items = tf.math.l2_normalize(items, axis=-1)
+        logits = tf.matmul(queries, items, transpose_b=True)
+        return logits * tf.exp(self.logit_scale) if self.scale else logits
+
+    def get_config(self):
+        return {**super().get_config(), "scale": self.scale}
+
+
+class Clip(keras.losses.Loss):
+    """CLIP's symmetric loss: queries to items and items to queries."""
+
+    def call(self, y_true, y_pred):
+        labels = tf.range(tf.shape(y_pred)[0])
+        rows = keras.losses.sparse_categorical_crossentropy(labels, y_pred, from_logits=True)
+        columns = keras.losses.sparse_categorical_crossentropy(
+            labels, tf.transpose(y_pred), from_logits=True
+        )
+        return (rows + columns) / 2
+
+
+def two_tower(cls=keras.Model, scale=False, dropout=0.0, batchnorm=False, limit=None,
+              **kwargs):
+    """Query and item towers, their representations compared by `Similarity`.
+    The item representation has no bias: the loss is blind to a shift of
+    every item alike, so its gradient is zero and Adam would amplify float
+    noise in it."""
+    keras.utils.set_random_seed(1)
+    queries = keras.Input((FEATURES,), name="queries")
+    items = keras.Input((FEATURES,), name="items")
+    h = queries
+    if batchnorm:
+        h = keras.layers.BatchNormalization(name="query_bn")(h)
+    h = keras.layers.Dense(16, activation="relu")(h)
+    if limit is not None:
+        h = Limit(limit)(h)
+    if dropout:
+        h = keras.layers.Dropout(dropout)(h)
+    q = keras.layers.Dense(DIM, name="query_repr")(h)
+    i = keras.layers.Dense(DIM, use_bias=False, name="item_repr")(
+        keras.layers.Dense(16, activation="relu")(items)
+    )
+    logits = Similarity(scale, name="similarity")([q, i])
+    return cls([queries, items], logits, **kwargs)
+
+
+def data(seed=0):
+    rng = np.random.default_rng(seed)
+    queries = rng.normal(size=(SAMPLES, FEATURES)).astype("float32")
+    items = (queries @ rng.normal(size=(FEATURES, FEATURES))).astype("float32")
+    items += 0.5 * rng.normal(size=items.shape).astype("float32")
+    return [queries, items], np.zeros((SAMPLES,), "float32")
+
+
+def train(model, loss=None, **fit):
+    model.compile(keras.optimizers.Adam(0.01), loss or InBatchSoftmax())
+    x, y = data()
+    history = model.fit(x, y, **{**FIT, **fit})
+    return model, history
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return train(two_tower())
+
+
+def test_in_batch_softmax_is_the_big_batch(reference):
+    plain, h_plain = reference
+    model, history = train(
+        two_tower(AccumModel, micro_batch_size=MICRO, coupled_from=TOWERS)
+    )
+    assert_weights_close(plain, model)
+    assert_history_close(h_plain, history)
+    assert int(model.optimizer.iterations) == int(plain.optimizer.iterations)
+
+
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_a_short_last_batch_and_xla_are_the_big_batch(jit_compile):
+    # 92 at batch 40: the last batch of 12 is 8 + 4 and three stand-ins
+    # (the step is traced for batches of 40).
+    def fit(model):
+        model.compile(keras.optimizers.Adam(0.01), InBatchSoftmax(), jit_compile=jit_compile)
+        x, y = data()
+        return model, model.fit(x, y, **{**FIT, "batch_size": 40})
+
+    plain, h_plain = fit(two_tower())
+    model, history = fit(two_tower(AccumModel, micro_batch_size=MICRO, coupled_from=TOWERS))
+    assert_weights_close(plain, model)
+    assert_history_close(h_plain, history)
+
+
+@pytest.mark.parametrize("replicas", [1, 2], ids=["one_replica", "two_replicas"])
+def test_under_mirrored_strategy_the_coupled_part_sees_the_global_batch(reference, replicas):
+    # Batches of 32 across two replicas: 16 each, in micro-batches of 8; the
+    # similarity and the loss over all 32, as on one device.
+    plain, h_plain = reference
+    with mirrored(replicas).scope():
+        model = two_tower(AccumModel, micro_batch_size=MICRO, coupled_from=TOWERS)
+        model.compile(keras.optimizers.Adam(0.01), InBatchSoftmax())
+    x, y = data()
+    history = model.fit(x, y, **FIT)
+    assert_weights_close(plain, model)
+    if keras_internals.metrics_summed_over_replicas():
+        assert_history_close(h_plain, history)
+
+
+def test_auto_across_replicas_is_refused_before_training():
+    with mirrored(2).scope():
+        model = two_tower(AccumModel, micro_batch_size="auto", coupled_from=TOWERS)
+        model.compile("adam", InBatchSoftmax())
+    x, y = data()
+    with pytest.raises(ValueError, match="integer `micro_batch_size`"):
+        model.fit(x, y, **FIT)
+    assert int(model.optimizer.iterations.numpy()) == 0
+
+
+def test_a_subclassed_model_is_refused_naming_what_to_do():
+    class Towers(AccumModel):
+        def __init__(self):
+            super().__init__(micro_batch_size=MICRO, coupled_from=TOWERS)
+            self.query_repr = keras.layers.Dense(DIM, name="query_repr")
+            self.item_repr = keras.layers.Dense(DIM, name="item_repr")
+
+        def call(self, inputs):
+            return tf.matmul(self.query_repr(inputs[0]), self.item_repr(inputs[1]),
+                             transpose_b=True)
+
+    model = Towers()
+    model.compile("adam", InBatchSoftmax())
+    x, y = data()
+    with pytest.raises(ValueError, match="needs a functional model"):
+        model.fit(x, y, **FIT)
+
+
+def test_ordinary_micro_batching_of_the_same_model_is_not_the_big_batch(reference):
+    # What the tests above tell apart: each micro-batch's own negatives.
+    plain, _ = reference
+    model, _ = train(two_tower(AccumModel, micro_batch_size=MICRO))
+    with pytest.raises(AssertionError):
+        assert_weights_close(plain, model)
+
+
+def test_wrap_with_coupled_from_is_the_big_batch(reference):
+    plain, h_plain = reference
+    model, history = train(
+        keras_accum.wrap(two_tower(), micro_batch_size=MICRO, coupled_from=TOWERS)
+    )
+    assert_weights_close(plain, model)
+    assert_history_close(h_plain, history)
+
+
+def test_clip_loss_with_a_trainable_logit_scale_is_the_big_batch():
+    plain, h_plain = train(two_tower(scale=True), Clip())
+    model, history = train(
+        two_tower(AccumModel, scale=True, micro_batch_size=MICRO, coupled_from=TOWERS),
+        Clip(),
+    )
+    assert_weights_close(plain, model)
+    assert_history_close(h_plain, history)
+    scale = model.get_layer("similarity").logit_scale
+    assert float(scale.numpy()) != 1.0  # learnt, from the whole batch
+
+
+def _one_tape_gradient(model, x, y):
+    """The gradient of the whole batch's loss with the representations of
+    each micro-batch computed as the step computes them (same random draws,
+    same per-micro-batch normalisation), all under one tape: what the two
+    passes must give, with the big batch's memory."""
+    per_sample = keras.Model(model.input, [model.get_layer(n).output for n in TOWERS])
+    with tf.GradientTape() as tape:
+        parts = [
+            per_sample([t[s:s + MICRO] for t in x], training=True)
+            for s in range(0, len(y), MICRO)
+        ]
+        whole = [tf.concat(r, 0) for r in zip(*parts)]
+        logits = model.get_layer("similarity")(whole, training=True)
+        loss = tf.reduce_mean(InBatchSoftmax()(y, logits))
+    return tape.gradient(loss, model.trainable_variables)
+
+
+def test_dropout_and_batchnorm_in_a_tower_replay_the_first_pass():
+    # The second pass draws the first pass's dropout masks, and
+    # BatchNormalization moves once per step, pooled over the batch.
+    model = two_tower(AccumModel, dropout=0.5, batchnorm=True, micro_batch_size=MICRO,
+                      coupled_from=TOWERS)
+    model.compile(keras.optimizers.SGD(1.0), InBatchSoftmax())
+    x, y = data()
+    x, y = [t[:BATCH] for t in x], y[:BATCH]
+    model.build([(None, FEATURES)] * 2)
+    # The reference moves the seeds and moving statistics: put back.
+    state = [(v, v.numpy()) for v in model.non_trainable_variables]
+    before = [v.numpy() for v in model.trainable_variables]
+    expected = _one_tape_gradient(model, x, y)
+    for v, value in state:
+        v.assign(value)
+    model.train_on_batch(x, y)
+    update = [b - v.numpy() for b, v in zip(before, model.trainable_variables)]
+    for g, u in zip(expected, update):
+        np.testing.assert_allclose(u, g.numpy(), rtol=1e-5, atol=1e-6)
+    plain = two_tower(batchnorm=True)
+    plain.compile(keras.optimizers.SGD(1.0), InBatchSoftmax())
+    plain.train_on_batch(x, y)
+    # The first layer's moving statistics: the big batch's update, once.
+    bn, plain_bn = (m.get_layer("query_bn") for m in (model, plain))
+    for a, b in ((bn.moving_mean, plain_bn.moving_mean),
+                 (bn.moving_variance, plain_bn.moving_variance)):
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_auto_after_a_genuine_out_of_memory_is_the_big_batch(reference):
+    plain, h_plain = reference
+    model, history = train(
+        two_tower(AccumModel, limit=MICRO, micro_batch_size="auto", coupled_from=TOWERS)
+    )
+    assert model.chosen_micro_batch_size <= MICRO
+    assert_weights_close(plain, model)
+    assert_history_close(h_plain, history)
+
+
+def test_a_keras_file_keeps_coupled_from_and_trains_on(tmp_path, reference):
+    model = two_tower(AccumModel, micro_batch_size=MICRO, coupled_from=TOWERS)
+    train(model, epochs=1)
+    path = str(tmp_path / "coupled.keras")
+    model.save(path)
+    loaded = keras.models.load_model(
+        path, custom_objects={"Similarity": Similarity, "InBatchSoftmax": InBatchSoftmax}
+    )
+    assert loaded.get_config()["coupled_from"] == TOWERS
+    x, y = data()
+    model.fit(x, y, **{**FIT, "epochs": 1})
+    loaded.fit(x, y, **{**FIT, "epochs": 1})
+    assert_weights_close(model, loaded)
+    plain, _ = reference  # two epochs of the plain model
+    assert_weights_close(plain, loaded)
+
+
+@pytest.mark.unit
+def test_config_round_trips_coupled_from():
+    model = two_tower(AccumModel, micro_batch_size=MICRO, coupled_from=TOWERS)
+    config = model.get_config()
+    assert config["coupled_from"] == TOWERS
+    again = AccumModel.from_config(config, custom_objects={"Similarity": Similarity})
+    assert again.get_config()["coupled_from"] == TOWERS
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "value, error, match",
+    [
+        ("", TypeError, "coupled_from=''"),
+        ([1], TypeError, r"coupled_from=\[1\]"),
+        (["a", "a"], ValueError, "twice"),
+    ],
+)
+def test_bad_coupled_from_is_refused_naming_it(value, error, match):
+    with pytest.raises(error, match=match):
+        two_tower(AccumModel, coupled_from=value)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        (dict(accum_steps=4), "accum_steps=4"),
+        (dict(noise_scale=True), "noise_scale"),
+    ],
+)
+def test_coupled_from_with_a_setting_it_cannot_honour_is_refused(settings, match):
+    with pytest.raises(ValueError, match=match):
+        two_tower(AccumModel, coupled_from=TOWERS, **settings)
+
+
+def test_accum_steps_set_later_is_refused_before_anything_changes():
+    model = two_tower(AccumModel, micro_batch_size=MICRO, coupled_from=TOWERS)
+    with pytest.raises(ValueError, match="accum_steps=2"):
+        model.accum_steps = 2
+    assert model.accum_steps == 1
+    x, y = data()
+    model.compile("adam", InBatchSoftmax())
+    with pytest.raises(ValueError, match="accum_steps=2"):
+        model.fit(x, y, accum_steps=2, **FIT)
+    assert int(model.optimizer.iterations) == 0
+
+
+@pytest.mark.parametrize(
+    "names, match",
+    [
+        (["query_repr", "no_such_layer"], "'no_such_layer'"),
+        (["query_repr"], "do not split the model"),
+    ],
+)
+def test_layers_that_do_not_split_the_model_are_refused_before_training(names, match):
+    model = two_tower(AccumModel, micro_batch_size=MICRO, coupled_from=names)
+    model.compile("adam", InBatchSoftmax())
+    before = [v.numpy() for v in model.weights]
+    x, y = data()
+    with pytest.raises(ValueError, match=match):
+        model.fit(x, y, **FIT)
+    for a, b in zip(before, model.weights):
+        np.testing.assert_array_equal(a, b.numpy())
