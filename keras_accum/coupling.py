@@ -96,15 +96,14 @@ class Coupling:
                     f"`coupled_from` names a layer the model does not have: "
                     f"{name!r}. Its layers are: {available}."
                 )
-            layer = model.get_layer(name)
-            try:
-                outputs.append(layer.output)
-            except (AttributeError, ValueError) as error:
+            output = internals.output_of_its_call(model.get_layer(name))
+            if output is None:
                 raise ValueError(
                     f"The layer {name!r} in `coupled_from` is called more than "
                     "once in the model, so its output is not one tensor: name "
                     "a layer called once per representation."
-                ) from error
+                )
+            outputs.append(output)
         per_sample = keras.Model(model.input, outputs, name=f"{model.name}_per_sample")
         try:
             coupled = keras.Model(outputs, model.output, name=f"{model.name}_coupled")

@@ -203,6 +203,21 @@ def test_functional_init_arguments_signature_detection():
 
 
 @pytest.mark.unit
+def test_output_of_its_call_is_a_nested_models_output_in_the_outer_graph():
+    # coupling.py splits a model at layers by their outputs in its graph; a
+    # nested functional model's own `output` is its inner graph's.
+    inner_input = keras.Input((2,), name="inner_input")
+    inner = keras.Model(inner_input, keras.layers.Dense(3)(inner_input), name="inner")
+    shared = keras.layers.Dense(3)
+    outer_input = keras.Input((2,))
+    called = inner(outer_input)
+    shared(called), shared(called)
+    assert internals.output_of_its_call(inner) is called
+    assert inner.output is not called
+    assert internals.output_of_its_call(shared) is None
+
+
+@pytest.mark.unit
 def test_keras_still_rebases_model_subclasses_called_functionally():
     # The behaviour AccumModel.__new__ guards against; if Keras stops doing
     # this, the guard may be simplified.
@@ -343,7 +358,7 @@ PRIVATE_NAMES = {
     "_distribute_strategy", "_initial_epoch", "_build_shapes_dict", "_flatten_layers",
     "_obj_type", "_collective_all_reduce_multi_worker",
     # Layers
-    "_moments",
+    "_moments", "_inbound_nodes",
     # Optimizer
     "_trainable_variables", "_trainable_variables_indices", "_var_key",
     "_get_variable_index", "_variables",

@@ -81,6 +81,7 @@ from keras_accum._internals.layers import (  # noqa: E402
     SharedPatches,
     layers_shared_across_nesting,
     moments_recorded_not_applied,
+    output_of_its_call,
     recording_moments,
 )
 from keras_accum._internals.losses import (  # noqa: E402
@@ -182,6 +183,7 @@ __all__ = [
     "SharedPatches",
     "recording_moments",
     "moments_recorded_not_applied",
+    "output_of_its_call",
     # saving
     "KerasSaveable",
     "SavedState",

@@ -9,6 +9,8 @@ momentum)` from what `_moments` returns; see fingerprints.py.
 import contextlib
 import threading
 
+import keras
+
 from keras_accum._internals.versions import reach
 
 BatchNormalization = reach(
@@ -16,6 +18,18 @@ BatchNormalization = reach(
 )
 Functional = reach("keras.src.models.functional", "Functional")
 functional_init_arguments = reach("keras.src.models.model", "functional_init_arguments")
+
+
+def output_of_its_call(layer):
+    """`layer`'s output where the graph that holds it calls it, or None if it
+    is called more than once (a shared layer: no one output).
+
+    Not `layer.output`: a nested functional model's (a KerasHub encoder's)
+    is its own inner graph's output, not its call's in the outer graph.
+    """
+    if len(layer._inbound_nodes) != 1:
+        return None
+    return keras.layers.Layer.output.fget(layer)
 
 
 def batch_normalization_layers(model):
