@@ -1,0 +1,263 @@
+"""A contrastive batch of B samples at micro-batch b: memory and time.
+
+    python -m benchmarks.contrastive            # writes benchmarks/contrastive.md and .json
+    python -m benchmarks.contrastive --quick --out /tmp/contrastive   # smoke run
+
+A two-tower model (two MLP encoders, in-batch softmax over the batch's
+items) trained four ways:
+
+- big batch: `keras.Model`, batches of B, one forward and backward pass;
+- coupled_from, b: `AccumModel(micro_batch_size=b, coupled_from=[...])`,
+  batches of B: the big batch's training (weights compared below), the
+  encoders twice per micro-batch;
+- plain at b: `keras.Model` at batches of b: the memory the issue holds the
+  coupled step to ("within 1.2x of plain training at b, plus the
+  representations"); a different training;
+- ordinary micro-batching, b: `AccumModel(micro_batch_size=b)`, batches of
+  B: each micro-batch's own negatives, a different training; for its time.
+
+Memory: each configuration in a fresh Python, benchmarks/memory.py's method
+(peak resident memory that one `fit` of two updates adds). Time: the models
+in one process, each traced by one epoch; each round times one step of
+every model in a rotated order; the ratio to the big batch within a round,
+median (min-max) over rounds.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import numpy as np  # noqa: E402
+
+from benchmarks import memory  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ("big batch", "coupled_from, b", "plain at b", "ordinary micro-batching, b")
+# (features, width, depth, representation, B, b)
+SIZES = {"full": (256, 1024, 3, 128, 4096, 256), "quick": (16, 32, 1, 8, 64, 16)}
+TOWERS = ["query_repr", "item_repr"]
+
+
+def _loss_class():
+    import keras
+    import tensorflow as tf
+
+    class InBatchSoftmax(keras.losses.Loss):
+        def call(self, y_true, y_pred):
+            labels = tf.range(tf.shape(y_pred)[0])
+            return keras.losses.sparse_categorical_crossentropy(labels, y_pred, from_logits=True)
+
+    return InBatchSoftmax
+
+
+def make_model(config, quick):
+    import keras
+    import tensorflow as tf
+
+    import keras_accum
+
+    features, width, depth, dim, _, micro = SIZES["quick" if quick else "full"]
+    keras.utils.set_random_seed(0)
+    queries, items = keras.Input((features,)), keras.Input((features,))
+    towers = []
+    for name, h in (("query_repr", queries), ("item_repr", items)):
+        for _ in range(depth):
+            h = keras.layers.Dense(width, activation="relu")(h)
+        # No bias on the items: the loss is blind to a shift of every item
+        # alike, a zero gradient that Adam would turn float noise into.
+        towers.append(keras.layers.Dense(dim, use_bias=name == "query_repr", name=name)(h))
+    scores = keras.layers.Lambda(lambda t: tf.matmul(t[0], t[1], transpose_b=True))(towers)
+    if config in ("big batch", "plain at b"):
+        model = keras.Model([queries, items], scores)
+    elif config == "coupled_from, b":
+        model = keras_accum.AccumModel(
+            [queries, items], scores, micro_batch_size=micro, coupled_from=TOWERS
+        )
+    else:
+        model = keras_accum.AccumModel([queries, items], scores, micro_batch_size=micro)
+    model.compile(keras.optimizers.Adam(1e-3), _loss_class()())
+    return model
+
+
+def data(quick):
+    features, _, _, _, big, _ = SIZES["quick" if quick else "full"]
+    rng = np.random.default_rng(0)
+    n = 2 * big
+    x = rng.normal(size=(n, features)).astype("float32")
+    items = (x @ rng.normal(size=(features, features)) / np.sqrt(features)).astype("float32")
+    return [x, items], np.zeros((n,), "float32")
+
+
+def batch_of(config, quick):
+    _, _, _, _, big, micro = SIZES["quick" if quick else "full"]
+    return micro if config == "plain at b" else big
+
+
+def measure_memory(config, quick):
+    import tensorflow as tf
+
+    model = make_model(config, quick)
+    model.optimizer.build(model.trainable_variables)
+    x, y = data(quick)
+    batch = batch_of(config, quick)
+    if config == "plain at b":  # two updates, as the others
+        x, y = [t[: 2 * batch] for t in x], y[: 2 * batch]
+    dataset = tf.data.Dataset.from_tensor_slices((tuple(x), y)).batch(batch)
+    before = memory._status_bytes("VmRSS")
+    if before is not None and memory._reset_peak():
+        model.fit(dataset, epochs=1, shuffle=False, verbose=0)
+        peak, method = memory._status_bytes("VmHWM"), "VmHWM"
+    else:
+        before = before if before is not None else memory._maxrss_bytes()
+        model.fit(dataset, epochs=1, shuffle=False, verbose=0)
+        peak, method = memory._maxrss_bytes(), "ru_maxrss"
+    return {"growth_mib": (peak - before) / memory.MIB, "method": method}
+
+
+def _memory_in_fresh_process(config, quick, out):
+    command = [sys.executable, "-m", "benchmarks.contrastive", "--memory-worker", config,
+               "--json", str(out)] + (["--quick"] if quick else [])
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONPATH": str(ROOT)}
+    subprocess.run(command, cwd=ROOT, env=env, check=True, timeout=1800)
+    return json.loads(Path(out).read_text())
+
+
+def measure_time(rounds, quick):
+    import tensorflow as tf
+
+    timed = [c for c in CONFIGS if c != "plain at b"]
+    x, y = data(quick)
+    models = {config: make_model(config, quick) for config in timed}
+    for config, model in models.items():
+        model.fit(x, y, batch_size=batch_of(config, quick), epochs=1, shuffle=False, verbose=0)
+    reference = models["big batch"].get_weights()
+    difference = max(
+        float(np.max(np.abs(a - b)))
+        for a, b in zip(reference, models["coupled_from, b"].get_weights())
+    )
+    big = batch_of("big batch", quick)
+    iterators = {
+        config: iter(
+            tf.data.Dataset.from_tensor_slices((tuple(x), y)).batch(big, drop_remainder=True).repeat()
+        )
+        for config in timed
+    }
+
+    def one_step(config):
+        function = models[config].train_function
+        start = time.perf_counter()
+        float(function(iterators[config])["loss"])
+        return time.perf_counter() - start
+
+    seconds = {config: [] for config in timed}
+    for index in range(rounds + 1):  # round 0: warm-up, dropped
+        shift = index % len(timed)
+        times = {config: one_step(config) for config in timed[shift:] + timed[:shift]}
+        if index:
+            for config in timed:
+                seconds[config].append(times[config])
+    return seconds, difference
+
+
+def _summary(values):
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def run(rounds, quick, out):
+    import keras
+    import tensorflow as tf
+
+    features, width, depth, dim, big, micro = SIZES["quick" if quick else "full"]
+    result = {
+        "date": datetime.date.today().isoformat(), "keras": keras.__version__,
+        "tensorflow": tf.__version__, "cpus": os.cpu_count(), "rounds": rounds,
+        "sizes": {"features": features, "width": width, "depth": depth,
+                  "representation": dim, "B": big, "b": micro},
+        # Both towers' representations of a batch, float32.
+        "representations_mib": 2 * big * dim * 4 / memory.MIB,
+        "similarity_mib": big * big * 4 / memory.MIB,
+        "memory": {},
+    }
+    for config in CONFIGS:
+        path = out.with_suffix(f".{CONFIGS.index(config)}.json")
+        result["memory"][config] = _memory_in_fresh_process(config, quick, path)
+        path.unlink()
+    seconds, difference = measure_time(rounds, quick)
+    result["max_weight_difference"] = difference
+    result["time_ms"] = {c: _summary([1000 * s for s in v]) for c, v in seconds.items()}
+    result["time_ratio"] = {
+        c: _summary([a / b for a, b in zip(v, seconds["big batch"])]) for c, v in seconds.items()
+    }
+    return result
+
+
+def report(result):
+    s = result["sizes"]
+    mem = {c: result["memory"][c]["growth_mib"] for c in CONFIGS}
+    lines = [
+        "# A contrastive batch at micro-batch b: memory and time",
+        "",
+        f"Written by `python -m benchmarks.contrastive` on {result['date']} (Keras "
+        f"{result['keras']}, TensorFlow {result['tensorflow']}, {result['cpus']} CPU cores).",
+        "",
+        f"Two towers, each {s['depth']} Dense layers of {s['width']} (ReLU) on {s['features']} "
+        f"features and a {s['representation']}-wide representation; in-batch softmax over "
+        f"the batch's items; Adam. B = {s['B']}, b = {s['b']}.",
+        "",
+        "| configuration | peak memory of fit (MiB) | vs plain at b | time per step (ms) "
+        "| vs big batch, paired (min-max) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for config in CONFIGS:
+        timing = result["time_ms"].get(config)
+        ratio = result["time_ratio"].get(config)
+        lines.append(
+            f"| {config} | {mem[config]:.0f} | {mem[config] / mem['plain at b']:.2f} | "
+            + (f"{timing['median']:.0f} | {ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f}) |"
+               if timing else "- | - (batches of b: not the same step) |")
+        )
+    lines += [
+        "",
+        f"The whole batch's representations take {result['representations_mib']:.1f} MiB and "
+        f"its similarity matrix {result['similarity_mib']:.0f} MiB (the coupled part holds it, "
+        "its softmax and their gradients on the whole batch, as the big batch does).",
+        f"Weights of `coupled_from` after one epoch against the big batch's: largest "
+        f"difference {result['max_weight_difference']:.1e}.",
+        f"Memory: the peak resident memory one `fit` of two updates adds, in a fresh process "
+        f"per configuration. Time: {result['rounds']} rounds, one step of every model per round "
+        "in a rotated order.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--memory-worker", choices=CONFIGS, help=argparse.SUPPRESS)
+    parser.add_argument("--json", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "contrastive"),
+                        help="path without suffix: writes .json and .md")
+    args = parser.parse_args(argv)
+    if args.memory_worker:
+        Path(args.json).write_text(json.dumps(measure_memory(args.memory_worker, args.quick)))
+        return
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = run(args.rounds, args.quick, out)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    out.with_suffix(".md").write_text(report(result))
+    print(report(result))
+
+
+if __name__ == "__main__":
+    main()
