@@ -1,7 +1,7 @@
 """A contrastive batch of B samples at micro-batch b: memory and time.
 
     python -m benchmarks.contrastive            # writes benchmarks/contrastive.md and .json
-    python -m benchmarks.contrastive --quick --out /tmp/contrastive   # smoke run
+    python -m benchmarks.contrastive --quick --out /tmp   # smoke run, not a measurement
 
 A two-tower model (two MLP encoders, in-batch softmax over the batch's
 items) trained four ways:
@@ -30,14 +30,13 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import numpy as np  # noqa: E402
 
-from benchmarks import memory  # noqa: E402
+from benchmarks import memory, timing  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ("big batch", "coupled_from, b", "plain at b", "ordinary micro-batching, b")
@@ -111,15 +110,7 @@ def measure_memory(config, quick):
     if config == "plain at b":  # two updates, as the others
         x, y = [t[: 2 * batch] for t in x], y[: 2 * batch]
     dataset = tf.data.Dataset.from_tensor_slices((tuple(x), y)).batch(batch)
-    before = memory._status_bytes("VmRSS")
-    if before is not None and memory._reset_peak():
-        model.fit(dataset, epochs=1, shuffle=False, verbose=0)
-        peak, method = memory._status_bytes("VmHWM"), "VmHWM"
-    else:
-        before = before if before is not None else memory._maxrss_bytes()
-        model.fit(dataset, epochs=1, shuffle=False, verbose=0)
-        peak, method = memory._maxrss_bytes(), "ru_maxrss"
-    return {"growth_mib": (peak - before) / memory.MIB, "method": method}
+    return memory.fit_peak_growth(lambda: model.fit(dataset, epochs=1, shuffle=False, verbose=0))
 
 
 def _memory_in_fresh_process(config, quick, out):
@@ -131,8 +122,6 @@ def _memory_in_fresh_process(config, quick, out):
 
 
 def measure_time(rounds, quick):
-    import tensorflow as tf
-
     timed = [c for c in CONFIGS if c != "plain at b"]
     x, y = data(quick)
     models = {config: make_model(config, quick) for config in timed}
@@ -143,27 +132,7 @@ def measure_time(rounds, quick):
         float(np.max(np.abs(a - b)))
         for a, b in zip(reference, models["coupled_from, b"].get_weights())
     )
-    big = batch_of("big batch", quick)
-    iterators = {
-        config: iter(
-            tf.data.Dataset.from_tensor_slices((tuple(x), y)).batch(big, drop_remainder=True).repeat()
-        )
-        for config in timed
-    }
-
-    def one_step(config):
-        function = models[config].train_function
-        start = time.perf_counter()
-        float(function(iterators[config])["loss"])
-        return time.perf_counter() - start
-
-    seconds = {config: [] for config in timed}
-    for index in range(rounds + 1):  # round 0: warm-up, dropped
-        shift = index % len(timed)
-        times = {config: one_step(config) for config in timed[shift:] + timed[:shift]}
-        if index:
-            for config in timed:
-                seconds[config].append(times[config])
+    seconds = timing.paired_train_steps(models, x, y, batch_of("big batch", quick), rounds)
     return seconds, difference
 
 
@@ -245,13 +214,13 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--memory-worker", choices=CONFIGS, help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "contrastive"),
-                        help="path without suffix: writes .json and .md")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks"),
+                        help="directory for contrastive.json and contrastive.md")
     args = parser.parse_args(argv)
     if args.memory_worker:
         Path(args.json).write_text(json.dumps(measure_memory(args.memory_worker, args.quick)))
         return
-    out = Path(args.out)
+    out = Path(args.out) / "contrastive"
     out.parent.mkdir(parents=True, exist_ok=True)
     result = run(args.rounds, args.quick, out)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))

@@ -73,6 +73,18 @@ def _maxrss_bytes():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
 
 
+def fit_peak_growth(fit):
+    """`{"growth_mib", "method"}`: the peak resident memory `fit()` adds (the
+    method above)."""
+    before = _status_bytes("VmRSS")
+    if before is not None and _reset_peak():
+        fit()
+        return {"growth_mib": (_status_bytes("VmHWM") - before) / MIB, "method": "VmHWM"}
+    before = before if before is not None else _maxrss_bytes()
+    fit()
+    return {"growth_mib": (_maxrss_bytes() - before) / MIB, "method": "ru_maxrss"}
+
+
 def configuration(name):
     """`(implementation, batch_size, input_batch)` of a memory configuration.
 

@@ -43,14 +43,13 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # quiet TensorFlow start-up
 
 import numpy as np  # noqa: E402
 
-from benchmarks import memory, workloads  # noqa: E402
+from benchmarks import memory, timing, workloads  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ("big batch", "micro_batch_size=b", "remat", "remat + micro_batch_size=b")
@@ -171,16 +170,10 @@ def measure_memory(config, workload, quick):
     model.optimizer.build(model.trainable_variables)
     x, y = data(workload, quick)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(big)
-    before = memory._status_bytes("VmRSS")
-    if before is not None and memory._reset_peak():
-        model.fit(dataset, epochs=1, shuffle=False, verbose=0)
-        peak, method = memory._status_bytes("VmHWM"), "VmHWM"
-    else:
-        before = before if before is not None else memory._maxrss_bytes()
-        model.fit(dataset, epochs=1, shuffle=False, verbose=0)
-        peak, method = memory._maxrss_bytes(), "ru_maxrss"
-    return {"growth_mib": (peak - before) / memory.MIB, "method": method,
-            "updates": int(model.optimizer.iterations.numpy())}
+    result = memory.fit_peak_growth(
+        lambda: model.fit(dataset, epochs=1, shuffle=False, verbose=0)
+    )
+    return {**result, "updates": int(model.optimizer.iterations.numpy())}
 
 
 def _memory_in_fresh_process(config, workload, quick, out):
@@ -193,8 +186,6 @@ def _memory_in_fresh_process(config, workload, quick, out):
 
 def measure_time(workload, rounds, quick):
     """Paired step times of the four models in this process."""
-    import tensorflow as tf
-
     _, _, _, _, big = sizes(workload, quick)
     x, y = data(workload, quick)
     models = {config: make_model(config, workload, quick) for config in CONFIGS}
@@ -206,26 +197,7 @@ def measure_time(workload, rounds, quick):
         for model in models.values()
         for a, b in zip(reference, model.get_weights())
     )
-    iterators = {
-        config: iter(tf.data.Dataset.from_tensor_slices((x, y)).batch(big, drop_remainder=True).repeat())
-        for config in CONFIGS
-    }
-
-    def one_step(config):
-        function = models[config].train_function
-        start = time.perf_counter()
-        logs = function(iterators[config])
-        float(logs["loss"])  # as fit reads its logs
-        return time.perf_counter() - start
-
-    seconds = {config: [] for config in CONFIGS}
-    order = list(CONFIGS)
-    for index in range(rounds + 1):  # round 0: warm-up, dropped
-        shift = index % len(order)
-        times = {config: one_step(config) for config in order[shift:] + order[:shift]}
-        if index:
-            for config in CONFIGS:
-                seconds[config].append(times[config])
+    seconds = timing.paired_train_steps(models, x, y, big, rounds)
     return seconds, difference
 
 

@@ -64,6 +64,39 @@ def train_one_epoch(model, x, y, batch_size=workloads.MICRO_BATCH):
     return timer.seconds[0]
 
 
+def paired_train_steps(models, x, y, batch_size, rounds):
+    """Seconds per train step of each of `models` (`{name: model}`, traced
+    already) on batches of `x, y`, called as `fit` calls it and its logs
+    read as `fit` reads them: one step of each per round, in an order
+    rotated by one place per round; round 0 is a warm-up, dropped. Returns
+    `{name: [seconds per round]}`: ratios within a round are paired."""
+    import tensorflow as tf
+
+    if isinstance(x, list):
+        x = tuple(x)
+    iterators = {
+        name: iter(
+            tf.data.Dataset.from_tensor_slices((x, y))
+            .batch(batch_size, drop_remainder=True)
+            .repeat()
+        )
+        for name in models
+    }
+    names = list(models)
+    seconds = {name: [] for name in names}
+    for index in range(rounds + 1):
+        shift = index % len(names)
+        times = {}
+        for name in names[shift:] + names[:shift]:
+            start = time.perf_counter()
+            float(models[name].train_function(iterators[name])["loss"])
+            times[name] = time.perf_counter() - start
+        if index:
+            for name in names:
+                seconds[name].append(times[name])
+    return seconds
+
+
 def _describe(error):
     return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
 

@@ -133,3 +133,21 @@ def test_remat_benchmark_runs_and_writes_its_report(tmp_path):
     ffn = json.loads((tmp_path / "remat.json").read_text())["ffn"]
     assert ffn["max_weight_difference"] < 1e-4  # the four trained alike
     assert all(m["median"] > 0 for m in ffn["memory"].values())
+
+
+@pytest.mark.release
+@pytest.mark.slow  # five fresh processes
+def test_contrastive_benchmark_runs_and_writes_its_report(tmp_path):
+    result = run_python(
+        "-m", "benchmarks.contrastive", "--quick", "--rounds", "1", "--out", str(tmp_path),
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    import json
+
+    report = (tmp_path / "contrastive.md").read_text()
+    for config in ("big batch", "coupled_from, b", "plain at b", "ordinary micro-batching, b"):
+        assert f"| {config} |" in report, config
+    measured = json.loads((tmp_path / "contrastive.json").read_text())
+    assert measured["max_weight_difference"] < 1e-4  # coupled trained as the big batch
+    assert all(m["growth_mib"] > 0 for m in measured["memory"].values())
