@@ -139,7 +139,11 @@ def test_a_short_last_batch_and_xla_are_the_big_batch(jit_compile):
     assert_history_close(h_plain, history)
 
 
-@pytest.mark.parametrize("replicas", [1, 2], ids=["one_replica", "two_replicas"])
+@pytest.mark.parametrize(
+    "replicas",
+    [1, pytest.param(2, marks=pytest.mark.slow)],  # 11 s: the slow tier
+    ids=["one_replica", "two_replicas"],
+)
 def test_under_mirrored_strategy_the_coupled_part_sees_the_global_batch(reference, replicas):
     # Batches of 32 across two replicas: 16 each, in micro-batches of 8; the
     # similarity and the loss over all 32, as on one device.
@@ -257,6 +261,7 @@ def test_dropout_and_batchnorm_in_a_tower_replay_the_first_pass():
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow  # traced whole, then again split: the slow tier
 def test_auto_after_a_genuine_out_of_memory_is_the_big_batch(reference):
     plain, h_plain = reference
     model, history = train(
