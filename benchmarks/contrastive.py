@@ -16,8 +16,12 @@ items) trained four ways:
 - ordinary micro-batching, b: `AccumModel(micro_batch_size=b)`, batches of
   B: each micro-batch's own negatives, a different training; for its time.
 
-Memory: each configuration in a fresh Python, benchmarks/memory.py's method
-(peak resident memory that one `fit` of two updates adds). Time: the models
+Memory: each configuration in a fresh Python, the most tensor memory one
+`fit` of two updates holds at once above what it starts with, from
+TensorFlow's allocator statistics (`memory.tensor_peak`), after one update
+has traced the step: a split step's graph, unrolled over its micro-batches
+(twice with `coupled_from`), is many times a plain step's, and resident
+memory would count it. Time: the models
 in one process, each traced by one epoch; each round times one step of
 every model in a rotated order; the ratio to the big batch within a round,
 median (min-max) over rounds.
@@ -110,13 +114,16 @@ def measure_memory(config, quick):
     if config == "plain at b":  # two updates, as the others
         x, y = [t[: 2 * batch] for t in x], y[: 2 * batch]
     dataset = tf.data.Dataset.from_tensor_slices((tuple(x), y)).batch(batch)
-    return memory.fit_peak_growth(lambda: model.fit(dataset, epochs=1, shuffle=False, verbose=0))
+    # Traced first (one update): an unrolled split step's graph is many
+    # times a plain step's, and what is measured is the step's tensors.
+    model.fit(dataset.take(1), epochs=1, shuffle=False, verbose=0)
+    return memory.tensor_peak(lambda: model.fit(dataset, epochs=1, shuffle=False, verbose=0))
 
 
 def _memory_in_fresh_process(config, quick, out):
     command = [sys.executable, "-m", "benchmarks.contrastive", "--memory-worker", config,
                "--json", str(out)] + (["--quick"] if quick else [])
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "PYTHONPATH": str(ROOT)}
     subprocess.run(command, cwd=ROOT, env=env, check=True, timeout=1800)
     return json.loads(Path(out).read_text())
 
@@ -181,7 +188,7 @@ def report(result):
         f"features and a {s['representation']}-wide representation; in-batch softmax over "
         f"the batch's items; Adam. B = {s['B']}, b = {s['b']}.",
         "",
-        "| configuration | peak memory of fit (MiB) | vs plain at b | time per step (ms) "
+        "| configuration | peak tensor memory of fit (MiB) | vs plain at b | time per step (ms) "
         "| vs big batch, paired (min-max) |",
         "| --- | --- | --- | --- | --- |",
     ]
@@ -200,8 +207,9 @@ def report(result):
         "its softmax and their gradients on the whole batch, as the big batch does).",
         f"Weights of `coupled_from` after one epoch against the big batch's: largest "
         f"difference {result['max_weight_difference']:.1e}.",
-        f"Memory: the peak resident memory one `fit` of two updates adds, in a fresh process "
-        f"per configuration. Time: {result['rounds']} rounds, one step of every model per round "
+        f"Memory: the most tensor memory one `fit` of two updates holds at once, from "
+        "TensorFlow's allocator statistics, in a fresh process per configuration, after a "
+        f"first update traced the step. Time: {result['rounds']} rounds, one step of every model per round "
         "in a rotated order.",
         "",
     ]

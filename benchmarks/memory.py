@@ -85,6 +85,21 @@ def fit_peak_growth(fit):
     return {"growth_mib": (_maxrss_bytes() - before) / MIB, "method": "ru_maxrss"}
 
 
+def tensor_peak(fit):
+    """`{"growth_mib", "method"}`: the most tensor memory `fit()` holds at
+    once above what is held before it, from TensorFlow's own allocator
+    statistics: the process must run with TF_CPU_ALLOCATOR_USE_BFC=true
+    (the CPU's allocator keeps none otherwise). Tensors only: not the
+    traced graphs, which RSS counts."""
+    import tensorflow as tf
+
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    fit()
+    peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    return {"growth_mib": (peak - before) / MIB, "method": "BFC peak"}
+
+
 def configuration(name):
     """`(implementation, batch_size, input_batch)` of a memory configuration.
 

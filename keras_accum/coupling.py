@@ -161,7 +161,7 @@ def coupled_gradients(model, coupling, state, parts, batch, variables, fold, los
     representations, rows = [], []
     for (x_k, _, _), live in parts:
         if representations:
-            x_k = _after(representations[-1], x_k)
+            x_k = microbatch.after(representations[-1], x_k)
         reps = [tf.stop_gradient(r) for r in _as_list(_forward(coupling.per_sample, x_k))]
         n = internals.batch_size(x_k)
         kept = n if live is None else n * tf.cast(live, n.dtype)
@@ -192,7 +192,7 @@ def coupled_gradients(model, coupling, state, parts, batch, variables, fold, los
     _restore(replayed)
     start, previous = 0, upstream
     for ((x_k, _, _), live), kept in zip(parts, rows):
-        x_k = _after(previous, x_k)
+        x_k = microbatch.after(previous, x_k)
         first = len(records)
         with tf.GradientTape() as tape:
             with state.moments.micro_batch(records):
@@ -208,10 +208,8 @@ def coupled_gradients(model, coupling, state, parts, batch, variables, fold, los
                 for record in records[first:]
             ]
         part = tape.gradient(surrogate, variables)
-        grads = [_sum(g, p) for g, p in zip(grads, part)]
-        previous = microbatch.control_after(
-            microbatch.Gradients(part, None, weight, normalise, loss, kept, None)
-        )
+        # The next micro-batch waits for the sum so far (microbatch.summed).
+        grads = previous = [_sum(g, p) for g, p in zip(grads, part)]
         start = start + kept
     grad_scale = None if fold else scaling.into_window(weight, loss_scale)
     grads = [None if g is None else scaling.scaled(g, grad_scale) for g in grads]
@@ -287,13 +285,6 @@ def _rows_of(upstream, start, kept, reps):
     mine = upstream[start:start + kept]
     padding = tf.zeros_like(upstream[:1])[: tf.shape(reps)[0] - kept]
     return tf.concat([mine, padding], 0)
-
-
-def _after(previous, x):
-    # Each pass over a micro-batch waits for the one before: one
-    # micro-batch's activations alive at a time.
-    with tf.control_dependencies(tree.flatten(previous)):
-        return tree.map_structure(lambda t: None if t is None else tf.identity(t), x)
 
 
 def _replayed_state(per_sample):

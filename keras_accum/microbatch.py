@@ -18,8 +18,11 @@ gradients, so a step that fails part-way (out of memory) writes nothing.
 Example (inside a traced train step, as `AccumModel` does it):
 
 ```python
-parts = [gradients_of(*part) for part, live in split(data, 32, 256)]
-batch = combine(parts)
+parts, total = [], None
+for part, live in split(data, 32, 256):
+    parts.append(gradients_of(*(part if total is None else after(total, part))))
+    total = summed(total, parts[-1])
+batch = combine(parts, total)
 optimizer.apply([scaled(g, 1 / batch.weight) for g in batch.grads], variables)
 ```
 """
@@ -142,22 +145,34 @@ def drop_rows(y_pred, rows):
     return tree.map_structure(cut, y_pred)
 
 
-def combine(parts):
-    """The batch's `Gradients` from its micro-batches', summed exactly.
+def summed(total, part):
+    """`total` (the micro-batches' weighted gradients summed so far, or None
+    before the first) plus `part`'s (a `Gradients`): `weight * gradient`,
+    the first micro-batch's taken as they are, not added to zeros.
 
-    `grads` are `weight * gradient` summed over micro-batches (the first
-    micro-batch's taken as they are, not added to zeros), in float32 for
-    half-precision variables; `grad_scale` is None; `loss` is the batch's
-    loss as Keras logs it for the whole batch; `y_pred` the batch's
+    Summed micro-batch by micro-batch, each waiting for the sum before it
+    (`after`): one micro-batch's gradient alive at a time. A sum made after
+    the last micro-batch would be one chain of adds, which TensorFlow's
+    graph optimiser rewrites into one `AddN` of every micro-batch's
+    gradient, all held at once (16 micro-batches of an MLP with 43M
+    weights: 1.56 GB of tensors against the big batch's 0.70,
+    benchmarks/contrastive.md).
+    """
+    weighted = [scaled(g, part.grad_scale) for g in part.grads]
+    if total is None:
+        return weighted
+    return [add_gradients(a, b) for a, b in zip(total, weighted)]
+
+
+def combine(parts, grads):
+    """The batch's `Gradients` from its micro-batches' and their `summed`
+    gradients `grads`.
+
+    `grads` are `weight * gradient` summed over micro-batches, in float32
+    for half-precision variables; `grad_scale` is None; `loss` is the
+    batch's loss as Keras logs it for the whole batch; `y_pred` the batch's
     predictions, masks included.
     """
-    grads = None
-    for part in parts:
-        weighted = [scaled(g, part.grad_scale) for g in part.grads]
-        grads = (
-            weighted if grads is None
-            else [add_gradients(a, b) for a, b in zip(grads, weighted)]
-        )
     weights = [tf.cast(p.weight, tf.float32) for p in parts]
     weight = tf.add_n(weights)
     losses = [tf.cast(p.loss, tf.float32) for p in parts]
@@ -190,13 +205,21 @@ def control_after(batch):
 
 
 def after(previous, part):
-    """`part`, readable only once `previous` (a `Gradients`) is computed.
+    """`part`, readable only once `previous` (the gradients summed so far, a
+    list as `summed` gives them) is computed.
 
     The micro-batches of a step do not depend on each other, so the graph
     could run several at once, holding several micro-batches' activations:
-    each waits for the one before, and memory stays the micro-batch's.
+    each waits for the sum of those before it, and memory stays the
+    micro-batch's.
     """
-    with tf.control_dependencies(control_after(previous)):
+    tensors = [
+        t
+        for g in previous
+        if g is not None
+        for t in ((g.values,) if isinstance(g, tf.IndexedSlices) else (g,))
+    ]
+    with tf.control_dependencies(tensors):
         return tree.map_structure(lambda t: None if t is None else tf.identity(t), part)
 
 

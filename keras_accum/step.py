@@ -294,12 +294,13 @@ def split_gradients(model, plan, state, data, variables):
         # noise scale (refused with `coupled_from`).
         return SplitBatch(x, y, sample_weight, batch, records, None)
     records = []
-    parts = []
+    parts, total = [], None
     for part, live in split:
         if parts:
-            part = microbatch.after(parts[-1], part)
+            part = microbatch.after(total, part)
         if live is None:
             parts.append(micro_batch_gradients(model, state, *part, variables, records))
+            total = microbatch.summed(total, parts[-1])
             continue
         # A stand-in past a short batch's end: weighs nothing, counts no
         # sample, predicts no row, adds no BatchNormalization moments.
@@ -318,6 +319,7 @@ def split_gradients(model, plan, state, data, variables):
                 y_pred=microbatch.drop_rows(step.y_pred, rows),
             )
         )
+        total = microbatch.summed(total, parts[-1])
     return SplitBatch(
-        x, y, sample_weight, microbatch.combine(parts), records, _measured(state, parts)
+        x, y, sample_weight, microbatch.combine(parts, total), records, _measured(state, parts)
     )

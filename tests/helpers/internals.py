@@ -167,3 +167,22 @@ def fresh_tracing_detector():
     from tensorflow.python.eager.polymorphic_function import polymorphic_function
 
     return polymorphic_function._FrequentTracingDetectorManager()
+
+
+def graphs_as_run(function, *args):
+    """The graphs TensorFlow ran for `function(*args)`, after its graph
+    optimiser (Grappler) rewrote them: `GraphDef`s."""
+    from tensorflow.python.eager import context
+
+    context.enable_run_metadata()
+    try:
+        function(*args)
+        metadata = context.export_run_metadata()
+        return list(metadata.partition_graphs) + [
+            graph
+            for function_graphs in metadata.function_graphs
+            for graph in (*function_graphs.partition_graphs,
+                          function_graphs.post_optimization_graph)
+        ]
+    finally:
+        context.disable_run_metadata()
