@@ -45,6 +45,7 @@ from keras import tree
 
 from keras_accum import _internals as internals
 from keras_accum import microbatch, scaling
+from keras_accum.arguments import AUTO
 from keras_accum.normaliser import loss_normaliser, micro_batch_weight
 
 
@@ -122,7 +123,7 @@ class Coupling:
 def check_strategy(settings, strategy):
     """Raises if `coupled_from` cannot train under `strategy` as set."""
     several = strategy.num_replicas_in_sync > 1 or internals.multi_worker(strategy)
-    if several and settings.micro_batch_size == "auto":
+    if several and settings.micro_batch_size == AUTO:
         raise ValueError(
             f"`coupled_from={list(settings.coupled_from)}` with "
             "micro_batch_size='auto' under a strategy of several replicas "
