@@ -6,9 +6,10 @@ in turn (unrolled in the traced graph: no `tf.while_loop`, so XLA fuses it
 like any other step) and sums their gradients, each micro-batch weighted by
 what Keras normalises its loss by (normaliser.py), exactly as a window of
 `accum_steps` micro-batches is summed across steps. Only one micro-batch's
-activations are alive at a time (each micro-batch waits for the previous
-one's gradients), so memory is the micro-batch's; the update, the logged
-loss and the metrics are the whole batch's.
+activations and gradient are alive at a time (each micro-batch waits for
+the sum of the gradients before it: `summed`, `after`), so memory is the
+micro-batch's; the update, the logged loss and the metrics are the whole
+batch's.
 
 Everything is computed into tensors first; the step (step.py) makes every state
 write of the step (BatchNormalization's pooled moments, the loss tracker,
