@@ -203,7 +203,8 @@ def test_docs_pages_with_kerashub_blocks_run_whole(tmp_path):
         code = "\n".join(b.code for b in blocks(page.read_text()) if b.lang == "python")
         result = run_program(code, workdir)
         assert result.returncode == 0, f"{page}:\n{result.stderr[-3000:]}"
-        assert (workdir / "lm.keras").exists()
+        if '"lm.keras"' in code:  # the ways-in page's model, saved
+            assert (workdir / "lm.keras").exists()
 
 
 # -- coupled_from: SigLIP's loss on KerasHub's SigLIP encoders ------------------
