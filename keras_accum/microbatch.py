@@ -197,12 +197,17 @@ def control_after(batch):
     The loss too: what it alone needs (a loss term's extra work, say) may
     run, and fail, after the gradients are ready.
     """
+    return _tensors(batch.grads) + [batch.weight, batch.loss]
+
+
+def _tensors(grads):
+    # What a control dependency can wait on: a sparse gradient's values.
     return [
         t
-        for g in batch.grads
+        for g in grads
         if g is not None
         for t in ((g.values,) if isinstance(g, tf.IndexedSlices) else (g,))
-    ] + [batch.weight, batch.loss]
+    ]
 
 
 def after(previous, part):
@@ -214,13 +219,7 @@ def after(previous, part):
     each waits for the sum of those before it, and memory stays the
     micro-batch's.
     """
-    tensors = [
-        t
-        for g in previous
-        if g is not None
-        for t in ((g.values,) if isinstance(g, tf.IndexedSlices) else (g,))
-    ]
-    with tf.control_dependencies(tensors):
+    with tf.control_dependencies(_tensors(previous)):
         return tree.map_structure(lambda t: None if t is None else tf.identity(t), part)
 
 
