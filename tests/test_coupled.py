@@ -353,3 +353,42 @@ def test_layers_that_do_not_split_the_model_are_refused_before_training(names, m
         model.fit(x, y, **FIT)
     for a, b in zip(before, model.weights):
         np.testing.assert_array_equal(a, b.numpy())
+
+
+def test_with_skip_nonfinite_and_after_a_recompile_it_is_the_big_batch(reference):
+    # skip_nonfinite keeps a window (of one step) in buffers: the coupled
+    # gradient goes through the buffers' path; a recompile makes a new step.
+    plain, h_plain = reference
+    model = two_tower(
+        AccumModel, micro_batch_size=MICRO, coupled_from=TOWERS, skip_nonfinite=True
+    )
+    model.compile("sgd", InBatchSoftmax())
+    x, y = data()
+    model.fit(x, y, **{**FIT, "epochs": 1})
+    model.set_weights(two_tower().get_weights())
+    model, history = train(model)  # compiled again: a fresh Adam
+    assert_weights_close(plain, model)
+    np.testing.assert_allclose(
+        h_plain.history["loss"], history.history["loss"], rtol=1e-5, atol=1e-6
+    )
+    assert model.skipped_windows == 0
+
+
+def test_mixed_float16_is_the_big_batch_in_float16():
+    # Under loss scaling the batch's weight scales the gradients instead of
+    # the loss (step._weight_folding): the other arithmetic path.
+    from helpers.assertions import FLOAT16_ATOL, FLOAT16_RTOL
+
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    try:
+        plain, h_plain = train(two_tower())
+        model, history = train(
+            two_tower(AccumModel, micro_batch_size=MICRO, coupled_from=TOWERS)
+        )
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+    for a, b in zip(plain.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=FLOAT16_RTOL, atol=FLOAT16_ATOL)
+    np.testing.assert_allclose(
+        h_plain.history["loss"], history.history["loss"], rtol=FLOAT16_RTOL, atol=FLOAT16_ATOL
+    )
