@@ -24,6 +24,10 @@ MAX_ACCUM_STEPS = 2**63 - 1
 
 AUTO = "auto"
 
+# `coupled_from=METHODS`: the model's `represent` and `couple` methods split
+# it (coupling.py), for a model with no layer graph to split.
+METHODS = "methods"
+
 # How BatchNormalization layers update their moving statistics.
 BATCHNORM_PER_WINDOW = "window"
 BATCHNORM_PER_MICRO_BATCH = "micro_batch"
@@ -157,17 +161,21 @@ def check_noise_scale(noise_scale):
 
 
 def check_coupled_from(coupled_from):
-    """Returns `coupled_from` as a tuple of layer names (None stays None),
-    or raises naming what was received.
+    """Returns `coupled_from` as a tuple of layer names, or "methods" (the
+    model's `represent` and `couple` methods), or None; or raises naming
+    what was received.
 
     Example:
 
     ```python
     check_coupled_from(["query_repr", "item_repr"])  # ("query_repr", "item_repr")
+    check_coupled_from("methods")  # "methods"
     ```
     """
     if coupled_from is None:
         return None
+    if isinstance(coupled_from, str) and coupled_from == METHODS:
+        return METHODS
     names = (coupled_from,) if isinstance(coupled_from, str) else coupled_from
     try:
         names = tuple(names)
@@ -176,7 +184,8 @@ def check_coupled_from(coupled_from):
     if not names or not all(isinstance(n, str) and n for n in names):
         raise TypeError(
             "`coupled_from` must be a list of layer names (the layers whose "
-            "outputs are the per-sample representations), or None. "
+            "outputs are the per-sample representations), 'methods' (the "
+            "model's `represent` and `couple` methods split it), or None. "
             f"Received: coupled_from={coupled_from!r}."
         )
     if len(set(names)) != len(names):
@@ -184,6 +193,19 @@ def check_coupled_from(coupled_from):
             f"`coupled_from` names a layer twice. Received: coupled_from={coupled_from!r}."
         )
     return names
+
+
+def shown_coupled_from(coupled_from):
+    """`coupled_from` as a user wrote it, for messages and configs: a list
+    of names, or "methods".
+
+    Example:
+
+    ```python
+    shown_coupled_from(("query_repr", "item_repr"))  # ["query_repr", "item_repr"]
+    ```
+    """
+    return coupled_from if coupled_from == METHODS else list(coupled_from)
 
 
 def check_coupled_settings(settings):
@@ -210,7 +232,7 @@ def check_coupled_settings(settings):
         raise ValueError(
             "`noise_scale=True` measures the noise scale from independent "
             "micro-batch gradients, which a batch-coupled loss "
-            f"(`coupled_from={list(settings.coupled_from)}`) does not have. "
+            f"(`coupled_from={shown_coupled_from(settings.coupled_from)!r}`) does not have. "
             "Set one of them only."
         )
     return settings
@@ -250,8 +272,8 @@ class AccumSettings(NamedTuple):
         batchnorm: 'window' or 'micro_batch'.
         micro_batch_size: an int, "auto", or None (whole batches).
         noise_scale: whether the gradient noise scale is measured (bool).
-        coupled_from: the layer names where the batch couples (a tuple of
-            str), or None: coupling.py.
+        coupled_from: where the batch couples: the layer names (a tuple of
+            str), "methods", or None: coupling.py.
     """
 
     accum_steps: int = 1
@@ -276,7 +298,7 @@ class AccumSettings(NamedTuple):
         if self.noise_scale:
             config["noise_scale"] = True
         if self.coupled_from is not None:
-            config["coupled_from"] = list(self.coupled_from)
+            config["coupled_from"] = shown_coupled_from(self.coupled_from)
         return config
 
 

@@ -23,11 +23,15 @@ exactly, in three stages, one compiled step:
 3. every micro-batch forward again, under a tape, backpropagating its rows
    of that gradient: the per-sample part's gradient, summed.
 
-The second forward pass starts from the state the first one did (the
-per-sample part's non-trainable variables are put back: random seeds,
-moving statistics), so dropout draws the same masks in both passes and
-the gradient is exactly the big batch's with those masks; stateful layers
-update once, as in an ordinary split.
+The first pass runs in a `keras.StatelessScope`, so what it would write
+(random seeds, moving statistics) is dropped: the second pass starts from
+the same state, dropout draws the same masks in both passes and the
+gradient is exactly the big batch's with those masks; stateful layers
+update once, in the second pass, as in an ordinary split.
+
+A subclassed model has no layer graph to split: it defines `represent`
+(inputs to representations) and `couple` (representations to outputs),
+and `coupled_from="methods"` splits it there.
 
 Example:
 
@@ -39,55 +43,86 @@ model = keras_accum.AccumModel(
 ```
 """
 
+import inspect
+
 import keras
+import numpy as np
 import tensorflow as tf
 from keras import tree
 
 from keras_accum import _internals as internals
 from keras_accum import microbatch, scaling
-from keras_accum.arguments import AUTO
+from keras_accum.arguments import AUTO, METHODS, shown_coupled_from
 from keras_accum.normaliser import loss_normaliser, micro_batch_weight
 
 
 class Coupling:
-    """Where a functional model's batch couples: its two parts.
+    """Where a model's batch couples: its two parts.
 
-    Made once per model and names (`Coupling.of`), eagerly; read by the
-    traced step. Not a layer: its two models share the model's layers and
-    weights, and nothing of it is saved (the names are, in the config).
+    Made once per model and `coupled_from` (`Coupling.of`), eagerly; read
+    by the traced step. Not a layer: its parts share the model's layers and
+    weights, and nothing of it is saved (`coupled_from` is, in the config).
 
     Attributes:
-        names: the `coupled_from` layer names, in order.
-        per_sample: a `keras.Model` from the model's inputs to the
-            representations (a list, one per name).
-        coupled: a `keras.Model` from the representations to the model's
-            outputs.
+        coupled_from: the setting it was made for: the layer names (a tuple),
+            or "methods".
+        per_sample: called as `per_sample(inputs, training=True)`: the
+            representations (a tensor, or a list, tuple or dict of them).
+        coupled: called as `coupled(representations, training=True)`: the
+            model's outputs.
 
     Example:
 
     ```python
-    coupling = Coupling.of(model, ["query_repr", "item_repr"])
+    coupling = Coupling.of(model, ("query_repr", "item_repr"))
     representations = coupling.per_sample(x, training=True)
     y_pred = coupling.coupled(representations, training=True)
     ```
     """
 
-    def __init__(self, names, per_sample, coupled):
-        self.names = names
+    def __init__(self, coupled_from, per_sample, coupled):
+        self.coupled_from = coupled_from
         self.per_sample = per_sample
         self.coupled = coupled
 
     @classmethod
-    def of(cls, model, names):
-        """The `Coupling` of `model` at the layers `names`; raises a
-        ValueError, naming what is wrong, if they do not split it."""
-        names = tuple(names)
+    def of(cls, model, coupled_from):
+        """The `Coupling` of `model` at `coupled_from` (checked by
+        `arguments.check_coupled_from`); raises a ValueError, naming what is
+        wrong, if it does not split the model."""
+        if coupled_from == METHODS:
+            return cls._of_methods(model)
+        return cls._of_layers(model, coupled_from)
+
+    @classmethod
+    def _of_methods(cls, model):
+        # A subclassed model has no graph to cut: it says where its batch
+        # couples itself, in the two methods its `call` is made of.
+        missing = [name for name in ("represent", "couple")
+                   if not callable(getattr(model, name, None))]
+        if missing:
+            raise ValueError(
+                "`coupled_from='methods'` splits the model at its `represent` "
+                f"and `couple` methods, and {type(model).__name__} has no "
+                f"{' or '.join(f'`{name}`' for name in missing)}. Define "
+                "`represent(self, inputs, training=None)`, returning the "
+                "per-sample representations, and `couple(self, "
+                "representations, training=None)`, returning the model's "
+                "outputs from them, so that `call` is "
+                "`self.couple(self.represent(inputs, training), training)`."
+            )
+        return cls(METHODS, _in_training(model.represent), _in_training(model.couple))
+
+    @classmethod
+    def _of_layers(cls, model, names):
         if not isinstance(model, internals.Functional):
             raise ValueError(
                 f"`coupled_from={list(names)}` needs a functional model (made "
                 "from `keras.Input`s, or a `Sequential` or functional model "
                 f"given to `wrap`), to split it at those layers. Received a "
-                f"{type(model).__name__}. Build the model functionally."
+                f"{type(model).__name__}. Build the model functionally, or "
+                "give it `represent` and `couple` methods and pass "
+                "`coupled_from='methods'`."
             )
         available = [layer.name for layer in model.layers]
         outputs = []
@@ -117,7 +152,75 @@ class Coupling:
                 "output carries a sample's representation to the coupled "
                 f"part. (Keras: {error})"
             ) from error
+        mixing = _layer_that_mixes_samples(per_sample)
+        if mixing is not None:
+            raise ValueError(
+                f"The layer {mixing!r}, upstream of `coupled_from="
+                f"{list(names)}`, mixes the samples of a batch: a sample's "
+                "output from it changed when another sample was in the batch "
+                "(tried on made-up samples, in inference mode). Upstream of "
+                "the coupling layers, each micro-batch sees its own samples "
+                "only, so this layer would see a micro-batch where the big "
+                "batch sees the whole batch. Move it downstream of the "
+                "coupling layers (name the layers before it in "
+                "`coupled_from`), or make it per sample."
+            )
         return cls(names, per_sample, coupled)
+
+
+def _layer_that_mixes_samples(per_sample):
+    # The first layer (in the graph's order) whose output for one sample
+    # depends on the others of its batch: a batch of two made-up samples
+    # against the first alone. Inference mode, so that dropout draws
+    # nothing and BatchNormalization uses its moving statistics (in
+    # training it normalises each micro-batch by its own, as any split
+    # does: docs/contrastive.md). A made-up batch the model cannot take (a
+    # lookup's vocabulary, a fixed length) leaves the check undone: it only
+    # names a mistake earlier than training would show it.
+    layers = [layer for layer in per_sample.layers
+              if not isinstance(layer, keras.layers.InputLayer)]
+    probed = [(layer, internals.output_of_its_call(layer)) for layer in layers]
+    probed = [(layer.name, output) for layer, output in probed
+              if output is not None and len(tree.flatten(output)) == 1]
+    if not probed:
+        return None
+    try:
+        probe = keras.Model(per_sample.input, [output for _, output in probed])
+        batch = tree.map_structure(lambda spec: _made_up(spec, rows=2), per_sample.input)
+        with keras.StatelessScope():
+            together = probe(batch, training=False)
+            alone = probe(tree.map_structure(lambda t: t[:1], batch), training=False)
+    except Exception:  # noqa: BLE001 - see above: the check is left undone
+        return None
+    for (name, _), a, b in zip(probed, together, alone):
+        a, b = np.asarray(a[:1], np.float64), np.asarray(b, np.float64)
+        # Relative to the output's scale: a batch of two and a batch of one
+        # may run different kernels (float noise); mixing moves it by O(1).
+        if a.shape == b.shape and np.max(np.abs(a - b), initial=0) > 1e-2 * max(
+            np.max(np.abs(a), initial=0), 1e-6
+        ):
+            return name
+    return None
+
+
+def _made_up(spec, rows):
+    # Samples for an input of `spec`'s shape and dtype: unknown sizes 3,
+    # integers 1 or 2 (valid ids for any lookup but an empty one).
+    shape = [rows] + [3 if size is None else size for size in spec.shape[1:]]
+    rng = np.random.default_rng(0)
+    if "int" in str(spec.dtype):
+        return rng.integers(1, 3, size=shape).astype(spec.dtype)
+    if "bool" in str(spec.dtype):
+        return rng.integers(0, 2, size=shape).astype(bool)
+    return rng.normal(size=shape).astype(spec.dtype)
+
+
+def _in_training(method):
+    # `method(inputs, training=True)`, or `method(inputs)` for a method
+    # without a `training` argument (as Keras calls a layer's `call`).
+    if "training" in inspect.signature(method).parameters:
+        return method
+    return lambda inputs, training: method(inputs)
 
 
 def check_strategy(settings, strategy):
@@ -125,7 +228,7 @@ def check_strategy(settings, strategy):
     several = strategy.num_replicas_in_sync > 1 or internals.multi_worker(strategy)
     if several and settings.micro_batch_size == AUTO:
         raise ValueError(
-            f"`coupled_from={list(settings.coupled_from)}` with "
+            f"`coupled_from={shown_coupled_from(settings.coupled_from)!r}` with "
             "micro_batch_size='auto' under a strategy of several replicas "
             "or workers is not supported yet: 'auto' computes each replica's "
             "gradients apart from every collective (so that running out of "
@@ -157,17 +260,20 @@ def coupled_gradients(model, coupling, state, parts, batch, variables, fold, los
     """
     x, y, sample_weight = batch
     parts = list(parts)
-    replayed = _replayed_state(coupling.per_sample)
-    # 1. Representations, micro-batch by micro-batch, no tape kept.
+    # 1. Representations, micro-batch by micro-batch, no tape kept. What
+    # the pass would write (random seeds, moving statistics) stays in the
+    # scope, so pass 3 starts from the same state and draws the same masks.
     representations, rows = [], []
-    for (x_k, _, _), live in parts:
-        if representations:
-            x_k = microbatch.after(representations[-1], x_k)
-        reps = [tf.stop_gradient(r) for r in _as_list(_forward(coupling.per_sample, x_k))]
-        n = internals.batch_size(x_k)
-        kept = n if live is None else n * tf.cast(live, n.dtype)
-        representations.append([r[:kept] for r in reps])
-        rows.append(kept)
+    with keras.StatelessScope():
+        for (x_k, _, _), live in parts:
+            if representations:
+                x_k = microbatch.after(representations[-1], x_k)
+            output = coupling.per_sample(x_k, training=True)
+            reps = [tf.stop_gradient(r) for r in tree.flatten(output)]
+            n = internals.batch_size(x_k)
+            kept = n if live is None else n * tf.cast(live, n.dtype)
+            representations.append([r[:kept] for r in reps])
+            rows.append(kept)
     local = [tf.concat(r, 0) for r in zip(*representations)]
     replicas = _Replicas(internals.batch_size(x))
     whole = replicas.gather(local)
@@ -177,7 +283,7 @@ def coupled_gradients(model, coupling, state, parts, batch, variables, fold, los
     with tf.GradientTape() as tape:
         tape.watch(whole)
         with state.moments.micro_batch(records):
-            y_pred = _forward(coupling.coupled, whole)
+            y_pred = coupling.coupled(tree.pack_sequence_as(output, whole), training=True)
         y_all, weights_all = replicas.gather(y), replicas.gather(sample_weight)
         with internals.recording_loss_calls(
             model, lambda *call: normalisers.append(loss_normaliser(*call))
@@ -189,15 +295,14 @@ def coupled_gradients(model, coupling, state, parts, batch, variables, fold, los
             scaled = scaled * tf.cast(weight, loss.dtype)
     upstream, grads = tape.gradient(scaled, [whole, list(variables)])
     upstream = replicas.own_rows_of_gradient(upstream)
-    # 3. Each micro-batch again, under a tape, from the first pass's state.
-    _restore(replayed)
+    # 3. Each micro-batch again, under a tape.
     start, previous = 0, upstream
     for ((x_k, _, _), live), kept in zip(parts, rows):
         x_k = microbatch.after(previous, x_k)
         first = len(records)
         with tf.GradientTape() as tape:
             with state.moments.micro_batch(records):
-                reps = _as_list(_forward(coupling.per_sample, x_k))
+                reps = tree.flatten(coupling.per_sample(x_k, training=True))
             surrogate = tf.add_n([
                 tf.reduce_sum(r * tf.cast(_rows_of(u, start, kept, r), r.dtype))
                 for r, u in zip(reps, upstream)
@@ -266,14 +371,6 @@ class _Replicas:
         return [u[self.start:self.start + self.rows] * self.count for u in upstream]
 
 
-def _forward(part, inputs):
-    return part(inputs, training=True)
-
-
-def _as_list(outputs):
-    return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-
-
 def _sum(a, b):
     if a is None or b is None:
         return b if a is None else a
@@ -286,15 +383,3 @@ def _rows_of(upstream, start, kept, reps):
     mine = upstream[start:start + kept]
     padding = tf.zeros_like(upstream[:1])[: tf.shape(reps)[0] - kept]
     return tf.concat([mine, padding], 0)
-
-
-def _replayed_state(per_sample):
-    # What the per-sample part's forward pass writes (random seeds, moving
-    # statistics), read before the first pass. Reading a variable no pass
-    # writes (a frozen weight) copies nothing.
-    return [(v, tf.identity(v.value)) for v in per_sample.non_trainable_variables]
-
-
-def _restore(replayed):
-    for variable, value in replayed:
-        variable.assign(value)

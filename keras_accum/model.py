@@ -110,11 +110,14 @@ class AccumModel(
         coupled_from: for a loss that couples the samples of a batch (a
             contrastive loss: CLIP's, in-batch negatives), the names of the
             layers whose outputs are the per-sample representations, in a
-            functional model. With `micro_batch_size`, everything upstream
-            of them runs per micro-batch and everything downstream, the
-            loss included, once on the whole batch: the big batch's
-            gradient with the micro-batch's memory, for a second forward
-            pass (docs/contrastive.md). Needs `accum_steps=1`. Default None.
+            functional model; or "methods", for a subclassed model that
+            defines `represent(inputs, training)` (the representations) and
+            `couple(representations, training)` (the outputs from them).
+            With `micro_batch_size`, everything upstream of them runs per
+            micro-batch and everything downstream, the loss included, once
+            on the whole batch: the big batch's gradient with the
+            micro-batch's memory, for a second forward pass
+            (docs/contrastive.md). Needs `accum_steps=1`. Default None.
         **kwargs: passed to `keras.Model`; a misspelling of an argument
             above (`accum_step`) raises a TypeError naming the argument.
 
@@ -232,15 +235,21 @@ class AccumModel(
         )
 
     def _coupling(self):
-        # The model's two parts at `coupled_from`, made once per names (their
-        # models add nodes to the layers: made again, they would add more).
-        names = self._settings.coupled_from
-        if names is None:
+        # The model's two parts at `coupled_from`, made once per setting
+        # (their models add nodes to the layers: made again, they would add
+        # more).
+        coupled_from = self._settings.coupled_from
+        if coupled_from is None:
             return None
-        if self._made_coupling is None or self._made_coupling.names != names:
-            self._made_coupling = coupling.Coupling.of(self, names)
+        made = self._made_coupling
+        if made is None or made.coupled_from != coupled_from:
+            self._made_coupling = coupling.Coupling.of(self._model_to_split(), coupled_from)
         coupling.check_strategy(self._settings, self.distribute_strategy)
         return self._made_coupling
+
+    def _model_to_split(self):
+        # The model `coupled_from` names the layers or methods of.
+        return self
 
     def _functions(self):
         # The model's TrainFunctions, made at first need and held by

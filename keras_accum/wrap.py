@@ -53,6 +53,9 @@ class WrappedModel(AccumModel):
     def call(self, inputs, training=None):
         return self.wrapped(inputs, training=training)
 
+    def _model_to_split(self):
+        return self.wrapped
+
     def get_config(self):
         config = super().get_config()
         config["model"] = keras.saving.serialize_keras_object(self.wrapped)
@@ -168,8 +171,9 @@ def wrap(
         accum_dtype: dtype of the gradient buffers; see `AccumModel`.
             Default None: float32 (float64 for float64 weights).
         coupled_from: for a batch-coupled (contrastive) loss, the names of
-            the layers whose outputs are the per-sample representations;
-            see `AccumModel`. Default None.
+            the layers whose outputs are the per-sample representations, or
+            "methods" for a subclassed model with `represent` and `couple`
+            methods; see `AccumModel`. Default None.
         **kwargs: none are taken: a misspelt argument raises a TypeError
             naming the argument it is close to.
 

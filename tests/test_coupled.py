@@ -69,8 +69,15 @@ class Clip(keras.losses.Loss):
         return (rows + columns) / 2
 
 
+class BatchCentre(keras.layers.Layer):
+    """Subtracts the batch's mean: each sample's output reads the others."""
+
+    def call(self, inputs):
+        return inputs - tf.reduce_mean(inputs, axis=0, keepdims=True)
+
+
 def two_tower(cls=keras.Model, scale=False, dropout=0.0, batchnorm=False, limit=None,
-              **kwargs):
+              centre=False, **kwargs):
     """Query and item towers, their representations compared by `Similarity`.
     The item representation has no bias: the loss is blind to a shift of
     every item alike, so its gradient is zero and Adam would amplify float
@@ -81,14 +88,16 @@ def two_tower(cls=keras.Model, scale=False, dropout=0.0, batchnorm=False, limit=
     h = queries
     if batchnorm:
         h = keras.layers.BatchNormalization(name="query_bn")(h)
-    h = keras.layers.Dense(16, activation="relu")(h)
+    h = keras.layers.Dense(16, activation="relu", name="query_hidden")(h)
     if limit is not None:
         h = Limit(limit)(h)
     if dropout:
         h = keras.layers.Dropout(dropout)(h)
+    if centre:
+        h = BatchCentre(name="batch_centre")(h)
     q = keras.layers.Dense(DIM, name="query_repr")(h)
     i = keras.layers.Dense(DIM, use_bias=False, name="item_repr")(
-        keras.layers.Dense(16, activation="relu")(items)
+        keras.layers.Dense(16, activation="relu", name="item_hidden")(items)
     )
     logits = Similarity(scale, name="similarity")([q, i])
     return cls([queries, items], logits, **kwargs)
@@ -184,6 +193,70 @@ def test_a_subclassed_model_is_refused_naming_what_to_do():
     x, y = data()
     with pytest.raises(ValueError, match="needs a functional model"):
         model.fit(x, y, **FIT)
+
+
+class Towers(keras.Model):
+    """The two-tower model, subclassed: `represent` and `couple` are what
+    its `call` is made of. Built from `two_tower()`'s layers, so it starts
+    from the reference's weights."""
+
+    def __init__(self, source, **kwargs):
+        super().__init__(**kwargs)
+        self.query_tower = keras.Model(source.inputs[0], source.get_layer("query_repr").output)
+        self.item_tower = keras.Model(source.inputs[1], source.get_layer("item_repr").output)
+        self.similarity = source.get_layer("similarity")
+
+    def represent(self, inputs, training=None):
+        return {"query": self.query_tower(inputs[0], training=training),
+                "item": self.item_tower(inputs[1], training=training)}
+
+    def couple(self, representations, training=None):
+        return self.similarity([representations["query"], representations["item"]])
+
+    def call(self, inputs, training=None):
+        return self.couple(self.represent(inputs, training), training)
+
+
+class AccumTowers(Towers, AccumModel):
+    pass
+
+
+def weights_by_path(model):
+    # A subclass tracks its weights in another order than the functional
+    # model whose layers it holds; their paths are the layers' names.
+    return {v.path: v.numpy() for v in model.weights}
+
+
+@pytest.mark.parametrize("way_in", ["subclass", "wrap"])
+def test_a_subclassed_model_split_at_its_methods_is_the_big_batch(reference, way_in):
+    plain, h_plain = reference
+    settings = dict(micro_batch_size=MICRO, coupled_from="methods")
+    if way_in == "subclass":
+        model = AccumTowers(two_tower(), **settings)
+    else:
+        model = keras_accum.wrap(Towers(two_tower()), **settings)
+    model, history = train(model)
+    expected, trained = weights_by_path(plain), weights_by_path(model)
+    assert sorted(expected) == sorted(trained)
+    for path, value in expected.items():
+        np.testing.assert_allclose(trained[path], value, rtol=1e-5, atol=1e-6, err_msg=path)
+    assert_history_close(h_plain, history)
+
+
+def test_methods_that_are_missing_are_refused_naming_them():
+    class Encoders(AccumTowers):
+        couple = None  # `represent` only: `call` compares the representations itself
+
+        def call(self, inputs, training=None):
+            representations = self.represent(inputs, training)
+            return self.similarity([representations["query"], representations["item"]])
+
+    model = Encoders(two_tower(), micro_batch_size=MICRO, coupled_from="methods")
+    model.compile("adam", InBatchSoftmax())
+    x, y = data()
+    with pytest.raises(ValueError, match="has no `couple`"):
+        model.fit(x, y, **FIT)
+    assert int(model.optimizer.iterations.numpy()) == 0
 
 
 def test_ordinary_micro_batching_of_the_same_model_is_not_the_big_batch(reference):
@@ -290,12 +363,13 @@ def test_a_keras_file_keeps_coupled_from_and_trains_on(tmp_path, reference):
 
 
 @pytest.mark.unit
-def test_config_round_trips_coupled_from():
-    model = two_tower(AccumModel, micro_batch_size=MICRO, coupled_from=TOWERS)
+@pytest.mark.parametrize("coupled_from", [TOWERS, "methods"])
+def test_config_round_trips_coupled_from(coupled_from):
+    model = two_tower(AccumModel, micro_batch_size=MICRO, coupled_from=coupled_from)
     config = model.get_config()
-    assert config["coupled_from"] == TOWERS
+    assert config["coupled_from"] == coupled_from
     again = AccumModel.from_config(config, custom_objects={"Similarity": Similarity})
-    assert again.get_config()["coupled_from"] == TOWERS
+    assert again.get_config()["coupled_from"] == coupled_from
 
 
 @pytest.mark.unit
@@ -353,6 +427,15 @@ def test_layers_that_do_not_split_the_model_are_refused_before_training(names, m
         model.fit(x, y, **FIT)
     for a, b in zip(before, model.weights):
         np.testing.assert_array_equal(a, b.numpy())
+
+
+def test_an_encoder_that_mixes_samples_is_refused_naming_the_layer():
+    model = two_tower(AccumModel, centre=True, micro_batch_size=MICRO, coupled_from=TOWERS)
+    model.compile("adam", InBatchSoftmax())
+    x, y = data()
+    with pytest.raises(ValueError, match="'batch_centre'.*mixes the samples"):
+        model.fit(x, y, **FIT)
+    assert int(model.optimizer.iterations) == 0
 
 
 def test_with_skip_nonfinite_and_after_a_recompile_it_is_the_big_batch(reference):
