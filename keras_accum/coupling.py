@@ -348,8 +348,12 @@ class _Replicas:
     def gather(self, values):
         if self.count == 1 or values is None:
             return values
+        # Gathered from a copy made in the replica: a tensor from outside
+        # it (the batch's `y` from the dataset) has no device, and
+        # MultiWorkerMirroredStrategy gathers to the tensor's device.
         return tree.map_structure(
-            lambda t: None if t is None else self.context.all_gather(t, axis=0), values
+            lambda t: None if t is None else self.context.all_gather(tf.identity(t), axis=0),
+            values,
         )
 
     def own_rows(self, values):

@@ -12,6 +12,8 @@ the step, where a one-replica bug would hide (issue 23).
 
 import json
 
+import keras
+
 import numpy as np
 import pytest
 from helpers import internals
@@ -200,6 +202,20 @@ def test_noise_scale_across_workers_is_agreed_and_changes_nothing(workers):
         expected = estimate(grads, windows_of(92, 8, 4))
         logged = workers[0]["noise_scale"]["still"]["history"]["noise_scale"]
         np.testing.assert_allclose(logged, [expected] * 2, rtol=1e-5)
+
+
+def test_coupled_from_across_workers_is_the_one_process_big_batch(workers):
+    # The representations all-gathered across workers; every worker
+    # computes the loss on the global batch and backpropagates its rows.
+    from helpers.coupled import FIT, InBatchSoftmax, data, two_tower
+
+    plain = two_tower()
+    plain.compile(keras.optimizers.Adam(0.01), InBatchSoftmax())
+    history = plain.fit(*data(), **FIT)
+    for worker in workers:
+        assert_close_to(worker["coupled"]["weights"], plain)
+        if METRICS_EXACT:
+            assert_history_close(worker["coupled"]["history"], history)
 
 
 def test_plain_keras_fit_fails_across_workers(workers):

@@ -29,7 +29,7 @@ strategy = tf.distribute.MultiWorkerMirroredStrategy()
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from helpers import internals  # noqa: E402
+from helpers import coupled, internals  # noqa: E402
 from helpers.auto_replicas import AutoRuns  # noqa: E402
 from helpers.data import make_data, small_table_data  # noqa: E402
 from helpers.models import OPTIMIZERS, functional, loss, small_tables_net  # noqa: E402
@@ -113,6 +113,20 @@ def distributed(task):
             model.compile(keras.optimizers.SGD(rate), "mse")
         history = model.fit(regression, epochs=2, verbose=0)
         out["noise_scale"][name] = {"weights": weights(model), "history": history.history}
+
+    # coupled_from: the representations gathered across workers, the loss
+    # on the global batch (test_coupled.py's model: batches of 32, 16 per
+    # worker, the last 28; micro-batches of 8).
+    with strategy.scope():
+        model = coupled.two_tower(AccumModel, micro_batch_size=coupled.MICRO,
+                                  coupled_from=coupled.TOWERS)
+        model.compile(keras.optimizers.Adam(0.01), coupled.InBatchSoftmax())
+    (queries, items), y = coupled.data()
+    history = model.fit(
+        dataset({"queries": queries, "items": items}, y, batch=coupled.BATCH),
+        epochs=coupled.FIT["epochs"], verbose=0,
+    )
+    out["coupled"] = {"weights": weights(model), "history": history.history}
 
     # skip_nonfinite: a NaN in one worker's share of a micro-batch of the
     # second window (samples 40-43 go to worker 0, 44-47 to worker 1), each
