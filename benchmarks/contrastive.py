@@ -16,6 +16,12 @@ items) trained four ways:
 - ordinary micro-batching, b: `AccumModel(micro_batch_size=b)`, batches of
   B: each micro-batch's own negatives, a different training; for its time.
 
+Timed only: the encoders' forward pass over B samples in micro-batches of
+b, no tape (what `coupled_from` adds to ordinary micro-batching: ordinary
+plus this is the floor it is held to), and the big batch and `coupled_from`
+under XLA (`jit_compile=True`, Keras's default on one GPU), against each
+other.
+
 Memory: each configuration in a fresh Python, the most tensor memory one
 `fit` of two updates holds at once above what it starts with, from
 TensorFlow's allocator statistics (`memory.tensor_peak`), after one update
@@ -61,7 +67,7 @@ def _loss_class():
     return InBatchSoftmax
 
 
-def make_model(config, quick):
+def make_model(config, quick, jit_compile="auto"):
     import keras
     import tensorflow as tf
 
@@ -86,7 +92,7 @@ def make_model(config, quick):
         )
     else:
         model = keras_accum.AccumModel([queries, items], scores, micro_batch_size=micro)
-    model.compile(keras.optimizers.Adam(1e-3), _loss_class()())
+    model.compile(keras.optimizers.Adam(1e-3), _loss_class()(), jit_compile=jit_compile)
     return model
 
 
@@ -128,17 +134,55 @@ def _memory_in_fresh_process(config, quick, out):
     return json.loads(Path(out).read_text())
 
 
+# Timed only: the second forward pass alone, and the two steps under XLA
+# (Keras's default on one GPU), each against its own big batch.
+SECOND_FORWARD = "the encoders' forward pass, micro-batches of b (no tape)"
+XLA = {"big batch, XLA": "big batch", "coupled_from, b, XLA": "coupled_from, b"}
+
+
+def baseline_of(name):
+    return "big batch, XLA" if name in XLA else "big batch"
+
+
+class SecondForward:
+    """What `coupled_from` adds to ordinary micro-batching: the encoders'
+    forward pass over the batch, micro-batch by micro-batch, no tape; timed
+    as a model's `train_function` is."""
+
+    def __init__(self, model, quick):
+        import keras
+        import tensorflow as tf
+
+        _, _, _, _, big, micro = SIZES["quick" if quick else "full"]
+        encoders = keras.Model(model.inputs, [model.get_layer(n).output for n in TOWERS])
+
+        @tf.function
+        def forward(iterator):
+            (queries, items), _ = next(iterator)
+            total = tf.constant(0.0)
+            for start in range(0, big, micro):
+                reps = encoders([queries[start:start + micro], items[start:start + micro]],
+                                training=True)
+                total += tf.add_n([tf.reduce_sum(r) for r in reps])
+            return {"loss": total}
+
+        self.train_function = forward
+
+
 def measure_time(rounds, quick):
-    timed = [c for c in CONFIGS if c != "plain at b"]
     x, y = data(quick)
-    models = {config: make_model(config, quick) for config in timed}
-    for config, model in models.items():
-        model.fit(x, y, batch_size=batch_of(config, quick), epochs=1, shuffle=False, verbose=0)
+    models = {config: make_model(config, quick) for config in CONFIGS if config != "plain at b"}
+    models.update({name: make_model(config, quick, jit_compile=True)
+                   for name, config in XLA.items()})
+    for name, model in models.items():
+        model.fit(x, y, batch_size=batch_of(XLA.get(name, name), quick), epochs=1,
+                  shuffle=False, verbose=0)
     reference = models["big batch"].get_weights()
     difference = max(
         float(np.max(np.abs(a - b)))
         for a, b in zip(reference, models["coupled_from, b"].get_weights())
     )
+    models[SECOND_FORWARD] = SecondForward(models["big batch"], quick)
     seconds = timing.paired_train_steps(models, x, y, batch_of("big batch", quick), rounds)
     return seconds, difference
 
@@ -170,7 +214,8 @@ def run(rounds, quick, out):
     result["max_weight_difference"] = difference
     result["time_ms"] = {c: _summary([1000 * s for s in v]) for c, v in seconds.items()}
     result["time_ratio"] = {
-        c: _summary([a / b for a, b in zip(v, seconds["big batch"])]) for c, v in seconds.items()
+        c: _summary([a / b for a, b in zip(v, seconds[baseline_of(c)])])
+        for c, v in seconds.items()
     }
     return result
 
@@ -201,6 +246,21 @@ def report(result):
                if timing else "- | - (batches of b: not the same step) |")
         )
     lines += [
+        "",
+        "| timed only | time per step (ms) | vs its big batch, paired (min-max) |",
+        "| --- | --- | --- |",
+    ]
+    for name in (SECOND_FORWARD, *XLA):
+        timing, ratio = result["time_ms"][name], result["time_ratio"][name]
+        lines.append(f"| {name} | {timing['median']:.0f} | {ratio['median']:.2f} "
+                     f"({ratio['min']:.2f}-{ratio['max']:.2f}) |")
+    floor = (result["time_ratio"]["ordinary micro-batching, b"]["median"]
+             + result["time_ratio"][SECOND_FORWARD]["median"])
+    lines += [
+        "",
+        f"Ordinary micro-batching plus the second forward pass: {floor:.2f}x the big batch "
+        f"(`coupled_from`: {result['time_ratio']['coupled_from, b']['median']:.2f}x). "
+        "The XLA rows are `jit_compile=True`, each against the big batch under XLA.",
         "",
         f"The whole batch's representations take {result['representations_mib']:.1f} MiB and "
         f"its similarity matrix {result['similarity_mib']:.0f} MiB (the coupled part holds it, "
