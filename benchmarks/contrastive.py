@@ -16,11 +16,11 @@ items) trained four ways:
 - ordinary micro-batching, b: `AccumModel(micro_batch_size=b)`, batches of
   B: each micro-batch's own negatives, a different training; for its time.
 
-Timed only: the encoders' forward pass over B samples in micro-batches of
-b, no tape (what `coupled_from` adds to ordinary micro-batching: ordinary
-plus this is the floor it is held to), and the big batch and `coupled_from`
-under XLA (`jit_compile=True`, Keras's default on one GPU), against each
-other.
+Also: the encoders' forward pass over B samples in micro-batches of b, no
+tape, timed (what `coupled_from` adds to ordinary micro-batching: ordinary
+plus this is the floor it is held to); and the big batch, `coupled_from`
+and ordinary micro-batching under XLA (`jit_compile=True`, Keras's default
+on one GPU), memory and time, against the big batch under XLA.
 
 Memory: each configuration in a fresh Python, the most tensor memory one
 `fit` of two updates holds at once above what it starts with, from
@@ -110,10 +110,11 @@ def batch_of(config, quick):
     return micro if config == "plain at b" else big
 
 
-def measure_memory(config, quick):
+def measure_memory(name, quick):
     import tensorflow as tf
 
-    model = make_model(config, quick)
+    config = XLA.get(name, name)
+    model = make_model(config, quick, jit_compile=name in XLA)
     model.optimizer.build(model.trainable_variables)
     x, y = data(quick)
     batch = batch_of(config, quick)
@@ -134,10 +135,11 @@ def _memory_in_fresh_process(config, quick, out):
     return json.loads(Path(out).read_text())
 
 
-# Timed only: the second forward pass alone, and the two steps under XLA
-# (Keras's default on one GPU), each against its own big batch.
+# The second forward pass alone (timed), and the steps under XLA (Keras's
+# default on one GPU), each against the big batch under XLA.
 SECOND_FORWARD = "the encoders' forward pass, micro-batches of b (no tape)"
-XLA = {"big batch, XLA": "big batch", "coupled_from, b, XLA": "coupled_from, b"}
+XLA = {"big batch, XLA": "big batch", "coupled_from, b, XLA": "coupled_from, b",
+       "ordinary micro-batching, b, XLA": "ordinary micro-batching, b"}
 
 
 def baseline_of(name):
@@ -206,8 +208,8 @@ def run(rounds, quick, out):
         "similarity_mib": big * big * 4 / memory.MIB,
         "memory": {},
     }
-    for config in CONFIGS:
-        path = out.with_suffix(f".{CONFIGS.index(config)}.json")
+    for index, config in enumerate((*CONFIGS, *XLA)):
+        path = out.with_suffix(f".{index}.json")
         result["memory"][config] = _memory_in_fresh_process(config, quick, path)
         path.unlink()
     seconds, difference = measure_time(rounds, quick)
@@ -247,13 +249,16 @@ def report(result):
         )
     lines += [
         "",
-        "| timed only | time per step (ms) | vs its big batch, paired (min-max) |",
-        "| --- | --- | --- |",
+        "| timed (and XLA) | peak tensor memory of fit (MiB) | time per step (ms) "
+        "| vs its big batch, paired (min-max) |",
+        "| --- | --- | --- | --- |",
     ]
     for name in (SECOND_FORWARD, *XLA):
         timing, ratio = result["time_ms"][name], result["time_ratio"][name]
-        lines.append(f"| {name} | {timing['median']:.0f} | {ratio['median']:.2f} "
-                     f"({ratio['min']:.2f}-{ratio['max']:.2f}) |")
+        peak = result["memory"].get(name)
+        lines.append(f"| {name} | {peak['growth_mib']:.0f} | " if peak else f"| {name} | - | ")
+        lines[-1] += (f"{timing['median']:.0f} | {ratio['median']:.2f} "
+                      f"({ratio['min']:.2f}-{ratio['max']:.2f}) |")
     floor = (result["time_ratio"]["ordinary micro-batching, b"]["median"]
              + result["time_ratio"][SECOND_FORWARD]["median"])
     lines += [
@@ -280,7 +285,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run")
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--memory-worker", choices=CONFIGS, help=argparse.SUPPRESS)
+    parser.add_argument("--memory-worker", choices=(*CONFIGS, *XLA), help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(ROOT / "benchmarks"),
                         help="directory for contrastive.json and contrastive.md")

@@ -218,9 +218,41 @@ def after(previous, part):
     could run several at once, holding several micro-batches' activations:
     each waits for the sum of those before it, and memory stays the
     micro-batch's.
+
+    Under XLA, which schedules without control dependencies and merges
+    equal computations (a coupled micro-batch's second forward pass with
+    its first, coupling.py: the first pass's activations would then be kept
+    for the second), `part` waits by data instead: it is added a zero that
+    XLA cannot tell is one, made from `previous`.
     """
-    with tf.control_dependencies(_tensors(previous)):
-        return tree.map_structure(lambda t: None if t is None else tf.identity(t), part)
+    if not internals.in_xla_context():
+        with tf.control_dependencies(_tensors(previous)):
+            return tree.map_structure(lambda t: None if t is None else tf.identity(t), part)
+    zero = _zero_after(previous)
+    return tree.map_structure(
+        lambda t: None if t is None else _plus(t, zero), part
+    )
+
+
+def _zero_after(previous):
+    # 0.0, computed from one element of each tensor of `previous`: a
+    # comparison no float can pass (not even NaN) selects it. XLA folds
+    # what it can prove (a constant zero, `x * 0` of integers, an
+    # optimization barrier is expanded before CSE on CPU), not this.
+    firsts = [tf.cast(tf.reduce_sum(tf.reshape(t, [-1])[:1]), tf.float32)
+              for t in _tensors(previous)]
+    if not firsts:
+        return tf.constant(0.0)
+    probe = tf.add_n(firsts)
+    return tf.where(probe > float("inf"), probe, tf.zeros_like(probe))
+
+
+def _plus(t, zero):
+    if t.dtype.is_bool:
+        return tf.logical_or(t, zero > 0)
+    if t.dtype.is_floating or t.dtype.is_integer:
+        return t + tf.cast(zero, t.dtype)
+    return t  # strings and others: XLA takes none
 
 
 def add_gradients(a, b):

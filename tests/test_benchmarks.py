@@ -146,8 +146,10 @@ def test_contrastive_benchmark_runs_and_writes_its_report(tmp_path):
     import json
 
     report = (tmp_path / "contrastive.md").read_text()
-    for config in ("big batch", "coupled_from, b", "plain at b", "ordinary micro-batching, b"):
+    for config in ("big batch", "coupled_from, b", "plain at b", "ordinary micro-batching, b",
+                   "big batch, XLA", "coupled_from, b, XLA"):
         assert f"| {config} |" in report, config
+    assert "the encoders' forward pass" in report
     measured = json.loads((tmp_path / "contrastive.json").read_text())
     assert measured["max_weight_difference"] < 1e-4  # coupled trained as the big batch
     assert all(m["growth_mib"] > 0 for m in measured["memory"].values())

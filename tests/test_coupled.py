@@ -63,6 +63,25 @@ def test_a_short_last_batch_and_xla_are_the_big_batch(jit_compile):
     assert_history_close(h_plain, history)
 
 
+def test_under_xla_the_second_forward_pass_is_not_merged_with_the_first():
+    # XLA merges equal computations: the second pass's forward of a
+    # micro-batch, left equal to the first's, would be computed once and
+    # its activations kept from the first pass on (the big batch's memory).
+    # Counted in the step XLA compiles: each micro-batch's first layer runs
+    # once per pass.
+    model = two_tower(AccumModel, micro_batch_size=MICRO, coupled_from=TOWERS)
+    model.compile(keras.optimizers.Adam(0.01), InBatchSoftmax(), jit_compile=True)
+    x, y = data()
+    batch = (tuple(tf.constant(t[:BATCH]) for t in x), tf.constant(y[:BATCH]))
+    model.train_on_batch(*batch)
+    step = tf.function(model.train_step, jit_compile=True)
+    hlo = step.experimental_get_compiler_ir(batch)(stage="optimized_hlo")
+    first_layer = [line for line in hlo.splitlines()
+                   if " dot(" in line and "query_hidden" in line
+                   and f"f32[{MICRO},16]" in line.split("=", 1)[1].split("dot(")[0]]
+    assert len(first_layer) == 2 * (BATCH // MICRO), first_layer
+
+
 @pytest.mark.parametrize(
     "replicas",
     [1, pytest.param(2, marks=pytest.mark.slow)],  # 11 s: the slow tier
