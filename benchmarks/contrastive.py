@@ -17,8 +17,9 @@ items) trained four ways:
   B: each micro-batch's own negatives, a different training; for its time.
 
 Also: the encoders' forward pass over B samples in micro-batches of b, no
-tape, timed (what `coupled_from` adds to ordinary micro-batching: ordinary
-plus this is the floor it is held to); and the big batch, `coupled_from`
+tape, timed (what `coupled_from` adds to ordinary micro-batching); the
+floor, timed: the two-pass method and the big batch each written bare, one
+`tf.function` with Adam's update and nothing else; and the big batch, `coupled_from`
 and ordinary micro-batching under XLA (`jit_compile=True`, Keras's default
 on one GPU), memory and time, against the big batch under XLA.
 
@@ -142,7 +143,15 @@ XLA = {"big batch, XLA": "big batch", "coupled_from, b, XLA": "coupled_from, b",
        "ordinary micro-batching, b, XLA": "ordinary micro-batching, b"}
 
 
+# The floor: the step written bare, one `tf.function` with Adam's update and
+# nothing else (no Keras loss tracking, no metrics, no keras_accum), the
+# two-pass method against the big batch written the same way.
+BARE = {"two passes, bare": "gradcache", "big batch, bare": "big"}
+
+
 def baseline_of(name):
+    if name in BARE:
+        return "big batch, bare"
     return "big batch, XLA" if name in XLA else "big batch"
 
 
@@ -171,6 +180,60 @@ class SecondForward:
         self.train_function = forward
 
 
+class Bare:
+    """The big batch's step (`kind="big"`) or the two-pass method's
+    (`kind="gradcache"`: representations per micro-batch without a tape,
+    the similarity and loss on the whole batch, each micro-batch again
+    backpropagating its rows), in one `tf.function` with the optimizer's
+    update; timed as a model's `train_function` is."""
+
+    def __init__(self, model, kind, quick):
+        import keras
+        import tensorflow as tf
+
+        _, _, _, _, big, micro = SIZES["quick" if quick else "full"]
+        encoders = keras.Model(model.inputs, [model.get_layer(n).output for n in TOWERS])
+        variables = encoders.trainable_variables
+        loss_fn = _loss_class()()
+        optimizer = model.optimizer
+
+        def loss_of(reps, y):
+            logits = tf.matmul(reps[0], reps[1], transpose_b=True)
+            return tf.reduce_mean(loss_fn.call(y, logits))
+
+        @tf.function
+        def big_batch(iterator):
+            x, y = next(iterator)
+            with tf.GradientTape() as tape:
+                loss = loss_of(encoders(list(x), training=True), y)
+            optimizer.apply(tape.gradient(loss, variables), variables)
+            return {"loss": loss}
+
+        @tf.function
+        def two_passes(iterator):
+            (queries, items), y = next(iterator)
+            parts = [[queries[s:s + micro], items[s:s + micro]] for s in range(0, big, micro)]
+            reps = [[tf.stop_gradient(r) for r in encoders(p, training=True)] for p in parts]
+            whole = [tf.concat(r, 0) for r in zip(*reps)]
+            with tf.GradientTape() as tape:
+                tape.watch(whole)
+                loss = loss_of(whole, y)
+            upstream = tape.gradient(loss, whole)
+            grads = None
+            for k, part in enumerate(parts):
+                with tf.GradientTape() as tape:
+                    surrogate = tf.add_n([
+                        tf.reduce_sum(r * u[k * micro:(k + 1) * micro])
+                        for r, u in zip(encoders(part, training=True), upstream)
+                    ])
+                g = tape.gradient(surrogate, variables)
+                grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+            optimizer.apply(grads, variables)
+            return {"loss": loss}
+
+        self.train_function = big_batch if kind == "big" else two_passes
+
+
 def measure_time(rounds, quick):
     x, y = data(quick)
     models = {config: make_model(config, quick) for config in CONFIGS if config != "plain at b"}
@@ -185,6 +248,11 @@ def measure_time(rounds, quick):
         for a, b in zip(reference, models["coupled_from, b"].get_weights())
     )
     models[SECOND_FORWARD] = SecondForward(models["big batch"], quick)
+    for name, kind in BARE.items():
+        # A model of its own each: they update its weights and optimizer.
+        bare = make_model("big batch", quick)
+        bare.fit(x, y, batch_size=batch_of("big batch", quick), epochs=1, shuffle=False, verbose=0)
+        models[name] = Bare(bare, kind, quick)
     seconds = timing.paired_train_steps(models, x, y, batch_of("big batch", quick), rounds)
     return seconds, difference
 
@@ -253,7 +321,7 @@ def report(result):
         "| vs its big batch, paired (min-max) |",
         "| --- | --- | --- | --- |",
     ]
-    for name in (SECOND_FORWARD, *XLA):
+    for name in (SECOND_FORWARD, *BARE, *XLA):
         timing, ratio = result["time_ms"][name], result["time_ratio"][name]
         peak = result["memory"].get(name)
         lines.append(f"| {name} | {peak['growth_mib']:.0f} | " if peak else f"| {name} | - | ")
@@ -265,6 +333,9 @@ def report(result):
         "",
         f"Ordinary micro-batching plus the second forward pass: {floor:.2f}x the big batch "
         f"(`coupled_from`: {result['time_ratio']['coupled_from, b']['median']:.2f}x). "
+        "The bare rows are each step written as one `tf.function` with Adam's update and "
+        "nothing else, the two passes against the big batch written so: the floor of the "
+        "method on this machine. "
         "The XLA rows are `jit_compile=True`, each against the big batch under XLA.",
         "",
         f"The whole batch's representations take {result['representations_mib']:.1f} MiB and "
