@@ -109,9 +109,10 @@ class Coupling:
                 "per-sample representations, and `couple(self, "
                 "representations, training=None)`, returning the model's "
                 "outputs from them, so that `call` is "
-                "`self.couple(self.represent(inputs, training), training)`."
+                "`self.couple(self.represent(inputs, training), training)`. "
+                "(For a layer named 'methods', pass `coupled_from=['methods']`.)"
             )
-        return cls(METHODS, _in_training(model.represent), _in_training(model.couple))
+        return cls(METHODS, _Called(model.represent), _Called(model.couple))
 
     @classmethod
     def _of_layers(cls, model, names):
@@ -187,18 +188,24 @@ def _layer_that_mixes_samples(per_sample):
     try:
         probe = keras.Model(per_sample.input, [output for _, output in probed])
         batch = tree.map_structure(lambda spec: _made_up(spec, rows=2), per_sample.input)
-        with keras.StatelessScope():
-            together = probe(batch, training=False)
-            alone = probe(tree.map_structure(lambda t: t[:1], batch), training=False)
+        alone = tree.map_structure(lambda t: t[:1], batch)
+        # Each call from the same state: a layer random even in inference
+        # (Monte Carlo dropout) draws the same numbers in each, and one
+        # that still disagrees with itself is not judged.
+        outputs = []
+        for inputs in (batch, alone, alone):
+            with keras.StatelessScope():
+                outputs.append([np.asarray(o, np.float64) for o in probe(inputs, training=False)])
     except Exception:  # noqa: BLE001 - see above: the check is left undone
         return None
-    for (name, _), a, b in zip(probed, together, alone):
-        a, b = np.asarray(a[:1], np.float64), np.asarray(b, np.float64)
+    for (name, _), together, alone, again in zip(probed, *outputs):
+        together = together[:1]
+        if together.shape != alone.shape or not np.array_equal(alone, again, equal_nan=True):
+            continue
         # Relative to the output's scale: a batch of two and a batch of one
         # may run different kernels (float noise); mixing moves it by O(1).
-        if a.shape == b.shape and np.max(np.abs(a - b), initial=0) > 1e-2 * max(
-            np.max(np.abs(a), initial=0), 1e-6
-        ):
+        scale = max(np.max(np.abs(alone), initial=0), 1e-6)
+        if np.max(np.abs(together - alone), initial=0) > 1e-2 * scale:
             return name
     return None
 
@@ -215,12 +222,24 @@ def _made_up(spec, rows):
     return rng.normal(size=shape).astype(spec.dtype)
 
 
-def _in_training(method):
-    # `method(inputs, training=True)`, or `method(inputs)` for a method
-    # without a `training` argument (as Keras calls a layer's `call`).
-    if "training" in inspect.signature(method).parameters:
-        return method
-    return lambda inputs, training: method(inputs)
+class _Called(keras.layers.Layer):
+    """A model's `represent` or `couple` method, called as a layer is: the
+    layers it calls without a `training` argument then read it from the
+    call, as they do inside the model's `call` (Dropout drops, BatchNorm
+    uses the batch's statistics). Holds no weights; not tracked by the
+    model (made by `Coupling`, which nothing saves)."""
+
+    def __init__(self, method):
+        # No casting of the inputs: the method's layers cast their own.
+        super().__init__(name=f"{method.__name__}_call", autocast=False)
+        self.method = method
+        self.passes_training = "training" in inspect.signature(method).parameters
+        self.built = True
+
+    def call(self, inputs, training=None):
+        if self.passes_training:
+            return self.method(inputs, training=training)
+        return self.method(inputs)
 
 
 def check_strategy(settings, strategy):

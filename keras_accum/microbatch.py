@@ -222,8 +222,8 @@ def after(previous, part):
     Under XLA, which schedules without control dependencies and merges
     equal computations (a coupled micro-batch's second forward pass with
     its first, coupling.py: the first pass's activations would then be kept
-    for the second), `part` waits by data instead: it is added a zero that
-    XLA cannot tell is one, made from `previous`.
+    for the second), `part` waits by data instead: it is subtracted a zero
+    that XLA cannot tell is one, made from `previous`.
     """
     if not internals.in_xla_context():
         with tf.control_dependencies(_tensors(previous)):
@@ -248,11 +248,15 @@ def _zero_after(previous):
 
 
 def _plus(t, zero):
+    # `t` itself, by data after `zero`. Minus, not plus: x - 0.0 is x for
+    # every float, -0.0 included (-0.0 + 0.0 is +0.0).
+    if not isinstance(t, tf.Tensor):
+        return t  # a SparseTensor, a RaggedTensor: waits by nothing
     if t.dtype.is_bool:
         return tf.logical_or(t, zero > 0)
     if t.dtype.is_floating or t.dtype.is_integer:
-        return t + tf.cast(zero, t.dtype)
-    return t  # strings and others: XLA takes none
+        return t - tf.cast(zero, t.dtype)
+    return t  # strings, complex: waits by nothing
 
 
 def add_gradients(a, b):

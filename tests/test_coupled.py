@@ -129,19 +129,29 @@ def test_a_subclassed_model_is_refused_naming_what_to_do():
         model.fit(x, y, **FIT)
 
 
+class OnlyInTraining(keras.layers.Layer):
+    """The identity in training, zeros in inference: called without
+    `training`, as a method's Dropout often is, it reads the call's."""
+
+    def call(self, inputs, training=None):
+        return inputs if training else tf.zeros_like(inputs)
+
+
 class Towers(keras.Model):
     """The two-tower model, subclassed: `represent` and `couple` are what
-    its `call` is made of. Built from `two_tower()`'s layers, so it starts
-    from the reference's weights."""
+    its `call` is made of. Built from the layers of `two_tower(limit=MICRO)`
+    (out of memory above a micro-batch: `represent` sees micro-batches
+    only), so it starts from the reference's weights."""
 
     def __init__(self, source, **kwargs):
         super().__init__(**kwargs)
         self.query_tower = keras.Model(source.inputs[0], source.get_layer("query_repr").output)
         self.item_tower = keras.Model(source.inputs[1], source.get_layer("item_repr").output)
         self.similarity = source.get_layer("similarity")
+        self.only_in_training = OnlyInTraining()
 
     def represent(self, inputs, training=None):
-        return {"query": self.query_tower(inputs[0], training=training),
+        return {"query": self.query_tower(self.only_in_training(inputs[0]), training=training),
                 "item": self.item_tower(inputs[1], training=training)}
 
     def couple(self, representations, training=None):
@@ -166,9 +176,9 @@ def test_a_subclassed_model_split_at_its_methods_is_the_big_batch(reference, way
     plain, h_plain = reference
     settings = dict(micro_batch_size=MICRO, coupled_from="methods")
     if way_in == "subclass":
-        model = AccumTowers(two_tower(), **settings)
+        model = AccumTowers(two_tower(limit=MICRO), **settings)
     else:
-        model = keras_accum.wrap(Towers(two_tower()), **settings)
+        model = keras_accum.wrap(Towers(two_tower(limit=MICRO)), **settings)
     model, history = train(model)
     expected, trained = weights_by_path(plain), weights_by_path(model)
     assert sorted(expected) == sorted(trained)
@@ -185,7 +195,7 @@ def test_methods_that_are_missing_are_refused_naming_them():
             representations = self.represent(inputs, training)
             return self.similarity([representations["query"], representations["item"]])
 
-    model = Encoders(two_tower(), micro_batch_size=MICRO, coupled_from="methods")
+    model = Encoders(two_tower(limit=MICRO), micro_batch_size=MICRO, coupled_from="methods")
     model.compile("adam", InBatchSoftmax())
     x, y = data()
     with pytest.raises(ValueError, match="has no `couple`"):

@@ -444,3 +444,32 @@ def test_auto_and_numpy_integers_are_accepted():
     assert functional(AccumModel, micro_batch_size="auto").micro_batch_size == "auto"
     size = functional(AccumModel, micro_batch_size=np.int64(8)).micro_batch_size
     assert size == 8 and type(size) is int
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+def test_a_micro_batch_waits_for_the_previous_one_without_a_changed_bit(jit_compile):
+    # Under XLA a micro-batch waits by data (a zero it cannot fold, taken
+    # away from each input): -0.0 stays -0.0, NaN and infinities in what it
+    # waits for change nothing, integers and booleans pass as they are.
+    from keras_accum import microbatch
+
+    part = (
+        tf.constant([-0.0, 0.0, 1.5, -np.inf, np.nan], tf.float32),
+        tf.constant([-0.0, 2.0], tf.bfloat16),
+        tf.constant([3, -4], tf.int32),
+        tf.constant([True, False]),
+        None,
+    )
+    previous = [tf.constant([np.nan, 1.0]), None, tf.constant([np.inf])]
+    waited = tf.function(lambda p, x: microbatch.after(p, x), jit_compile=jit_compile)(
+        previous, part
+    )
+    assert waited[4] is None
+    for before, after in zip(part[:4], waited[:4]):
+        assert after.dtype == before.dtype
+        a = np.asarray(tf.cast(before, tf.float64) if before.dtype == tf.bfloat16 else before)
+        b = np.asarray(tf.cast(after, tf.float64) if after.dtype == tf.bfloat16 else after)
+        np.testing.assert_array_equal(a, b)
+        if a.dtype.kind == "f":
+            np.testing.assert_array_equal(np.signbit(a), np.signbit(b))
