@@ -144,7 +144,8 @@ class Coupling:
         per_sample = keras.Model(model.input, outputs, name=f"{model.name}_per_sample")
         try:
             coupled = keras.Model(outputs, model.output, name=f"{model.name}_coupled")
-        except ValueError as error:
+            _runs_on_its_inputs(coupled, outputs)
+        except (ValueError, KeyError) as error:
             raise ValueError(
                 f"The layers `coupled_from={list(names)}` do not split the "
                 "model: an input reaches its output without passing through "
@@ -167,6 +168,21 @@ class Coupling:
                 "`coupled_from`), or make it per sample."
             )
         return cls(names, per_sample, coupled)
+
+
+def _runs_on_its_inputs(coupled, representations):
+    # Keras 3.8 makes a model whose outputs need more than its inputs, and
+    # fails only when it runs, with a KeyError for the tensor it lacks (later
+    # releases raise a ValueError when it is made): run it once, on made-up
+    # representations, writing nothing. Any other failure of made-up inputs
+    # is not this one, and is left for training to show.
+    try:
+        with keras.StatelessScope():
+            coupled([_made_up(r, rows=2) for r in representations], training=False)
+    except KeyError:
+        raise
+    except Exception:  # noqa: BLE001 - not a missing input: see above
+        pass
 
 
 def _layer_that_mixes_samples(per_sample):
