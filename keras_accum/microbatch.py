@@ -230,7 +230,7 @@ def after(previous, part):
             return tree.map_structure(lambda t: None if t is None else tf.identity(t), part)
     zero = _zero_after(previous)
     return tree.map_structure(
-        lambda t: None if t is None else _plus(t, zero), part
+        lambda t: None if t is None else _waiting(t, zero), part
     )
 
 
@@ -247,7 +247,7 @@ def _zero_after(previous):
     return tf.where(probe > float("inf"), probe, tf.zeros_like(probe))
 
 
-def _plus(t, zero):
+def _waiting(t, zero):
     # `t` itself, by data after `zero`. Minus, not plus: x - 0.0 is x for
     # every float, -0.0 included (-0.0 + 0.0 is +0.0).
     if not isinstance(t, tf.Tensor):
