@@ -153,3 +153,24 @@ def test_contrastive_benchmark_runs_and_writes_its_report(tmp_path):
     measured = json.loads((tmp_path / "contrastive.json").read_text())
     assert measured["max_weight_difference"] < 1e-4  # coupled trained as the big batch
     assert all(m["growth_mib"] > 0 for m in measured["memory"].values())
+
+
+@pytest.mark.release
+def test_xla_benchmark_runs_and_reads_each_steps_traffic(tmp_path):
+    out = tmp_path / "xla.json"
+    result = run_python(
+        "-m", "benchmarks.xla", "--quick", "--rounds", "1", "--workloads", "mlp",
+        "--out", str(out), timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    import json
+
+    workload = json.loads(out.read_text())["workloads"]["mlp"]
+    traffic = workload["hlo_bytes_per_window"]
+    # Step mode's update is a branch: its micro-batches that only add move
+    # less than the one that updates, and the window less than the built-in's
+    # (which runs its update, all elementwise, at every micro-batch).
+    accumulate, _, update, _ = workload["hlo_bytes_per_step"]["step mode"]
+    assert 0 < accumulate < update
+    assert traffic["step mode"][0] < traffic["built-in"][0]
+    assert "| mlp | step mode / built-in |" in result.stdout

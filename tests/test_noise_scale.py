@@ -202,6 +202,18 @@ def test_a_sparse_gradients_squared_norm_is_its_dense_rows(rows, dtype, run):
     np.testing.assert_allclose(float(norm()), np.sum(dense**2), rtol=1e-6)
 
 
+@pytest.mark.parametrize("shape", [(), (7,), (64, 48), (3, 5, 2)])
+@pytest.mark.parametrize("run", ["graph", "xla"])
+def test_a_dense_gradients_squared_norm(shape, run):
+    # Under XLA a product of the squares with ones, in as many rows as
+    # divide the gradient's size (one for 7 and 1).
+    grad = np.random.default_rng(7).normal(size=shape).astype("float32")
+    norm = tf.function(
+        lambda: internals.noise_scale.squared_norm([tf.constant(grad)]), jit_compile=run == "xla"
+    )
+    np.testing.assert_allclose(float(norm()), np.sum(grad.astype(np.float64) ** 2), rtol=1e-6)
+
+
 def test_mixed_float16_measures_the_unscaled_gradients():
     x, y = regression_data(92, noise=1.0)
     plain = regression_net(keras_accum.AccumModel, accum_steps=4, hidden=5, noise_scale=True)

@@ -622,3 +622,79 @@ def test_slices_restored_by_a_tf_train_checkpoint_and_flushed_before_any_step(tm
     plain.compile(keras.optimizers.SGD(0.5), loss())
     plain.train_on_batch(x[: 3 * MICRO], y[: 3 * MICRO])
     assert_weights_close(plain, resumed)
+
+
+def test_under_xla_a_window_of_the_steps_own_slices_is_handed_over_in_its_size():
+    # The step adds 4 occurrences a micro-batch, 2 micro-batches a window:
+    # its update reads the window's 8 slots, not the table's 1000 rows.
+    acc = GradientAccumulator()
+    weights = tf.Variable(tf.zeros((1000, 3)))
+    acc.build([weights], accum_steps=2)
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.normal(size=(4, 3)).astype("float32"), rng.integers(0, 1000, 4).astype("int32"))
+        for _ in range(3)
+    ]
+
+    @tf.function(jit_compile=True)
+    def step(values, ids):
+        acc.add([tf.IndexedSlices(values, ids, tf.constant([1000, 3], tf.int64))], weight=1.0,
+                window_occurrences=2)
+        sizes = acc.compact_sizes()
+        return acc.within(sizes), acc.window_gradients(compact=sizes)[0]
+
+    expected = np.zeros((1000, 3))
+    for k, (values, ids) in enumerate(batches[:2]):
+        np.add.at(expected, ids, values)
+        within, window = step(values, ids)
+        assert bool(within)
+        assert window.values.shape == (8, 3)
+        np.testing.assert_allclose(
+            tf.convert_to_tensor(window).numpy(), expected / (k + 1), rtol=1e-6
+        )
+    # A window begun with more occurrences than this step's can hold (a
+    # step of longer sequences) is not within them: handed over whole.
+    acc.reset()
+    acc.add([tf.IndexedSlices(tf.ones((12, 3)), tf.range(12))], weight=1.0)
+    within, _ = step(*batches[2])
+    assert not bool(within)
+
+
+def test_under_xla_a_window_begun_at_longer_sequences_is_exact():
+    # Each window's micro-batches padded to their own, shrinking lengths
+    # (8, 6, 4, 2 tokens): the last one's step can hold fewer occurrences
+    # than the window has, so its update hands over the whole buffer.
+    # Adam reads each occurrence (test above for the size it is handed in).
+    vocab, micro, n = 500, 4, 4
+    rng = np.random.default_rng(3)
+    lengths = np.tile(np.repeat([8, 6, 4, 2], micro), 3)
+    tokens = [rng.integers(1, vocab, k).astype("int32") for k in lengths]
+    labels = rng.integers(0, 3, len(tokens)).astype("int64")
+
+    def dataset(batch):
+        ds = tf.data.Dataset.from_generator(
+            lambda: zip(tokens, labels),
+            output_signature=(tf.TensorSpec((None,), tf.int32), tf.TensorSpec((), tf.int64)),
+        )
+        # Its length known: on one of unknown length, Keras 3.15's fit made 4
+        # updates an epoch of 3 big batches (plain or not), another matter.
+        ds = ds.apply(tf.data.experimental.assert_cardinality(len(tokens)))
+        return ds.padded_batch(batch)
+
+    def build(cls=keras.Model, **kwargs):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((None,), dtype="int32")
+        h = keras.layers.Embedding(vocab, 8, mask_zero=True, name="embedding")(inputs)
+        h = keras.layers.GlobalAveragePooling1D()(h)
+        return cls(inputs, keras.layers.Dense(3)(h), **kwargs)
+
+    plain = build()
+    initial = plain.get_weights()
+    plain.compile(OPTIMIZERS["adam"](), loss())
+    plain.fit(dataset(micro * n), epochs=2, verbose=0)
+    accum = build(AccumModel, accum_steps=n)
+    accum.compile(OPTIMIZERS["adam"](), loss(), jit_compile=True)
+    accum.fit(dataset(micro), epochs=2, verbose=0)
+    assert_trained(plain, initial)
+    assert_weights_close(plain, accum)
+

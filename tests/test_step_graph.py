@@ -14,7 +14,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 from helpers.internals import graphs_as_run
-from helpers.models import loss
+from helpers.data import make_data
+from helpers.models import functional, loss
 
 from keras_accum import AccumModel
 
@@ -113,3 +114,21 @@ def test_under_xla_each_micro_batch_is_done_before_the_next_starts():
         if 'op_type="MatMul"' in line and re.search(r"/hidden(_\d+)?/MatMul", line)
     )
     assert order == "FB" * 4, order
+
+
+def test_under_xla_the_update_runs_once_per_window_not_at_every_micro_batch():
+    # XLA's conditional simplifier turns a conditional whose branches do
+    # only elementwise work (Adam's update) into both branches and a
+    # select: the update ran at every micro-batch and was thrown away at
+    # all but the last (an MLP's step mode took the built-in's 1.33x of a
+    # plain step per micro-batch; benchmarks/xla.md). The compiled step
+    # keeps the window's close a conditional.
+    keras.utils.set_random_seed(0)
+    model = functional(AccumModel, accum_steps=4)
+    model.compile(keras.optimizers.Adam(), loss(), jit_compile=True)
+    x, y = make_data(8)
+    model.train_on_batch(x, y)
+    step = tf.function(model.train_step, jit_compile=True)
+    hlo = step.experimental_get_compiler_ir((tf.constant(x), tf.constant(y)))(stage="optimized_hlo")
+    entry = hlo[hlo.index("ENTRY"):]
+    assert " conditional(" in entry

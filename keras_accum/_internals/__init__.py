@@ -64,6 +64,7 @@ from keras_accum._internals.callbacks import (  # noqa: E402
     set_initial_epoch,
 )
 from keras_accum._internals.distribute import (  # noqa: E402
+    branch_keeping_zero,
     current_graph,
     in_xla_context,
     metrics_summed_over_replicas,
@@ -193,6 +194,7 @@ __all__ = [
     "no_automatic_dependency_tracking",
     # distribute
     "in_xla_context",
+    "branch_keeping_zero",
     "current_graph",
     "metrics_summed_over_replicas",
     "multi_worker",

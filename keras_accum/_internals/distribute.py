@@ -65,6 +65,27 @@ def in_xla_context():
     )
 
 
+def branch_keeping_zero(probe):
+    """Under XLA, a float32 zero made from the scalar `probe` at run time
+    through a sort: written by a conditional's branch, it keeps the
+    conditional a branch. Elsewhere a constant zero.
+
+    XLA's ConditionalSimplifier (its "simplify-conditional" pass) turns a
+    two-way conditional whose branches hold only what it counts as cheap,
+    elementwise work included whatever its size, into both branches run
+    and a select: the window's update, all elementwise for Adam, SGD and
+    most optimizers, then runs at every micro-batch and is thrown away at
+    all but the last (benchmarks/xla.md: 1.33x a step's time on an MLP).
+    A sort is not cheap to it; `where(p > inf, p, 0)` is zero for every
+    float, NaN included, and cannot be folded.
+    """
+    if not in_xla_context():
+        return tf.constant(0.0)
+    probe = tf.cast(tf.reshape(probe, []), tf.float32)
+    smallest = tf.sort(tf.stack([probe, probe]))[0]
+    return tf.where(smallest > float("inf"), smallest, 0.0)
+
+
 def replica_component(variable):
     """The current replica's own component of a per-replica variable.
 

@@ -291,7 +291,7 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         steps = self.micro_step.read_value()
         return steps if last is None else steps + 1
 
-    def window_gradients(self, loss_scale=None, total_weight=None, last=None):
+    def window_gradients(self, loss_scale=None, total_weight=None, last=None, compact=None):
         """The window's gradient per window variable, in each variable's dtype.
 
         Multiplied by `loss_scale` when given: what a loss-scaling optimizer
@@ -300,6 +300,8 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         window is a sum. Variables that had no gradient give None, as they
         would for the big batch. `last`: a `MicroBatch` that completes the
         window without having been added (`add_or_close`; dense only).
+        `compact` (XLA): `compact_sizes()`, for a window `within` them: each
+        sparse buffer's slices handed over in that size.
         """
         normalise = self.normalise
         if last is not None:
@@ -313,6 +315,9 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         for i, (buf, v) in enumerate(zip(self.acc_grads, self._bound())):
             if i in self.layout.absent:
                 grads.append(None)
+            elif i in self.layout.sparse and compact is not None:
+                window = slices.compact_window(*self._slices(i), compact[i])
+                grads.append(_scaled_slices(window, inv, v.dtype))
             elif i in self.layout.sparse:
                 padded = internals.in_xla_context()
                 grads.append(
@@ -327,6 +332,32 @@ class GradientAccumulator(tf.Module, internals.SavedState):
                     dense = dense + _scaled(tf.cast(last.grads[i], buf.dtype), last.grad_scale)
                 grads.append(tf.cast(_scaled(dense, inv), v.dtype))
         return grads
+
+    def compact_sizes(self):
+        """Under XLA, in the graph of a step that adds sparse gradients: per
+        sparse buffer, the occurrences a window of this step can hold (its
+        recorded capacity, at most the table's rows), the static size its
+        slices are handed over in when the window is `within` it; else None
+        (eagerly and in graphs, slices are handed over as they are)."""
+        if not self.layout.sparse or not internals.in_xla_context():
+            return None
+        sizes = {}
+        for i in self.layout.sparse:
+            capacity = self._trace.capacity(i)
+            if capacity is None:
+                return None
+            rows = self.acc_grads[i].shape[0]
+            sizes[i] = tf.minimum(tf.cast(capacity, tf.int64), rows)
+        return sizes
+
+    def within(self, sizes):
+        """Whether every sparse buffer holds slices (not row sums) no more
+        than its size in `sizes` (`compact_sizes`): a boolean scalar."""
+        fits = []
+        for i, size in sizes.items():
+            count = internals.replica_component(self.slice_counts[i])
+            fits.append(tf.logical_and(count >= 0, count <= size))
+        return tf.reduce_all(tf.stack(fits))
 
     def stats_of(self, i):
         """Buffer i's per-row statistic sums (slices.py), made when first
@@ -377,12 +408,16 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         no update is made. A window kept as slices is emptied by its count
         alone: no pass over the table.
         """
+        # Under XLA a new window's count is written from a sort: the update
+        # that resets it stays a branch, run once per window, not at every
+        # micro-batch (`internals.branch_keeping_zero`).
+        zero = internals.branch_keeping_zero(self.micro_step)
         for i, (buf, count) in enumerate(zip(self.acc_grads, self.slice_counts)):
             if i not in self.layout.sparse:
                 buf.assign(tf.zeros_like(buf))
             count.assign(tf.zeros_like(count))
         self.window_weight.assign(0.0)
-        self.micro_step.assign(0)
+        self.micro_step.assign(tf.cast(zero, self.micro_step.dtype))
 
     def _bound(self):
         if self.window_variables is None:
@@ -435,6 +470,10 @@ def _sparse_window_gradient(parts, stats, statistic, padded, capacity, inv, dtyp
         kind=statistic,
         capacity=capacity,
     )
+    return _scaled_slices(window, inv, dtype)
+
+
+def _scaled_slices(window, inv, dtype):
     values = window.values * tf.cast(inv, window.values.dtype)
     return tf.IndexedSlices(tf.cast(values, dtype), window.indices, window.dense_shape)
 

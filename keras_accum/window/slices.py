@@ -132,6 +132,25 @@ def _padded(storage, indices, count):
     return values, tf.where(live, indices, tf.zeros_like(indices))
 
 
+def compact_window(storage, indices, count, size):
+    """A window of slices (`0 <= count <= size`) as one `IndexedSlices` of
+    the buffer's first `size` slots, those past `count` zero-valued at row
+    0 (as `_padded`'s: exact).
+
+    Under XLA, `size` is what the traced step's window can fill (a
+    constant there, `GradientAccumulator.compact_sizes`): the update then
+    reads and scatters the window's occurrences, not a table's worth of
+    padding (benchmarks/xla.md).
+    """
+    values = storage[:size]
+    live = tf.range(size, dtype=count.dtype) < count
+    mask = tf.reshape(live, [-1] + [1] * (len(storage.shape) - 1))
+    values = tf.where(mask, values, tf.zeros_like(values))
+    idx = tf.where(live, indices[:size], tf.zeros_like(indices[:size]))
+    dense_shape = tf.constant(storage.shape.as_list(), tf.int64)
+    return tf.IndexedSlices(values, idx, dense_shape)
+
+
 def dense_sum(storage, indices, count):
     """The sum of the window's slices as a dense gradient."""
     values, idx = _padded(storage, indices, count)

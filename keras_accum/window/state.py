@@ -246,14 +246,38 @@ def close(state, optimizer, strategy=None, last=None):
         # weight is divided likewise to undo it.
         replicas = strategy.num_replicas_in_sync
         total = buffers.window_weight.read_value() / replicas
-        run = strategy.run
         gradients = lambda: buffers.window_gradients(loss_scale, total)  # noqa: E731
         finite = lambda: _finite_across(strategy, gradients)  # noqa: E731
-    else:
-        replicas, run = 1, _call
+        _decide(state, optimizer, loss_scale, replicas, strategy.run, gradients, finite, last)
+        return
+
+    def on_one_device(compact):
         # On one device, the gradient the policy checks is the one applied.
-        gradients = _once(lambda: buffers.window_gradients(loss_scale, last=last))
+        gradients = _once(
+            lambda: buffers.window_gradients(loss_scale, last=last, compact=compact)
+        )
         finite = lambda: nonfinite.all_finite(gradients())  # noqa: E731
+        _decide(state, optimizer, loss_scale, 1, _call, gradients, finite, last)
+
+    sizes = buffers.compact_sizes()
+    if sizes is None:
+        on_one_device(None)
+    else:
+        # Under XLA, a sparse window of the traced step's own slices is
+        # handed over in the size that step can fill, not the table's
+        # (slices.compact_window); any other (a window kept as row sums,
+        # or begun by a step of other shapes) in the table's size, as
+        # before. Two updates in the graph; one runs.
+        tf.cond(
+            buffers.within(sizes),
+            lambda: on_one_device(sizes),
+            lambda: on_one_device(None),
+        )
+
+
+def _decide(state, optimizer, loss_scale, replicas, run, gradients, finite, last):
+    # The window's policy decides; applied, in each replica (`run`).
+    buffers = state.buffers
 
     def apply():
         # Read before the update starts a new window.
