@@ -243,8 +243,9 @@ def _computations(text):
     return computations, entry
 
 
-# Ops that read or write only the rows they index, not their whole operand.
-_INDEXED_READS = {"gather", "dynamic-slice"}
+# Ops that read or write only the rows they index, not their whole operand
+# (a slice too: a micro-batch waits on one element of each gradient).
+_INDEXED_READS = {"gather", "dynamic-slice", "slice"}
 _INDEXED_WRITES = {"scatter", "dynamic-update-slice"}
 
 
@@ -279,8 +280,8 @@ def hlo_bytes(text):
     of its 51 MB table and took 1.4-2.2 ms in all): each instruction reads its operands and writes its
     result, by their shapes; a fusion counts as one instruction (its body
     stays in registers); tuples, parameters and constants move nothing; a
-    gather, scatter or dynamic slice (or a fusion of one) moves the rows it
-    indexes (its result or updates), not the table. Conditionals: for
+    gather, scatter or slice (or a fusion of one) moves the rows it indexes
+    (its result or updates), not the whole operand. Conditionals: for
     `accumulate` each takes its cheaper branch (a micro-batch that only
     adds); for `update` the entry's take their dearer branch (the window's
     update) and those inside it their cheaper (the window's own slices, not
