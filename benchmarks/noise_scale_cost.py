@@ -80,6 +80,21 @@ def _summary(values):
     }
 
 
+def rotated_rounds(timers, rounds):
+    """`{label: [what timers[label]() returned, per round]}`: each round
+    calls every timer once, in an order rotated by one place per round;
+    round 0 is a warm-up, dropped. Values of one round are paired."""
+    measured = {label: [] for label in timers}
+    order = list(timers)
+    for index in range(rounds + 1):
+        shift = index % len(order)
+        values = {label: timers[label]() for label in order[shift:] + order[:shift]}
+        if index:
+            for label, value in values.items():
+                measured[label].append(value)
+    return measured
+
+
 def median_interval(values):
     """A distribution-free 95% confidence interval for the median: the
     order statistics at n/2 -+ 1.96 sqrt(n)/2 (the binomial's normal
@@ -122,16 +137,9 @@ def run_workload(name, rounds, quick, unit="window", jit_compile=False):
             label: (lambda m=m, b=b: train_one_epoch(m, x, y, b))
             for label, (m, b) in models.items()
         }
-    wall = {label: [] for label in models}
-    cpu = {label: [] for label in models}
-    order = list(models)
-    for index in range(rounds + 1):  # round 0: warm-up, dropped
-        shift = index % len(order)
-        times = {label: timers[label]() for label in order[shift:] + order[:shift]}
-        if index:
-            for label, (w, c) in times.items():
-                wall[label].append(w)
-                cpu[label].append(c)
+    measured = rotated_rounds(timers, rounds)
+    wall = {label: [w for w, _ in values] for label, values in measured.items()}
+    cpu = {label: [c for _, c in values] for label, values in measured.items()}
     result = {
         "description": workload.description,
         "bit_identical_after_one_epoch": identical,

@@ -48,7 +48,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # quiet TensorFlow start-up
 import numpy as np  # noqa: E402
 
 from benchmarks import workloads  # noqa: E402
-from benchmarks.noise_scale_cost import median_interval  # noqa: E402
+from benchmarks.noise_scale_cost import median_interval, rotated_rounds  # noqa: E402
 
 N, B = workloads.PRICE_ACCUM_STEPS, workloads.MICRO_BATCH
 
@@ -338,14 +338,7 @@ def run_workload(name, rounds, quick):
     timers, hlo = {}, {}
     for mode in MODES:
         timers[mode], hlo[mode] = _timer(mode, workload, x, y)
-    seconds = {mode: [] for mode in MODES}
-    order = list(MODES)
-    for index in range(rounds + 1):  # round 0: warm-up, dropped
-        shift = index % len(order)
-        times = {mode: timers[mode]() for mode in order[shift:] + order[:shift]}
-        if index:
-            for mode, t in times.items():
-                seconds[mode].append(t)
+    seconds = rotated_rounds(timers, rounds)
     ratios = {}
     for a, b in RATIOS:
         values = [p / q for p, q in zip(seconds[a], seconds[b])]
