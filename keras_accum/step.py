@@ -95,6 +95,23 @@ class SplitBatch(NamedTuple):
 def train_step(model, plan, state, data):
     """One train step of `model` on `data`, as its `plan` says (see above);
     `state`: the model's `AccumState`."""
+    # Every op of the step waits for the batch. On a data set of unknown
+    # length Keras calls the train function once more per epoch and its
+    # iterator fails inside it ("ran out of data"); in a graph, the step's
+    # writes that read no data (a window's count, a reset) ran before that
+    # and a window's gradients were lost (SGD weights 0.036 from the same
+    # data of known length).
+    with tf.control_dependencies(_tensors_of(data)):
+        return _train_step(model, plan, state, data)
+
+
+def _tensors_of(data):
+    if tf.executing_eagerly():
+        return []
+    return [t for t in tf.nest.flatten(data, expand_composites=True) if isinstance(t, tf.Tensor)]
+
+
+def _train_step(model, plan, state, data):
     if not plan.uses_buffers:
         if not plan.splits:
             return keras.Model.train_step(model, data)
