@@ -125,9 +125,9 @@ def _padded(storage, indices, count):
     the occurrences of a row, after squaring them where it squares), so
     this is exact and has static shapes (for XLA).
     """
-    rows = storage.shape[0]
+    rows = tf.shape(indices, out_type=count.dtype)[0]
     live = tf.range(rows, dtype=count.dtype) < count
-    mask = tf.reshape(live, [rows] + [1] * (len(storage.shape) - 1))
+    mask = tf.reshape(live, [-1] + [1] * (len(storage.shape) - 1))
     values = tf.where(mask, storage, tf.zeros_like(storage))
     return values, tf.where(live, indices, tf.zeros_like(indices))
 
@@ -142,11 +142,7 @@ def compact_window(storage, indices, count, size):
     reads and scatters the window's occurrences, not a table's worth of
     padding (benchmarks/xla.md).
     """
-    values = storage[:size]
-    live = tf.range(size, dtype=count.dtype) < count
-    mask = tf.reshape(live, [-1] + [1] * (len(storage.shape) - 1))
-    values = tf.where(mask, values, tf.zeros_like(values))
-    idx = tf.where(live, indices[:size], tf.zeros_like(indices[:size]))
+    values, idx = _padded(storage[:size], indices[:size], count)
     dense_shape = tf.constant(storage.shape.as_list(), tf.int64)
     return tf.IndexedSlices(values, idx, dense_shape)
 
