@@ -3,13 +3,16 @@
 Trains a small network on scikit-learn's handwritten digits (shipped inside
 the package, no download) with `noise_scale=True`, starting from 16-sample
 micro-batches and `accum_steps=2`, and lets
-`AccumScheduler("noise_scale")` grow `accum_steps` each epoch towards the
-measured noise scale (a batch-size warm-up; McCandlish et al. 2018). Prints
-one line per epoch: the noise scale `B_simple` (in samples), the
-`accum_steps` that epoch trained with, and the effective batch.
+`AccumScheduler("noise_scale")` grow `accum_steps` towards twice the
+measured noise scale every 25 updates (a batch-size warm-up; McCandlish et al. 2018),
+the learning rate following the batch (Adam: the square root of AdaScale's
+gain). Prints each decision: the smoothed noise scale with its 95%
+interval, the `accum_steps` chosen and the rate; then one line per epoch:
+the epoch's raw noise scale `B_simple` (in samples), the `accum_steps` at
+its end, the effective batch and the validation accuracy.
 
     python examples/noise_scale.py
-    python examples/noise_scale.py --plot docs/assets/noise_scale.png  # the README's plot
+    python examples/noise_scale.py --plot docs/assets/noise_scale.png  # the docs' plot
 
 Runs in about a minute on two CPU cores.
 """
@@ -53,12 +56,23 @@ def main(argv=None):
         loss="sparse_categorical_crossentropy",
         metrics=["accuracy"],
     )
-    grow = keras_accum.AccumScheduler("noise_scale", max_accum_steps=MAX_ACCUM_STEPS)
+    grow = keras_accum.AccumScheduler(
+        "noise_scale", max_accum_steps=MAX_ACCUM_STEPS, every_updates=25
+    )
     history = model.fit(
         x_train, y_train, batch_size=MICRO_BATCH, epochs=args.epochs,
         validation_data=(x_test, y_test), callbacks=[grow], verbose=0,
     ).history
 
+    print("update  noise_scale  (95% interval)     resolved  accum_steps  learning_rate")
+    for d in grow.path:
+        e = d.estimate
+        rate = "" if d.learning_rate is None else f"{d.learning_rate:.6f}"
+        print(
+            f"{d.updates:6d}  {e.value:11.1f}  ({e.low:.1f}, {e.high:.1f})"
+            f"  {e.resolved!s:>8}  {d.accum_steps:11d}  {rate}"
+        )
+    print()
     print("epoch  noise_scale  accum_steps  effective batch  val accuracy")
     for epoch in range(args.epochs):
         steps = history["accum_steps"][epoch]
@@ -86,7 +100,7 @@ def plot(history, path):
     top.set_yscale("log")
     top.set_ylabel("samples")
     top.legend(loc="upper left", fontsize=8)
-    top.set_title("Digits MLP: noise scale measured each epoch, batch grown to it")
+    top.set_title("Digits MLP: noise scale measured, batch grown to it every 25 updates")
     bottom.plot(epochs, history["loss"], label="training loss")
     bottom.plot(epochs, history["val_accuracy"], label="validation accuracy")
     bottom.set_xlabel("epoch")

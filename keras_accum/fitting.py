@@ -59,6 +59,8 @@ class FitControl(NamedTuple):
     changes: "FitChanges"
     # The batch size the step splits (None until a training batch is seen).
     batch_size_seen: Callable
+    # Whether a window is open (micro-batches trained, not yet applied).
+    window_open: Callable
     # The window's `NoiseScale`, or None when the model does not measure.
     noise: Optional[object]
     # `measured(value)`: an epoch's noise scale estimate, for the model's

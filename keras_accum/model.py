@@ -484,6 +484,7 @@ class AccumModel(
             stop_fast_forward=self._functions().stop_fast_forward,
             changes=self._fit_changes,
             batch_size_seen=lambda: self._batch_size_seen,
+            window_open=lambda: bool(self._accum_state.open_micro_batches()),
             noise=self._accum_state.noise,
             measured=self._measured,
         )

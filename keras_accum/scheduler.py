@@ -2,34 +2,78 @@
 from a schedule or from the measured gradient noise scale."""
 
 import inspect
-import math
 import numbers
+from typing import NamedTuple, Optional
 
 from keras_accum import _internals as internals
+from keras_accum import rate_rules
 from keras_accum.arguments import check_accum_steps
 from keras_accum.fitting import FitSetting
+from keras_accum.growth import BatchGrowth, NoiseEstimate
+
+# The learning_rate_rule argument's default: "auto" with "noise_scale",
+# None with a dict or a callable.
+DEFAULT = object()
+# "noise_scale" decides this often unless told (every_updates).
+DEFAULT_EVERY_UPDATES = 50
+# ... and grows the batch towards this multiple of the noise scale.
+DEFAULT_NOISE_SCALE_MULTIPLE = 2.0
+
+
+class Decision(NamedTuple):
+    """One decision of an `AccumScheduler` (its `path`).
+
+    Attributes:
+        epoch: the epoch it was made in (0-based).
+        updates: `optimizer.iterations` when it was made.
+        samples: samples trained in this `fit` when it was made.
+        accum_steps: the value set (or kept) for the next windows.
+        learning_rate: the rate set by the rule, or None without one.
+        estimate: the smoothed `growth.NoiseEstimate` ("noise_scale"
+            schedule), or None.
+
+    Example:
+
+    ```python
+    for decision in scheduler.path:
+        print(decision.updates, decision.accum_steps, decision.learning_rate)
+    ```
+    """
+
+    epoch: int
+    updates: int
+    samples: int
+    accum_steps: int
+    learning_rate: Optional[float]
+    estimate: Optional[NoiseEstimate]
 
 
 class AccumScheduler(FitSetting):
-    """Sets `model.accum_steps` at the start of each epoch, from a schedule.
+    """Sets `model.accum_steps` as training goes: from a schedule of epochs,
+    or grown to the measured gradient noise scale; and the learning rate
+    with it.
 
     Like `keras.callbacks.LearningRateScheduler`, for the effective batch:
     a small batch early, a larger one later. The window open at an epoch's
-    end is applied then (as always in `fit`), so every window lies inside
-    one epoch and the training equals a plain model whose batch size
-    follows the same schedule: `micro-batch x accum_steps` in each epoch.
+    end is applied then (as always in `fit`), and a change between epochs
+    waits for the open window to be applied, so training equals a plain
+    model fed the same sequence of batches: `micro-batch x accum_steps`
+    samples per update.
 
     `optimizer.iterations` counts updates, so learning-rate schedules see
-    the big-batch run's steps. Each distinct value is traced once for the
-    whole `fit`, however often the schedule returns to it. On resume
-    (`initial_epoch`, `BackupAndRestore`) the schedule is applied for the
-    epoch training starts at. Like `fit(accum_steps=...)`, the change lasts
-    for that `fit` only: afterwards `model.accum_steps` is what it was
-    before. The value in force is logged as `accum_steps` in each epoch's
-    logs (the progress bar prints it as an integer). With
-    `fit(accum_steps=N)`, a schedule that sets another value for the epoch
-    training starts at is refused before training (`N` would never be
-    used); a schedule starting later, or "noise_scale", starts from `N`.
+    the big-batch run's steps: with a growing batch, a schedule indexed by
+    steps moves more slowly per sample (`path` records the samples at each
+    decision). Each distinct value is traced once for the whole `fit`,
+    however often the schedule returns to it. On resume (`initial_epoch`,
+    `BackupAndRestore`) the schedule is applied for the epoch training
+    starts at. Like `fit(accum_steps=...)`, the change lasts for that `fit`
+    only: afterwards `model.accum_steps`, and the learning rate a rule set,
+    are what they were before. The value in force is logged as
+    `accum_steps` in each epoch's logs (the progress bar prints it as an
+    integer). With `fit(accum_steps=N)`, a schedule that sets another value
+    for the epoch training starts at is refused before training (`N` would
+    never be used); a schedule starting later, or "noise_scale", starts
+    from `N`.
 
     Args:
         schedule: a dict `{epoch: accum_steps}` (0-based epochs; each value
@@ -40,16 +84,41 @@ class AccumScheduler(FitSetting):
             values are checked for every epoch of the `fit` before training
             starts.
             Or "noise_scale": a warm-up that follows the gradient noise
-            scale the model measures (`noise_scale=True`): at the start of
-            each epoch for which an estimate exists (the previous epoch's,
-            `model.noise_scale`),
-            `accum_steps = min(max_accum_steps, max(current,
-            round(noise_scale / samples_per_step)))`, `samples_per_step`
-            being the batch `fit` draws (global under a strategy): it only
-            grows. A NaN estimate keeps the current value.
+            scale the model measures (`noise_scale=True`; docs: noise
+            scale). At each decision, the windows since the last one are
+            added to a smoothed estimate (`growth.BatchGrowth`), and
+            `accum_steps` grows towards `noise_scale_multiple * estimate /
+            samples_per_step` (`samples_per_step`: the batch `fit` draws,
+            global under a strategy), from the estimate's lower bound
+            while the estimate is unresolved: at most doubling per
+            decision, never shrinking, up to `max_accum_steps`.
         verbose: 1 prints a message when the value changes.
         max_accum_steps: with "noise_scale" (and only then, where it is
             required): the largest `accum_steps` to grow to.
+        every_updates: with "noise_scale": decide after every this many
+            optimizer updates, at a window's end (default
+            `DEFAULT_EVERY_UPDATES`).
+        every_samples: with "noise_scale", instead of `every_updates`:
+            decide once this many samples were trained since the last
+            decision (at a window's end).
+        noise_scale_multiple: with "noise_scale": the batch grown towards,
+            in multiples of the noise scale (default
+            `DEFAULT_NOISE_SCALE_MULTIPLE`, 2: the measured noise scale
+            sits at 0.5-1x the critical batch, where a bigger batch stops
+            paying; docs: growing the batch).
+        learning_rate_rule: how the learning rate follows the batch
+            (keras_accum/rate_rules.py): "auto" (AdaScale's gain for SGD,
+            its square root for Adam and other adaptive optimizers),
+            "adascale", "adascale_sqrt", "sqrt", "linear", a function
+            `(batch, start_batch, estimate) -> factor`, or None (the rate
+            is left alone). The optimizer's rate is taken as the one tuned
+            for the batch the fit starts at, and multiplied by the factor
+            at each change. Default: "auto" with "noise_scale", None with
+            a dict or a callable.
+
+    Attributes:
+        path: the `Decision`s of the last `fit` (each change, and with
+            "noise_scale" each decision), in order.
 
     Example:
 
@@ -60,20 +129,29 @@ class AccumScheduler(FitSetting):
     warmup = keras_accum.AccumScheduler({0: 1, 2: 2, 3: 4})
     model.fit(x, y, batch_size=32, epochs=4, callbacks=[warmup])
 
-    # or as a function of the epoch
-    keras_accum.AccumScheduler(lambda epoch: min(2 ** epoch, 8))
+    # or as a function of the epoch, with the rate scaled by sqrt(batch)
+    keras_accum.AccumScheduler(lambda epoch: min(2 ** epoch, 8), learning_rate_rule="sqrt")
 
-    # or grown to the measured noise scale, up to 32 micro-batches
+    # or grown to the measured noise scale, up to 32 micro-batches,
+    # deciding every 50 updates, the rate following by AdaScale's gain
     model = keras_accum.AccumModel(inputs, outputs, accum_steps=2, noise_scale=True)
-    model.compile("adam", "sparse_categorical_crossentropy")
+    model.compile(keras.optimizers.SGD(0.1), "sparse_categorical_crossentropy")
     grow = keras_accum.AccumScheduler("noise_scale", max_accum_steps=32)
     model.fit(x, y, batch_size=32, epochs=3, callbacks=[grow])
     ```
     """
 
-    def __init__(self, schedule, verbose=0, max_accum_steps=None):
+    def __init__(self, schedule, verbose=0, max_accum_steps=None, *,
+                 every_updates=None, every_samples=None,
+                 learning_rate_rule=DEFAULT, noise_scale_multiple=None):
         super().__init__()
         self.max_accum_steps = _check_max_accum_steps(schedule, max_accum_steps)
+        self.every_updates, self.every_samples = _check_every(
+            schedule, every_updates, every_samples)
+        if learning_rate_rule is DEFAULT:
+            learning_rate_rule = rate_rules.AUTO if schedule == NOISE_SCALE else None
+        self._rule = rate_rules.check_rule(learning_rate_rule)
+        self.learning_rate_rule = learning_rate_rule
         if schedule == NOISE_SCALE:
             self._table = None
             self._schedule = self._from_noise_scale
@@ -93,6 +171,17 @@ class AccumScheduler(FitSetting):
             )
         self.schedule = schedule
         self.verbose = verbose
+        self.path = []
+        self.noise_scale_multiple = _check_multiple(schedule, noise_scale_multiple)
+        self._growth = (
+            BatchGrowth(self.max_accum_steps, multiple=self.noise_scale_multiple)
+            if schedule == NOISE_SCALE else None
+        )
+        self._follower = None
+        self._epoch = 0
+        self._read = None  # the noise scale's sums at the last decision
+        self._since = _Since()
+        self._trained = 0  # samples trained in this fit
 
     def _lookup(self, epoch):
         value = None
@@ -103,13 +192,14 @@ class AccumScheduler(FitSetting):
         return value
 
     def _from_noise_scale(self, epoch):
-        measured = self.model.noise_scale
-        size = self.fit_control.batch_size_seen()
-        if measured is None or math.isnan(measured) or not size:
-            return None
-        current = self.model.accum_steps
-        wanted = self.max_accum_steps if math.isinf(measured) else round(measured / size)
-        return min(self.max_accum_steps, max(current, wanted))
+        # At an epoch's start or every_updates/every_samples: the windows
+        # since the last decision join the smoothed estimate.
+        noise = self.fit_control.noise
+        now = noise.read()
+        self._growth.observe(now - (self._read if self._read is not None else now * 0))
+        self._read = now
+        return self._growth.next_accum_steps(
+            self.model.accum_steps, self.fit_control.batch_size_seen())
 
     def _value(self, epoch):
         value = self._schedule(epoch)
@@ -130,6 +220,14 @@ class AccumScheduler(FitSetting):
             return None
         return self._value(epoch)
 
+    def bind_fit(self, control):
+        super().bind_fit(control)
+        if control is None and self._follower is not None:
+            # The fit ended (or failed): the tuned rate back, with the
+            # model's own accum_steps.
+            self._follower.stop()
+            self._follower = None
+
     def on_train_begin(self, logs=None):
         self._check_model()
         if self.schedule == NOISE_SCALE:
@@ -140,10 +238,18 @@ class AccumScheduler(FitSetting):
                     "it: make it with `noise_scale=True` (AccumModel or "
                     "keras_accum.wrap)."
                 )
+            self._growth.forget()
+            self._read = self.fit_control.noise.read()
         elif self._table is None:
             # A callable is checked for every epoch before the first step.
             for epoch in range(self.params.get("epochs") or 0):
                 self._value(epoch)
+        self.path = []
+        self._since = _Since(self._updates(), 0)
+        self._trained = 0
+        if self._rule is not None:
+            self._follower = rate_rules.RateFollower(self._rule)
+            self._follower.start(self.model.optimizer)
 
     def _check_model(self):
         if not hasattr(type(self.model), "accum_steps"):
@@ -153,21 +259,76 @@ class AccumScheduler(FitSetting):
             )
 
     def on_epoch_begin(self, epoch, logs=None):
-        value = self._value(epoch)
-        if value is None or value == self.model.accum_steps:
+        self._epoch = epoch
+        if self.schedule == NOISE_SCALE and self._decides_within_epochs():
             return
-        # The previous epoch's window was applied at its end, so nothing is
-        # pending here (a resumed mid-epoch window was opened with this value).
-        # For this fit only, as fit(accum_steps=...): not the setter, which
-        # would make the value the model's own after fit.
-        self.fit_control.set_accum_steps(value)
-        if self.verbose > 0:
-            print(f"\nEpoch {epoch + 1}: AccumScheduler setting accum_steps to {value}.")
+        self._decide(epoch)
+
+    def on_train_batch_end(self, batch, logs=None):
+        size = self.fit_control.batch_size_seen() or 0
+        # Counted by full batches: an epoch's short last batch counts whole.
+        self._trained += size
+        if self._follower is not None and self._follower.start_batch is None and size:
+            # The batch the tuned rate goes with: the first one trained.
+            self._follower.start_batch = size * self.model.accum_steps
+        if not self._decides_within_epochs() or self.fit_control.window_open():
+            return
+        updates = self._updates()
+        if self.every_updates is not None:
+            due = updates - self._since.updates >= self.every_updates
+        else:
+            due = self._trained - self._since.samples >= self.every_samples
+        if due:
+            self._decide(self._epoch)
+
+    def _updates(self):
+        # `.numpy()`: under a strategy the count is a MirroredVariable,
+        # which `int()` refuses.
+        return int(self.model.optimizer.iterations.numpy())
+
+    def _decides_within_epochs(self):
+        return self.every_updates is not None or self.every_samples is not None
+
+    def _decide(self, epoch):
+        value = self._value(epoch)
+        estimate = self._growth.estimate if self._growth is not None else None
+        self._since = _Since(self._updates(), self._trained)
+        changed = value is not None and value != self.model.accum_steps
+        if changed:
+            # A window is never open here (an epoch's start, or a window's
+            # end; a resumed mid-epoch window was opened with this value).
+            # For this fit only, as fit(accum_steps=...): not the setter,
+            # which would make the value the model's own after fit.
+            self.fit_control.set_accum_steps(value)
+            if self.verbose > 0:
+                print(f"\nEpoch {epoch + 1}: AccumScheduler setting accum_steps to {value}.")
+        rate = self._follow(estimate) if changed else None
+        if changed or self._growth is not None:
+            self.path.append(Decision(
+                epoch, self._since.updates, self._trained, self.model.accum_steps,
+                rate, estimate))
+
+    def _follow(self, estimate):
+        if self._follower is None:
+            return None
+        size = self.fit_control.batch_size_seen()
+        if not size or self._follower.start_batch is None:
+            # Before the first batch: the batch the fit starts at, which
+            # the tuned rate is for.
+            return self._follower.tuned
+        return self._follower.follow(size * self.model.accum_steps, estimate)
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
             # Printed as an integer by the progress bar (LoggedCount).
             logs["accum_steps"] = internals.LoggedCount(self.model.accum_steps)
+
+
+class _Since(NamedTuple):
+    """`optimizer.iterations` and the samples trained at the last decision."""
+
+    updates: int = 0
+    samples: int = 0
 
 
 NOISE_SCALE = "noise_scale"
@@ -202,6 +363,60 @@ def _check_max_accum_steps(schedule, max_accum_steps):
             f"schedule={schedule!r}."
         )
     return None
+
+
+def _check_every(schedule, every_updates, every_samples):
+    """`(every_updates, every_samples)`, normalised: "noise_scale" decides
+    every `DEFAULT_EVERY_UPDATES` updates unless told; a dict or callable
+    schedule decides at epochs, and refuses both."""
+    given = {k: v for k, v in (("every_updates", every_updates),
+                               ("every_samples", every_samples)) if v is not None}
+    if schedule != NOISE_SCALE:
+        if given:
+            name, value = next(iter(given.items()))
+            raise ValueError(
+                f"`{name}` is for AccumScheduler(\"noise_scale\"); a dict or "
+                "callable schedule sets accum_steps per epoch. Received: "
+                f"{name}={value!r} with schedule={schedule!r}."
+            )
+        return None, None
+    if len(given) == 2:
+        raise ValueError(
+            "Give `every_updates` or `every_samples`, not both. Received: "
+            f"every_updates={every_updates!r}, every_samples={every_samples!r}."
+        )
+    for name, value in given.items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(
+                f"`{name}` must be a positive integer (how often the "
+                "schedule decides). Received: "
+                f"{name}={value!r}."
+            )
+    if not given:
+        return DEFAULT_EVERY_UPDATES, None
+    return (int(every_updates) if every_updates is not None else None,
+            int(every_samples) if every_samples is not None else None)
+
+
+def _check_multiple(schedule, multiple):
+    """`noise_scale_multiple`, normalised to a float (its default with
+    "noise_scale"); refused with another schedule or when not positive."""
+    if schedule != NOISE_SCALE:
+        if multiple is not None:
+            raise ValueError(
+                '`noise_scale_multiple` is for AccumScheduler("noise_scale"). '
+                f"Received: noise_scale_multiple={multiple!r} with schedule={schedule!r}."
+            )
+        return None
+    if multiple is None:
+        return DEFAULT_NOISE_SCALE_MULTIPLE
+    if isinstance(multiple, bool) or not isinstance(multiple, numbers.Real) or not multiple > 0:
+        raise ValueError(
+            "`noise_scale_multiple` must be a number > 0 (the batch to grow "
+            "towards, in noise scales; e.g. 2.0). Received: "
+            f"noise_scale_multiple={multiple!r}."
+        )
+    return float(multiple)
 
 
 def _check_takes_an_epoch(schedule):

@@ -577,16 +577,21 @@ def test_the_site_and_the_readme_list_the_same_tested_pairs():
 def test_noise_scale_example_grows_the_batch_by_the_rule():
     result = run_python(str(ROOT / "examples" / "noise_scale.py"), "--epochs", "4", timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [
-        line.split() for line in result.stdout.splitlines()
-        if re.match(r"\s*\d+\s+\S+\s+\d+\s+\d+\s+\S+$", line)
-    ]
-    assert len(rows) == 4, result.stdout
-    measured = [float(r[1]) for r in rows]
-    steps = [int(r[2]) for r in rows]
-    assert all(m > 0 for m in measured), result.stdout
-    assert steps[0] == 2
-    for epoch in range(1, 4):  # min(32, max(current, round(B_simple / 16)))
-        wanted = min(32, max(steps[epoch - 1], round(measured[epoch - 1] / 16)))
-        # The printed estimate is rounded to 0.1: a tie could round either way.
-        assert abs(steps[epoch] - wanted) <= (1 if abs(measured[epoch - 1] / 16 % 1 - 0.5) < 0.01 else 0)
+    number = r"(-?[\d.]+|inf|nan)"
+    decisions = re.findall(
+        rf"^\s*(\d+)\s+{number}\s+\({number}, {number}\)\s+(True|False)\s+(\d+)\s*([\d.]*)$",
+        result.stdout, flags=re.M)
+    epochs = [line for line in result.stdout.splitlines()
+              if re.match(r"\s*\d+\s+\S+\s+\d+\s+\d+\s+\S+$", line)]
+    assert len(epochs) == 4 and len(decisions) >= 3, result.stdout
+    steps = 2
+    for update, value, low, _, resolved, accum_steps, rate in decisions:
+        # Towards twice the smoothed estimate (its lower bound unresolved),
+        # in 16-sample steps: at most doubling, never shrinking, up to 32.
+        # The printed estimate is rounded to 0.1: a tie may round either way.
+        target = 2 * float(value if resolved == "True" else low) / 16
+        wanted = [min(32, 2 * steps, max(steps, round(t))) for t in (target - 0.01, target + 0.01)]
+        assert int(accum_steps) in wanted, (update, value, low, resolved, accum_steps, steps)
+        assert bool(rate) == (int(accum_steps) != steps)  # a rate is set at each change
+        steps = int(accum_steps)
+    assert steps > 2, result.stdout  # it grew

@@ -463,42 +463,85 @@ def test_bad_noise_scale_is_refused_naming_it(value, error):
 
 # -- AccumScheduler("noise_scale") -----------------------------------------------
 
-def test_the_scheduler_grows_accum_steps_by_the_formula_and_each_epoch_is_exact():
-    # Learning rate > 0: the noise scale changes as the model trains.
-    x, y = regression_data(512, noise=2.0)
-    batch, cap, epochs = 8, 12, 5
-    model = regression_net(keras_accum.AccumModel, accum_steps=2, noise_scale=True)
-    model.compile(keras.optimizers.SGD(0.02), "mse")
-    history = model.fit(
-        x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0,
-        callbacks=[keras_accum.AccumScheduler("noise_scale", max_accum_steps=cap)],
-    ).history
-    steps, measured = history["accum_steps"], history["noise_scale"]
-    assert steps[0] == 2
-    for epoch in range(1, epochs):
-        wanted = cap if math.isinf(measured[epoch - 1]) else round(measured[epoch - 1] / batch)
-        assert steps[epoch] == min(cap, max(steps[epoch - 1], wanted)), (steps, measured)
-    assert steps[-1] > 2, (steps, measured)  # it did grow
-    assert model.accum_steps == 2  # for this fit only, as every schedule
-    # Each epoch trains as a plain model with that epoch's big batch.
+def _batches(changes, n, micro_batch, epochs, accum_steps):
+    """The (start, stop) of each update's samples, epoch after epoch, with
+    `accum_steps` from `changes[update]` after that many updates."""
+    batches = []
+    for _ in range(epochs):
+        start = 0
+        while start < n:
+            stop = min(n, start + micro_batch * accum_steps)
+            batches.append((start, stop))
+            start = stop
+            accum_steps = changes.get(len(batches), accum_steps)
+    return batches
+
+
+def _plain_fed(path, x, y, micro, epochs, make_optimizer, start=2):
+    """A plain model fed the batches and rates of a schedule's `path`, as
+    (updates, accum_steps, learning_rate) rows; and those batches."""
+    batches = _batches({u: steps for u, steps, _ in path}, len(x), micro, epochs, start)
+    rates = {u: rate for u, _, rate in path if rate is not None}
     plain = regression_net()
-    plain.compile(keras.optimizers.SGD(0.02), "mse")
-    for epoch in range(epochs):
-        plain.fit(x, y, batch_size=batch * steps[epoch], epochs=1, shuffle=False, verbose=0)
+    plain.compile(make_optimizer(), "mse")
+    for update, (first, stop) in enumerate(batches):
+        if update in rates:
+            plain.optimizer.learning_rate = rates[update]
+        plain.train_on_batch(x[first:stop], y[first:stop])
+    return plain, batches
+
+
+def _rows(path):
+    return [(d.updates, d.accum_steps, d.learning_rate) for d in path]
+
+
+@pytest.mark.parametrize("rule, optimizer, every", [
+    ("sqrt", "adam", dict(every_updates=3)),
+    # 40 samples fall inside a window: the decision waits for its end.
+    ("adascale", "sgd", dict(every_samples=40)),
+])
+def test_deciding_every_k_updates_is_a_plain_model_fed_those_batches_and_rates(
+        rule, optimizer, every):
+    # Learning rate > 0: the noise scale changes as the model trains.
+    x, y = regression_data(344, noise=4.0)
+    micro, cap, epochs, tuned = 8, 12, 3, dict(adam=0.05, sgd=0.02)[optimizer]
+    make = dict(adam=keras.optimizers.Adam, sgd=keras.optimizers.SGD)[optimizer]
+    model = regression_net(keras_accum.AccumModel, accum_steps=2, noise_scale=True)
+    model.compile(make(tuned), "mse")
+    scheduler = keras_accum.AccumScheduler(
+        "noise_scale", max_accum_steps=cap, learning_rate_rule=rule, **every)
+    history = model.fit(x, y, batch_size=micro, epochs=epochs, shuffle=False, verbose=0,
+                        callbacks=[scheduler]).history
+    path = scheduler.path
+    steps = [d.accum_steps for d in path]
+    assert steps[-1] > 2 and steps == sorted(steps), steps  # it grew, never shrank
+    assert all(b <= 2 * a for a, b in zip([2] + steps, steps)), steps  # doubling at most
+    # Every 3 updates, or at the first window's end after 40 samples.
+    if "every_updates" in every:
+        assert np.diff([0] + [d.updates for d in path]).tolist() == [3] * len(path)
+    else:
+        gaps = np.diff([0] + [d.samples for d in path])
+        assert all(40 <= gap < 40 + micro * d.accum_steps for gap, d in zip(gaps, path)), gaps
+    n_updates = int(model.optimizer.iterations)
+    plain, batches = _plain_fed(_rows(path), x, y, micro, epochs, lambda: make(tuned))
+    assert len(batches) == n_updates
+    # Some change came mid-epoch (at a window's end, not an epoch's).
+    changes = [d for prev, d in zip([None] + path, path)
+               if d.accum_steps != (prev.accum_steps if prev else 2)]
+    assert any(batches[d.updates - 1][1] != len(x) for d in changes), changes
+    # Each change set the rate by the rule, from the tuned rate at batch 16.
+    for d in path:
+        if d.learning_rate is not None:
+            factor = keras_accum.rate_rules.RULES[rule](micro * d.accum_steps, 16, d.estimate)
+            assert d.learning_rate == pytest.approx(tuned * factor, rel=1e-6)
+    # The same training as a plain model fed those batches at those rates.
     for a, b in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    assert int(model.optimizer.iterations) == int(plain.optimizer.iterations)
-
-
-@pytest.mark.unit
-def test_the_scheduler_keeps_the_value_on_nan_and_never_shrinks():
-    scheduler = keras_accum.AccumScheduler("noise_scale", max_accum_steps=8)
-    model = regression_net(keras_accum.AccumModel, accum_steps=3, noise_scale=True)
-    scheduler.set_model(model)
-    for measured, expected in [(None, None), (math.nan, None), (5.0, 3), (44.0, 4),
-                               (math.inf, 8), (1000.0, 8), (-3.0, 3)]:
-        internals.pretend_measured(model, batch_size=10, measured=measured)
-        assert internals.scheduled_value(scheduler, 1) == expected, measured
+    assert n_updates == int(plain.optimizer.iterations)
+    # For this fit only: the model's own accum_steps and the tuned rate back.
+    assert model.accum_steps == 2
+    assert float(model.optimizer.learning_rate) == pytest.approx(tuned)
+    assert history["accum_steps"][-1] == steps[-1]
 
 
 def test_the_scheduler_needs_a_measuring_model():
@@ -562,3 +605,17 @@ def test_under_mirrored_strategy_training_is_bit_identical(mirrored, config):
     assert result["iterations"][0] == result["iterations"][1] > 0
     # Measured every epoch (inf is a measurement: the noise dominates).
     assert not any(math.isnan(v) for v in result["noise_scale"])
+
+
+def test_under_mirrored_strategy_the_schedule_is_a_plain_model_fed_its_batches(mirrored):
+    from helpers.mirrored import SCHEDULE_MICRO, SCHEDULE_N, SCHEDULE_TUNED
+
+    run = mirrored["schedule"]
+    steps = [accum_steps for _, accum_steps, _ in run["path"]]
+    assert steps[-1] > 2, run["path"]  # it grew
+    x, y = regression_data(SCHEDULE_N, noise=4.0)
+    plain, batches = _plain_fed(run["path"], x, y, SCHEDULE_MICRO, 3,
+                                lambda: keras.optimizers.Adam(SCHEDULE_TUNED))
+    assert run["iterations"] == len(batches)
+    for a, b in zip(run["weights"], plain.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)

@@ -273,3 +273,71 @@ def test_the_progress_bar_prints_accum_steps_as_an_integer(capsys):
     # Still an int for everything else (a batch size, say).
     assert history.history["accum_steps"] == [1, 2]
     assert all(isinstance(v, int) for v in history.history["accum_steps"])
+
+
+# -- learning_rate_rule ---------------------------------------------------------
+
+
+def test_a_rule_sets_the_rate_of_each_scheduled_batch():
+    # sqrt: the rate tuned for batch 8 (the first), times sqrt(batch / 8).
+    model = functional(AccumModel, accum_steps=3)
+    model.compile(OPTIMIZERS["adam"](), loss(), metrics=["accuracy"])
+    scheduler = AccumScheduler(SCHEDULE, learning_rate_rule="sqrt")
+    model.fit(X, Y, batch_size=MICRO, epochs=EPOCHS, callbacks=[scheduler], **FIT)
+    plain = functional()
+    plain.compile(OPTIMIZERS["adam"](), loss(), metrics=["accuracy"])
+    tuned = float(plain.optimizer.learning_rate)
+    for epoch in range(EPOCHS):
+        steps = step_of(SCHEDULE)(epoch)
+        plain.optimizer.learning_rate = tuned * np.sqrt(steps)
+        plain.fit(X, Y, batch_size=MICRO * steps, epochs=epoch + 1, initial_epoch=epoch, **FIT)
+    assert_weights_close(plain, model)
+    assert [d.learning_rate for d in scheduler.path] == pytest.approx(
+        [tuned, tuned * np.sqrt(2), tuned * 2], rel=1e-6)
+    # For this fit only: the tuned rate is back with the model's accum_steps.
+    assert float(model.optimizer.learning_rate) == pytest.approx(tuned)
+
+
+def test_a_rule_changes_nothing_when_the_batch_does_not():
+    weights = []
+    for rule in (None, "linear"):
+        model = functional(AccumModel, accum_steps=2)
+        model.compile(OPTIMIZERS["sgd_momentum"](), loss())
+        model.fit(X, Y, batch_size=MICRO, epochs=2,
+                  callbacks=[AccumScheduler({0: 2}, learning_rate_rule=rule)], **FIT)
+        weights.append(model.get_weights())
+    for a, b in zip(*weights):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_rule_with_a_learning_rate_schedule_is_refused_before_training():
+    model = functional(AccumModel)
+    model.compile(OPTIMIZERS["adam_exponential_decay"](), loss())
+    with pytest.raises(ValueError, match=r"rate is a ExponentialDecay, not a number.*learning_rate_rule=None"):
+        model.fit(X, Y, batch_size=MICRO, epochs=2,
+                  callbacks=[AccumScheduler({1: 2}, learning_rate_rule="sqrt")], **FIT)
+    assert int(model.optimizer.iterations.numpy()) == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(schedule={0: 2}, every_updates=10), ValueError, r"`every_updates` is for.*every_updates=10"),
+        (dict(schedule="noise_scale", max_accum_steps=8, every_updates=5, every_samples=100),
+         ValueError, r"not both.*every_updates=5, every_samples=100"),
+        (dict(schedule="noise_scale", max_accum_steps=8, every_updates=0), ValueError,
+         r"`every_updates` must be a positive integer.*every_updates=0"),
+        (dict(schedule="noise_scale", max_accum_steps=8, every_samples=2.5), ValueError,
+         r"`every_samples` must be a positive integer.*every_samples=2.5"),
+        (dict(schedule="noise_scale", max_accum_steps=8, noise_scale_multiple=0), ValueError,
+         r"`noise_scale_multiple` must be a number > 0.*noise_scale_multiple=0"),
+        (dict(schedule={0: 2}, noise_scale_multiple=2.0), ValueError,
+         r"`noise_scale_multiple` is for.*noise_scale_multiple=2.0"),
+        (dict(schedule={0: 2}, learning_rate_rule="cube"), ValueError,
+         r"`learning_rate_rule` must be one of.*learning_rate_rule='cube'"),
+    ],
+)
+@pytest.mark.unit
+def test_bad_decision_and_rule_arguments_are_refused_naming_them(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        AccumScheduler(**kwargs)

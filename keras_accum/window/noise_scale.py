@@ -14,8 +14,10 @@ window's micro-batches, `a` the mean of `1 / b_j`, `c = 1 / B` and
 
 which, with equal micro-batches, is the paper's pair of estimators (its
 `B_small = b`, `B_big = B`). Each window's ratio is far too noisy to read,
-so the estimate of an epoch is the ratio of the sums of the windows'
-estimates (a ratio of means, as the paper advises).
+so an estimate over many windows (an epoch's, or the scheduler's since its
+last decision) is the ratio of the sums of the windows' estimates (a ratio
+of means, as the paper advises). The sums of their squares and product are
+kept beside them, for the estimate's spread (keras_accum/noise_estimate.py).
 
 What is measured, and where:
 
@@ -44,11 +46,13 @@ noise.build(strategy)                    # eagerly, before the step is traced
 noise.record(micro_batch_sums(parts))    # in the step, per micro-batch(es)
 noise.close(closed)                      # when the window is applied
 noise.end_epoch()                        # B_simple of the epoch, a float
+noise.read()                             # the sums so far (NoiseEstimate.of)
 ```
 """
 
 import math
 
+import numpy as np
 import tensorflow as tf
 
 from keras_accum import _internals as internals
@@ -56,8 +60,9 @@ from keras_accum.window import replicas
 
 # `window_sums`, one vector so that a read across replicas is one reduction.
 SQUARES, INVERSE_SIZES, MICRO_BATCHES, SAMPLES, STEPS = range(5)
-# `epoch_sums`.
-TRACE, SIGNAL, WINDOWS = range(3)
+# `estimate_sums`: per window estimated, its tr(Sigma) and |G|^2 estimates,
+# 1, and their squares and product (for the spread of their ratio).
+TRACE, SIGNAL, WINDOWS, TRACE_SQUARES, SIGNAL_SQUARES, PRODUCTS = range(6)
 
 
 class NoiseScale:
@@ -73,9 +78,13 @@ class NoiseScale:
             (`INVERSE_SIZES`), their number (`MICRO_BATCHES`) and samples
             (`SAMPLES`), and the train steps that recorded them (`STEPS`:
             a window whose steps were not all recorded is not estimated).
-        epoch_sums: float64 vector, the same on every replica: this epoch's
-            sums of the windows' `tr(Sigma)` (`TRACE`) and `|G|^2`
-            (`SIGNAL`) estimates, and the windows estimated (`WINDOWS`).
+        estimate_sums: float64 vector, the same on every replica: since
+            it was built, the sums over the windows estimated of their
+            `tr(Sigma)` (`TRACE`) and `|G|^2` (`SIGNAL`) estimates, of 1
+            (`WINDOWS`), and of the estimates' squares and product. Only
+            ever added to: an estimate over some windows is the difference
+            of two reads (`read`), so the epoch's and a scheduler's
+            readers do not reset each other's.
 
     Example:
 
@@ -88,7 +97,9 @@ class NoiseScale:
 
     def __init__(self):
         self.window_sums = None
-        self.epoch_sums = None
+        self.estimate_sums = None
+        # `estimate_sums` at this epoch's start, read eagerly.
+        self._epoch_start = None
 
     @property
     def built(self):
@@ -106,16 +117,16 @@ class NoiseScale:
                 name="noise_scale_window",
                 **replicas.variable_arguments(strategy, replicas.SUMMED),
             )
-            self.epoch_sums = tf.Variable(
-                tf.zeros([3], tf.float64),
+            self.estimate_sums = tf.Variable(
+                tf.zeros([6], tf.float64),
                 trainable=False,
-                name="noise_scale_epoch",
+                name="noise_scale_estimates",
                 **replicas.variable_arguments(strategy, replicas.FIRST_REPLICAS),
             )
 
     @property
     def variables(self):
-        return [self.window_sums, self.epoch_sums] if self.built else []
+        return [self.window_sums, self.estimate_sums] if self.built else []
 
     def record(self, sums):
         """Adds one train step's `micro_batch_sums` to the open window (in
@@ -144,7 +155,7 @@ class NoiseScale:
         # A window whose steps were not all recorded (resumed from a file)
         # says nothing.
         measured = tf.equal(sums[STEPS], tf.cast(closed.micro_steps, tf.float64))
-        self.epoch_sums.assign_add(window_estimates(sums, norm, measured))
+        self.estimate_sums.assign_add(window_estimates(sums, norm, measured))
         if recorded:
             self.window_sums.assign(tf.zeros_like(sums))
 
@@ -153,10 +164,16 @@ class NoiseScale:
         if self.built:
             self.window_sums.assign(tf.zeros_like(self.window_sums))
 
+    def read(self):
+        """Eagerly: `estimate_sums` now, a float64 numpy vector (zeros if not
+        built). The difference of two reads is the windows between them."""
+        if not self.built:
+            return np.zeros([6])
+        return self.estimate_sums.numpy()
+
     def start_epoch(self):
-        """Eagerly: forgets the estimates of windows before this epoch."""
-        if self.built:
-            self.epoch_sums.assign(tf.zeros_like(self.epoch_sums))
+        """Eagerly: the epoch's estimate starts from the windows after now."""
+        self._epoch_start = self.read()
 
     def end_epoch(self):
         """Eagerly: the epoch's `B_simple` in samples (a float), and a new
@@ -169,8 +186,10 @@ class NoiseScale:
         """
         if not self.built:
             return math.nan
-        trace, signal, windows = (float(v) for v in self.epoch_sums.numpy())
-        self.start_epoch()
+        now = self.read()
+        start = now * 0 if self._epoch_start is None else self._epoch_start
+        trace, signal, windows = (float(v) for v in (now - start)[:3])
+        self._epoch_start = now
         if windows == 0 or math.isnan(trace) or math.isnan(signal):
             return math.nan
         if signal <= 0:
@@ -179,9 +198,10 @@ class NoiseScale:
 
 
 def window_estimates(sums, squared_norm, measured=True):
-    """`[tr(Sigma), |G|^2, 1]` of one window from its `window_sums` and
-    `|G_B|^2`, or zeros for a window that says nothing (fewer than two
-    micro-batches, not `measured`, or not finite)."""
+    """`[tr(Sigma), |G|^2, 1, tr(Sigma)^2, |G|^2^2, tr(Sigma) |G|^2]` of
+    one window from its `window_sums` and `|G_B|^2`, or zeros for a window
+    that says nothing (fewer than two micro-batches, not `measured`, or not
+    finite)."""
     squares = sums[SQUARES]
     count = sums[MICRO_BATCHES]
     known = tf.logical_and(count >= 2, measured)
@@ -198,6 +218,8 @@ def window_estimates(sums, squared_norm, measured=True):
     # NaN sample) is left out: the optimizer skips it too, or it would make
     # the whole epoch's estimate NaN.
     known = tf.logical_and(known, tf.reduce_all(tf.math.is_finite(estimates)))
+    trace, signal = estimates[0], estimates[1]
+    estimates = tf.concat([estimates, [trace * trace, signal * signal, trace * signal]], 0)
     return tf.where(known, estimates, tf.zeros_like(estimates))
 
 

@@ -332,7 +332,31 @@ def noise_checks(replicas):
             "iterations": [int(m.optimizer.iterations.numpy()) for m in (on, off)],
             "noise_scale": h_on["noise_scale"],
         }
+    out["schedule"] = schedule_run(strategy)
     return _plain(out)
+
+
+# The noise-scale schedule's run (test_noise_scale.py replays it on a plain
+# model): every 3 updates, the rate by sqrt(batch).
+SCHEDULE_N, SCHEDULE_MICRO, SCHEDULE_TUNED = 344, 8, 0.05
+
+
+def schedule_run(strategy):
+    """`AccumScheduler("noise_scale")` under `strategy`: its decisions and
+    the trained weights."""
+    x, y = regression_data(SCHEDULE_N, noise=4.0)
+    with strategy.scope():
+        model = regression_net(AccumModel, accum_steps=2, noise_scale=True)
+        model.compile(keras.optimizers.Adam(SCHEDULE_TUNED), "mse")
+    scheduler = AccumScheduler("noise_scale", max_accum_steps=12, every_updates=3,
+                               learning_rate_rule="sqrt")
+    model.fit(x, y, batch_size=SCHEDULE_MICRO, epochs=3, shuffle=False, verbose=0,
+              callbacks=[scheduler])
+    return {
+        "path": [(d.updates, d.accum_steps, d.learning_rate) for d in scheduler.path],
+        "weights": [w.tolist() for w in model.get_weights()],
+        "iterations": int(model.optimizer.iterations.numpy()),
+    }
 
 
 

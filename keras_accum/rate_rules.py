@@ -1,0 +1,208 @@
+"""Learning-rate rules: the rate that goes with a batch that changed.
+
+A rate tuned for one batch is wrong for a batch 16 times bigger: too small
+to use it, or, taken there unchanged, the bigger batch buys nothing. A rule
+says by what factor to multiply the rate tuned for the batch training
+started at (`start_batch`) when the batch is `batch`:
+
+- `"linear"`: `batch / start_batch` (Goyal et al. 2017; SGD while the batch
+  is well below the noise scale);
+- `"sqrt"`: `sqrt(batch / start_batch)` (Adam-family, Malladi et al. 2022);
+- `"adascale"`: AdaScale's gain (Johnson et al. 2020; SGD)
+  `r = (sigma^2 + mu^2) / (sigma^2 / S + mu^2)` with `S = batch /
+  start_batch`, `sigma^2 = tr(Sigma) / start_batch`, `mu^2 = |G|^2`, that
+  is `(1 + B_noise / start_batch) / (1 + B_noise / batch)`, from the
+  measured noise scale: linear while the noise dominates, flat once the
+  batch is past the noise scale. The same curve as McCandlish et al.'s
+  optimal rate `eps(B) = eps_max / (1 + B_noise / B)`, anchored at the
+  tuned rate;
+- `"adascale_sqrt"`: its square root (Adam-family);
+- `"auto"`: `"adascale"` for `keras.optimizers.SGD`, `"adascale_sqrt"` for
+  every other optimizer.
+
+A rule is a function `(batch, start_batch, estimate) -> factor`
+(`estimate`: the schedule's `growth.NoiseEstimate`, or None), so a user's
+own is one too. Every rule gives 1 at `start_batch`: a schedule that does
+not change the batch does not change the rate.
+
+Example:
+
+```python
+factor = RULES["sqrt"](batch=256, start_batch=16, estimate=None)  # 4.0
+follower = RateFollower(RULES["sqrt"])
+follower.start(optimizer, start_batch=16)
+follower.follow(batch=64, estimate=None)  # the rate is now 2x the tuned one
+follower.stop()                           # the tuned rate back
+```
+"""
+
+import math
+
+import keras
+
+
+def linear(batch, start_batch, estimate=None):
+    """`batch / start_batch`.
+
+    Example:
+
+    ```python
+    linear(64, 16)  # 4.0
+    ```
+    """
+    return batch / start_batch
+
+
+def square_root(batch, start_batch, estimate=None):
+    """`sqrt(batch / start_batch)`.
+
+    Example:
+
+    ```python
+    square_root(64, 16)  # 2.0
+    ```
+    """
+    return math.sqrt(batch / start_batch)
+
+
+def adascale(batch, start_batch, estimate=None):
+    """AdaScale's gain `(1 + B_noise / start_batch) / (1 + B_noise / batch)`.
+
+    `B_noise` is the estimate while it is resolved, else its lower bound
+    (unresolved, the noise dominates: the gain is then at least what that
+    bound gives). Without an estimate (nothing measured yet), 1.
+
+    Example:
+
+    ```python
+    adascale(64, 16, NoiseEstimate(48.0, 40.0, 60.0, 10, True))  # 1.75
+    ```
+    """
+    if estimate is None:
+        return 1.0
+    noise = estimate.value if estimate.resolved else estimate.low
+    if not noise > 0:
+        return 1.0
+    if math.isinf(noise):
+        return batch / start_batch
+    return (1.0 + noise / start_batch) / (1.0 + noise / batch)
+
+
+def adascale_sqrt(batch, start_batch, estimate=None):
+    """The square root of AdaScale's gain: for Adam-family optimizers,
+    whose rate goes with the square root of the batch while the noise
+    dominates (Malladi et al. 2022), and stays once the batch is past the
+    noise scale.
+
+    Example:
+
+    ```python
+    adascale_sqrt(64, 16, NoiseEstimate(48.0, 40.0, 60.0, 10, True))  # 1.32
+    ```
+    """
+    return math.sqrt(adascale(batch, start_batch, estimate))
+
+
+RULES = {
+    "linear": linear,
+    "sqrt": square_root,
+    "adascale": adascale,
+    "adascale_sqrt": adascale_sqrt,
+}
+# "auto": AdaScale's gain for plain SGD (with or without momentum), its
+# square root for every other (adaptive) optimizer.
+AUTO = "auto"
+
+
+def check_rule(rule, argument="learning_rate_rule"):
+    """The rule function for a name, a callable, None, or "auto" (kept
+    as the name: `for_optimizer` resolves it); refuses others."""
+    if rule is None or callable(rule) or rule == AUTO:
+        return rule
+    if isinstance(rule, str) and rule in RULES:
+        return RULES[rule]
+    raise ValueError(
+        f"`{argument}` must be one of {sorted(RULES) + [AUTO]}, a function "
+        "(batch, start_batch, estimate) -> factor, or None (the rate is "
+        f"left as it is). Received: {argument}={rule!r}."
+    )
+
+
+def for_optimizer(rule, optimizer):
+    """`rule` with "auto" resolved for `optimizer`: AdaScale's gain for
+    `keras.optimizers.SGD`, its square root otherwise."""
+    if rule != AUTO:
+        return rule
+    inner = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer
+    return adascale if isinstance(inner, keras.optimizers.SGD) else adascale_sqrt
+
+
+class RateFollower:
+    """Sets the optimizer's rate to the tuned rate times a rule's factor,
+    for one `fit`, and puts the tuned rate back at its end.
+
+    The tuned rate is the optimizer's at the fit's start; the rate must be
+    a number (a Keras variable the traced step reads), not a
+    `LearningRateSchedule`, which is refused before training.
+
+    Example:
+
+    ```python
+    follower = RateFollower(square_root)
+    follower.start(model.optimizer, start_batch=16)
+    follower.follow(64, None)
+    follower.stop()
+    ```
+    """
+
+    def __init__(self, rule):
+        self.rule = rule
+        self.optimizer = None
+        self.tuned = None
+        self.start_batch = None
+
+    def start(self, optimizer, start_batch=None):
+        """Remembers the tuned rate; `start_batch` may come later (`follow`
+        takes the first batch it sees as the start when it is None)."""
+        check_rate_is_a_number(optimizer)
+        self.rule = for_optimizer(self.rule, optimizer)
+        self.optimizer = optimizer
+        self.tuned = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
+        self.start_batch = start_batch
+
+    def follow(self, batch, estimate):
+        """The rate for `batch` (samples per update) now; returns it."""
+        if self.optimizer is None:
+            return None
+        if self.start_batch is None:
+            self.start_batch = batch
+        rate = self.tuned * float(self.rule(batch, self.start_batch, estimate))
+        self.optimizer.learning_rate = rate
+        return rate
+
+    def stop(self):
+        """The tuned rate back (a fit's end)."""
+        if self.optimizer is not None:
+            self.optimizer.learning_rate = self.tuned
+        self.optimizer = None
+
+
+def check_rate_is_a_number(optimizer):
+    """Refuses a `LearningRateSchedule` (or callable) rate, before training.
+
+    Read from the optimizer's config (public): a number there is a rate
+    the traced step reads from a variable; a schedule is a dict.
+    """
+    config = optimizer.get_config()
+    if "inner_optimizer" in config:  # LossScaleOptimizer forwards the rate
+        config = config["inner_optimizer"]["config"]
+    rate = config.get("learning_rate")
+    if not isinstance(rate, (int, float)):
+        kind = rate.get("class_name", "schedule") if isinstance(rate, dict) else type(rate).__name__
+        raise ValueError(
+            "A learning_rate_rule sets the optimizer's rate as the batch "
+            f"changes, and this optimizer's rate is a {kind}, not a "
+            "number. Give the optimizer a number (the rate tuned for the "
+            "starting batch), or pass learning_rate_rule=None to "
+            "AccumScheduler. Nothing was trained."
+        )
