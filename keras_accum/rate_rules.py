@@ -1,17 +1,18 @@
 """Learning-rate rules: the rate that goes with a batch that changed.
 
-A rate tuned for one batch is wrong for a batch 16 times bigger: too small
-to use it, or, taken there unchanged, the bigger batch buys nothing. A rule
-says by what factor to multiply the rate tuned for the batch training
-started at (`start_batch`) when the batch is `batch`:
+A rate tuned for one batch is wrong for a batch 16 times bigger: taken
+there unchanged, the bigger batch buys few of the steps it could; and a
+rate tuned for a big batch makes a small one diverge. A rule says by what
+factor to multiply the rate tuned for batch `tuned_batch` (by default the
+batch training starts at) when the batch is `batch`:
 
-- `"linear"`: `batch / start_batch` (Goyal et al. 2017; SGD while the batch
+- `"linear"`: `batch / tuned_batch` (Goyal et al. 2017; SGD while the batch
   is well below the noise scale);
-- `"sqrt"`: `sqrt(batch / start_batch)` (Adam-family, Malladi et al. 2022);
+- `"sqrt"`: `sqrt(batch / tuned_batch)` (Adam-family, Malladi et al. 2022);
 - `"adascale"`: AdaScale's gain (Johnson et al. 2020; SGD)
   `r = (sigma^2 + mu^2) / (sigma^2 / S + mu^2)` with `S = batch /
-  start_batch`, `sigma^2 = tr(Sigma) / start_batch`, `mu^2 = |G|^2`, that
-  is `(1 + B_noise / start_batch) / (1 + B_noise / batch)`, from the
+  tuned_batch`, `sigma^2 = tr(Sigma) / tuned_batch`, `mu^2 = |G|^2`, that
+  is `(1 + B_noise / tuned_batch) / (1 + B_noise / batch)`, from the
   measured noise scale: linear while the noise dominates, flat once the
   batch is past the noise scale. The same curve as McCandlish et al.'s
   optimal rate `eps(B) = eps_max / (1 + B_noise / B)`, anchored at the
@@ -20,17 +21,17 @@ started at (`start_batch`) when the batch is `batch`:
 - `"auto"`: `"adascale"` for `keras.optimizers.SGD`, `"adascale_sqrt"` for
   every other optimizer.
 
-A rule is a function `(batch, start_batch, estimate) -> factor`
+A rule is a function `(batch, tuned_batch, estimate) -> factor`
 (`estimate`: the schedule's `growth.NoiseEstimate`, or None), so a user's
-own is one too. Every rule gives 1 at `start_batch`: a schedule that does
+own is one too. Every rule gives 1 at `tuned_batch`: a schedule that does
 not change the batch does not change the rate.
 
 Example:
 
 ```python
-factor = RULES["sqrt"](batch=256, start_batch=16, estimate=None)  # 4.0
+factor = RULES["sqrt"](batch=256, tuned_batch=16, estimate=None)  # 4.0
 follower = RateFollower(RULES["sqrt"])
-follower.start(optimizer, start_batch=16)
+follower.start(optimizer, tuned_batch=16)
 follower.follow(batch=64, estimate=None)  # the rate is now 2x the tuned one
 follower.stop()                           # the tuned rate back
 ```
@@ -41,8 +42,8 @@ import math
 import keras
 
 
-def linear(batch, start_batch, estimate=None):
-    """`batch / start_batch`.
+def linear(batch, tuned_batch, estimate=None):
+    """`batch / tuned_batch`.
 
     Example:
 
@@ -50,11 +51,11 @@ def linear(batch, start_batch, estimate=None):
     linear(64, 16)  # 4.0
     ```
     """
-    return batch / start_batch
+    return batch / tuned_batch
 
 
-def square_root(batch, start_batch, estimate=None):
-    """`sqrt(batch / start_batch)`.
+def square_root(batch, tuned_batch, estimate=None):
+    """`sqrt(batch / tuned_batch)`.
 
     Example:
 
@@ -62,15 +63,18 @@ def square_root(batch, start_batch, estimate=None):
     square_root(64, 16)  # 2.0
     ```
     """
-    return math.sqrt(batch / start_batch)
+    return math.sqrt(batch / tuned_batch)
 
 
-def adascale(batch, start_batch, estimate=None):
-    """AdaScale's gain `(1 + B_noise / start_batch) / (1 + B_noise / batch)`.
+def adascale(batch, tuned_batch, estimate=None):
+    """AdaScale's gain `(1 + B_noise / tuned_batch) / (1 + B_noise / batch)`.
 
     `B_noise` is the estimate while it is resolved, else its lower bound
     (unresolved, the noise dominates: the gain is then at least what that
-    bound gives). Without an estimate (nothing measured yet), 1.
+    bound gives). Without an estimate (nothing measured yet), the noise is
+    taken to dominate below the tuned batch (`batch / tuned_batch`: a
+    smaller batch gets a proportionally smaller rate) and nothing is
+    assumed above it (1).
 
     Example:
 
@@ -78,17 +82,16 @@ def adascale(batch, start_batch, estimate=None):
     adascale(64, 16, NoiseEstimate(48.0, 40.0, 60.0, 10, True))  # 1.75
     ```
     """
-    if estimate is None:
-        return 1.0
-    noise = estimate.value if estimate.resolved else estimate.low
-    if not noise > 0:
-        return 1.0
+    noise = None if estimate is None else (
+        estimate.value if estimate.resolved else estimate.low)
+    if noise is None or not noise > 0:
+        return min(1.0, batch / tuned_batch)
     if math.isinf(noise):
-        return batch / start_batch
-    return (1.0 + noise / start_batch) / (1.0 + noise / batch)
+        return batch / tuned_batch
+    return (1.0 + noise / tuned_batch) / (1.0 + noise / batch)
 
 
-def adascale_sqrt(batch, start_batch, estimate=None):
+def adascale_sqrt(batch, tuned_batch, estimate=None):
     """The square root of AdaScale's gain: for Adam-family optimizers,
     whose rate goes with the square root of the batch while the noise
     dominates (Malladi et al. 2022), and stays once the batch is past the
@@ -100,7 +103,7 @@ def adascale_sqrt(batch, start_batch, estimate=None):
     adascale_sqrt(64, 16, NoiseEstimate(48.0, 40.0, 60.0, 10, True))  # 1.32
     ```
     """
-    return math.sqrt(adascale(batch, start_batch, estimate))
+    return math.sqrt(adascale(batch, tuned_batch, estimate))
 
 
 RULES = {
@@ -123,7 +126,7 @@ def check_rule(rule, argument="learning_rate_rule"):
         return RULES[rule]
     raise ValueError(
         f"`{argument}` must be one of {sorted(RULES) + [AUTO]}, a function "
-        "(batch, start_batch, estimate) -> factor, or None (the rate is "
+        "(batch, tuned_batch, estimate) -> factor, or None (the rate is "
         f"left as it is). Received: {argument}={rule!r}."
     )
 
@@ -149,7 +152,7 @@ class RateFollower:
 
     ```python
     follower = RateFollower(square_root)
-    follower.start(model.optimizer, start_batch=16)
+    follower.start(model.optimizer, tuned_batch=16)
     follower.follow(64, None)
     follower.stop()
     ```
@@ -159,24 +162,24 @@ class RateFollower:
         self.rule = rule
         self.optimizer = None
         self.tuned = None
-        self.start_batch = None
+        self.tuned_batch = None
 
-    def start(self, optimizer, start_batch=None):
-        """Remembers the tuned rate; `start_batch` may come later (`follow`
-        takes the first batch it sees as the start when it is None)."""
+    def start(self, optimizer, tuned_batch=None):
+        """Remembers the tuned rate, and the batch it was tuned for (None:
+        the first batch `follow` is given)."""
         check_rate_is_a_number(optimizer)
         self.rule = for_optimizer(self.rule, optimizer)
         self.optimizer = optimizer
         self.tuned = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
-        self.start_batch = start_batch
+        self.tuned_batch = tuned_batch
 
     def follow(self, batch, estimate):
         """The rate for `batch` (samples per update) now; returns it."""
         if self.optimizer is None:
             return None
-        if self.start_batch is None:
-            self.start_batch = batch
-        rate = self.tuned * float(self.rule(batch, self.start_batch, estimate))
+        if self.tuned_batch is None:
+            self.tuned_batch = batch
+        rate = self.tuned * float(self.rule(batch, self.tuned_batch, estimate))
         self.optimizer.learning_rate = rate
         return rate
 

@@ -110,11 +110,17 @@ class AccumScheduler(FitSetting):
             (keras_accum/rate_rules.py): "auto" (AdaScale's gain for SGD,
             its square root for Adam and other adaptive optimizers),
             "adascale", "adascale_sqrt", "sqrt", "linear", a function
-            `(batch, start_batch, estimate) -> factor`, or None (the rate
+            `(batch, tuned_batch, estimate) -> factor`, or None (the rate
             is left alone). The optimizer's rate is taken as the one tuned
-            for the batch the fit starts at, and multiplied by the factor
-            at each change. Default: "auto" with "noise_scale", None with
-            a dict or a callable.
+            for `tuned_batch`, and multiplied by the factor at each change
+            (and from the first step when the fit starts at another batch).
+            Default: "auto" with "noise_scale", None with a dict or a
+            callable.
+        tuned_batch: the batch (samples per update, global) the
+            optimizer's rate was tuned for, with a `learning_rate_rule`.
+            Default: the batch the fit starts at. Give it when starting
+            smaller than the batch the rate was tuned for: a rate tuned for
+            256 samples can make 16-sample updates diverge.
 
     Attributes:
         path: the `Decision`s of the last `fit` (each change, and with
@@ -143,7 +149,8 @@ class AccumScheduler(FitSetting):
 
     def __init__(self, schedule, verbose=0, max_accum_steps=None, *,
                  every_updates=None, every_samples=None,
-                 learning_rate_rule=DEFAULT, noise_scale_multiple=None):
+                 learning_rate_rule=DEFAULT, tuned_batch=None,
+                 noise_scale_multiple=None):
         super().__init__()
         self.max_accum_steps = _check_max_accum_steps(schedule, max_accum_steps)
         self.every_updates, self.every_samples = _check_every(
@@ -152,6 +159,7 @@ class AccumScheduler(FitSetting):
             learning_rate_rule = rate_rules.AUTO if schedule == NOISE_SCALE else None
         self._rule = rate_rules.check_rule(learning_rate_rule)
         self.learning_rate_rule = learning_rate_rule
+        self.tuned_batch = _check_tuned_batch(tuned_batch, self._rule)
         if schedule == NOISE_SCALE:
             self._table = None
             self._schedule = self._from_noise_scale
@@ -249,7 +257,8 @@ class AccumScheduler(FitSetting):
         self._trained = 0
         if self._rule is not None:
             self._follower = rate_rules.RateFollower(self._rule)
-            self._follower.start(self.model.optimizer)
+            self._follower.start(self.model.optimizer, self.tuned_batch)
+        self._begun = False
 
     def _check_model(self):
         if not hasattr(type(self.model), "accum_steps"):
@@ -260,17 +269,21 @@ class AccumScheduler(FitSetting):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
-        if self.schedule == NOISE_SCALE and self._decides_within_epochs():
-            return
-        self._decide(epoch)
+        if not (self.schedule == NOISE_SCALE and self._decides_within_epochs()):
+            self._decide(epoch)
+        if not self._begun:
+            # The fit's first batch is known now (Keras builds the model
+            # from it before the callbacks start): the rate for it.
+            self._begun = True
+            if self._follower is not None:
+                rate = self._follow(None)
+                if self.path and self.path[-1].updates == self._since.updates:
+                    self.path[-1] = self.path[-1]._replace(learning_rate=rate)
 
     def on_train_batch_end(self, batch, logs=None):
         size = self.fit_control.batch_size_seen() or 0
         # Counted by full batches: an epoch's short last batch counts whole.
         self._trained += size
-        if self._follower is not None and self._follower.start_batch is None and size:
-            # The batch the tuned rate goes with: the first one trained.
-            self._follower.start_batch = size * self.model.accum_steps
         if not self._decides_within_epochs() or self.fit_control.window_open():
             return
         updates = self._updates()
@@ -302,7 +315,7 @@ class AccumScheduler(FitSetting):
             self.fit_control.set_accum_steps(value)
             if self.verbose > 0:
                 print(f"\nEpoch {epoch + 1}: AccumScheduler setting accum_steps to {value}.")
-        rate = self._follow(estimate) if changed else None
+        rate = self._follow(estimate) if changed and self._begun else None
         if changed or self._growth is not None:
             self.path.append(Decision(
                 epoch, self._since.updates, self._trained, self.model.accum_steps,
@@ -312,10 +325,8 @@ class AccumScheduler(FitSetting):
         if self._follower is None:
             return None
         size = self.fit_control.batch_size_seen()
-        if not size or self._follower.start_batch is None:
-            # Before the first batch: the batch the fit starts at, which
-            # the tuned rate is for.
-            return self._follower.tuned
+        if not size:
+            return self._follower.tuned  # no data seen: nothing to scale by
         return self._follower.follow(size * self.model.accum_steps, estimate)
 
     def on_epoch_end(self, epoch, logs=None):
@@ -396,6 +407,24 @@ def _check_every(schedule, every_updates, every_samples):
         return DEFAULT_EVERY_UPDATES, None
     return (int(every_updates) if every_updates is not None else None,
             int(every_samples) if every_samples is not None else None)
+
+
+def _check_tuned_batch(tuned_batch, rule):
+    """`tuned_batch`: None or a positive integer, with a rule only."""
+    if tuned_batch is None:
+        return None
+    if rule is None:
+        raise ValueError(
+            "`tuned_batch` is the batch the learning rate was tuned for, "
+            "which only a learning_rate_rule uses, and learning_rate_rule "
+            f"is None. Received: tuned_batch={tuned_batch!r}."
+        )
+    if isinstance(tuned_batch, bool) or not isinstance(tuned_batch, numbers.Integral) or tuned_batch < 1:
+        raise ValueError(
+            "`tuned_batch` must be a positive integer (samples per update "
+            f"the rate was tuned for). Received: tuned_batch={tuned_batch!r}."
+        )
+    return int(tuned_batch)
 
 
 def _check_multiple(schedule, multiple):

@@ -118,7 +118,7 @@ def test_unresolved_it_grows_to_the_lower_bound():
 
 # -- the learning-rate rules ---------------------------------------------------
 
-def test_each_rule_is_its_formula_and_one_at_the_start_batch():
+def test_each_rule_is_its_formula_and_one_at_the_tuned_batch():
     resolved = NoiseEstimate(48.0, 40.0, 60.0, 10, True)
     assert linear(64, 16) == 4.0 and square_root(64, 16) == 2.0
     assert adascale(64, 16, resolved) == pytest.approx((1 + 48 / 16) / (1 + 48 / 64))
@@ -131,13 +131,14 @@ def test_adascale_reads_the_lower_bound_unresolved_and_is_linear_at_infinity():
     assert adascale(64, 16, unresolved) == pytest.approx((1 + 30 / 16) / (1 + 30 / 64))
     infinite_bound = NoiseEstimate(math.inf, math.inf, math.inf, 10, False)
     assert adascale(64, 16, infinite_bound) == 4.0
-    assert adascale(64, 16, None) == 1.0
+    assert adascale(64, 16, None) == 1.0  # nothing measured: not scaled up
+    assert adascale(16, 256, None) == 1 / 16  # but down, as if noise dominated
     assert adascale(64, 16, NoiseEstimate(math.nan, 0.0, math.inf, 1, False)) == 1.0
 
 
 def test_a_rule_is_a_name_a_function_or_none():
     assert check_rule("sqrt") is square_root and check_rule(None) is None
-    mine = lambda batch, start_batch, estimate: 1.0  # noqa: E731
+    mine = lambda batch, tuned_batch, estimate: 1.0  # noqa: E731
     assert check_rule(mine) is mine
     with pytest.raises(ValueError, match=r"learning_rate_rule='cubic'"):
         check_rule("cubic")

@@ -298,6 +298,23 @@ def test_a_rule_sets_the_rate_of_each_scheduled_batch():
     assert float(model.optimizer.learning_rate) == pytest.approx(tuned)
 
 
+def test_a_rate_tuned_for_a_bigger_batch_is_scaled_down_from_the_first_step():
+    # Rate tuned for 32 samples; the fit starts at 8, then 16, then 32.
+    model = functional(AccumModel)
+    model.compile(OPTIMIZERS["sgd_momentum"](), loss())
+    scheduler = AccumScheduler({1: 2, 2: 4}, learning_rate_rule="linear", tuned_batch=32)
+    model.fit(X, Y, batch_size=MICRO, epochs=3, callbacks=[scheduler], **FIT)
+    plain = functional()
+    plain.compile(OPTIMIZERS["sgd_momentum"](), loss())
+    tuned = float(plain.optimizer.learning_rate)
+    for epoch, steps in enumerate([1, 2, 4]):
+        plain.optimizer.learning_rate = tuned * MICRO * steps / 32
+        plain.fit(X, Y, batch_size=MICRO * steps, epochs=epoch + 1, initial_epoch=epoch, **FIT)
+    assert_weights_close(plain, model)
+    assert [d.learning_rate for d in scheduler.path] == pytest.approx([tuned / 2, tuned], rel=1e-6)
+    assert float(model.optimizer.learning_rate) == pytest.approx(tuned)
+
+
 def test_a_rule_changes_nothing_when_the_batch_does_not():
     weights = []
     for rule in (None, "linear"):
@@ -333,6 +350,10 @@ def test_a_rule_with_a_learning_rate_schedule_is_refused_before_training():
          r"`noise_scale_multiple` must be a number > 0.*noise_scale_multiple=0"),
         (dict(schedule={0: 2}, noise_scale_multiple=2.0), ValueError,
          r"`noise_scale_multiple` is for.*noise_scale_multiple=2.0"),
+        (dict(schedule={0: 2}, learning_rate_rule="sqrt", tuned_batch=0), ValueError,
+         r"`tuned_batch` must be a positive integer.*tuned_batch=0"),
+        (dict(schedule={0: 2}, tuned_batch=256), ValueError,
+         r"learning_rate_rule is None.*tuned_batch=256"),
         (dict(schedule={0: 2}, learning_rate_rule="cube"), ValueError,
          r"`learning_rate_rule` must be one of.*learning_rate_rule='cube'"),
     ],
