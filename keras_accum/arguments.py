@@ -346,6 +346,82 @@ def settings_from_config(config):
 
 
 # What each way in takes of keras_accum's own arguments.
+# -- AccumScheduler's ------------------------------------------------------------
+
+NOISE_SCALE = "noise_scale"
+# "noise_scale" decides this often unless told (every_updates) ...
+DEFAULT_EVERY_UPDATES = 50
+# ... and grows the batch towards this multiple of the noise scale.
+DEFAULT_NOISE_SCALE_MULTIPLE = 2.0
+
+
+def noise_scale_arguments(schedule, max_accum_steps, every_updates, every_samples,
+                          multiple):
+    """AccumScheduler's arguments for "noise_scale", normalised:
+    `(max_accum_steps, every_updates, every_samples, noise_scale_multiple)`.
+    Required or defaulted with "noise_scale"; refused with a dict or a
+    callable schedule, which sets accum_steps per epoch itself."""
+    given = {"max_accum_steps": max_accum_steps, "every_updates": every_updates,
+             "every_samples": every_samples, "noise_scale_multiple": multiple}
+    if schedule != NOISE_SCALE:
+        for name, value in given.items():
+            if value is not None:
+                raise ValueError(
+                    f'`{name}` is for AccumScheduler("noise_scale"); a dict or '
+                    "callable schedule sets accum_steps per epoch itself. "
+                    f"Received: {name}={value!r} with schedule={schedule!r}."
+                )
+        return None, None, None, None
+    if max_accum_steps is None:
+        raise ValueError(
+            'AccumScheduler("noise_scale") needs `max_accum_steps`, the '
+            "largest accum_steps to grow to, e.g. "
+            'AccumScheduler("noise_scale", max_accum_steps=32). '
+            "Received: max_accum_steps=None."
+        )
+    try:
+        max_accum_steps = check_accum_steps(max_accum_steps)
+    except (TypeError, ValueError) as error:
+        raise type(error)(str(error).replace("accum_steps", "max_accum_steps")) from None
+    if every_updates is not None and every_samples is not None:
+        raise ValueError(
+            "Give `every_updates` or `every_samples`, not both. Received: "
+            f"every_updates={every_updates!r}, every_samples={every_samples!r}."
+        )
+    if every_samples is None:
+        every_updates = _positive("every_updates", every_updates, DEFAULT_EVERY_UPDATES,
+                                  "how often the schedule decides")
+    else:
+        every_samples = _positive("every_samples", every_samples, None,
+                                  "how often the schedule decides")
+    multiple = _positive("noise_scale_multiple", multiple, DEFAULT_NOISE_SCALE_MULTIPLE,
+                         "the batch to grow towards, in noise scales; e.g. 2.0", float)
+    return max_accum_steps, every_updates, every_samples, multiple
+
+
+def check_tuned_batch(tuned_batch, rule):
+    """`tuned_batch`: None or a positive integer, with a rule only."""
+    if tuned_batch is not None and rule is None:
+        raise ValueError(
+            "`tuned_batch` is the batch the learning rate was tuned for, "
+            "which only a learning_rate_rule uses, and learning_rate_rule "
+            f"is None. Received: tuned_batch={tuned_batch!r}."
+        )
+    return _positive("tuned_batch", tuned_batch, None,
+                     "samples per update the rate was tuned for")
+
+
+def _positive(name, value, default, meaning, kind=int):
+    """`value` as a positive `kind` (int: an integer), `default` if None."""
+    if value is None:
+        return default
+    wanted = numbers.Integral if kind is int else numbers.Real
+    if isinstance(value, bool) or not isinstance(value, wanted) or not value > 0:
+        what = "a positive integer" if kind is int else "a number > 0"
+        raise ValueError(f"`{name}` must be {what} ({meaning}). Received: {name}={value!r}.")
+    return kind(value)
+
+
 MODEL_ARGUMENTS = AccumSettings._fields
 FIT_ARGUMENTS = ("accum_steps", "micro_batch_size")
 OPTIMIZER_ARGUMENTS = ("accum_steps", "accum_dtype", "skip_nonfinite")

@@ -73,7 +73,10 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             `fit(accum_steps=...)`, `micro_batch_size`, in any callback
             order); a resumed window that the step in force cannot continue
             (another `accum_steps`) raises the error naming both values
-            when the fast-forward ends, before any batch is trained.
+            when the fast-forward ends, before any batch is trained. An
+            `AccumScheduler`'s state (the `accum_steps` and rate in force,
+            its smoothed noise scale) is kept in each backup too, so a
+            schedule deciding every K updates resumes where it was.
         double_checkpoint: keep the previous backup too (required across
             workers). Also used when the newest backup cannot be read.
         delete_checkpoint: delete `backup_dir` when training ends.
@@ -116,6 +119,14 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self._epoch = 0
         self._completed_epochs = 0
         self._restored = None
+        # The fit's FitSetting callbacks (AccumScheduler), whose state each
+        # backup keeps: handed in by the fit (fitting.one_fit).
+        self._settings = []
+
+    def bind_settings(self, callbacks):
+        """The `fit`'s `FitSetting` callbacks, whose `state()` each backup
+        keeps and a restore hands back (`restore_state`)."""
+        self._settings = list(callbacks)
 
     # -- restoring ---------------------------------------------------------
 
@@ -145,11 +156,21 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             with strategy.scope():
                 optimizer.build(self.model.trainable_variables)
         self.model.load_weights(self._weights_file(point))
+        self._restore_settings(point)
         epoch, batches = point
         internals.set_initial_epoch(self.model, epoch)
         if batches:
             self._restored = point
             fast_forward(self.model, batches)
+
+    def _restore_settings(self, point):
+        # A schedule's state, by position and class: a backup written by a
+        # fit with other settings callbacks restores none of theirs.
+        with open(self._point_file(point)) as f:
+            states = json.load(f).get("settings", [])
+        for callback, state in zip(self._settings, states):
+            if state is not None and state.get("class") == type(callback).__name__:
+                callback.restore_state(state)
 
     def _restore_points(self):
         """(epoch, batch) of each committed backup here that opens, oldest first."""
@@ -216,8 +237,10 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         os.replace(partial, self._weights_file(point))
         # The point file commits the backup: written last, also atomically.
         epoch, batch = point
+        settings = [callback.state() for callback in self._settings]
         _write_atomically(
-            self._point_file(point), json.dumps({"epoch": epoch, "batch": batch})
+            self._point_file(point),
+            json.dumps({"epoch": epoch, "batch": batch, "settings": settings}),
         )
         kept = _KEPT if self.double_checkpoint else 1
         for other in self._restore_points_on_disk()[:-kept]:

@@ -93,6 +93,15 @@ class FitSetting(keras.callbacks.Callback):
         training; None: none (the value in force)."""
         return None
 
+    def state(self):
+        """What a backup keeps of this callback mid-`fit` (JSON-able), or
+        None: `keras_accum.BackupAndRestore` writes it beside the weights."""
+        return None
+
+    def restore_state(self, state):
+        """Takes back a `state()` when a backup is restored (before the
+        first batch; before or after this callback's `on_train_begin`)."""
+
 
 class EpochEndFlush(keras.callbacks.Callback):
     """Applies a pending window when an epoch's data ends, inside `fit` only.
@@ -282,6 +291,9 @@ def one_fit(model, control, callbacks, accum_steps=None, micro_batch_size=None,
     settings_callbacks = [c for c in given if isinstance(c, FitSetting)]
     for callback in settings_callbacks:
         callback.bind_fit(control)
+    backups = [c for c in given if hasattr(c, "bind_settings")]
+    for backup in backups:  # keras_accum.BackupAndRestore keeps their state
+        backup.bind_settings(settings_callbacks)
     control.changes.start()
     flush = EpochEndFlush(model, control)
     if isinstance(callbacks, keras.callbacks.CallbackList):
@@ -300,4 +312,6 @@ def one_fit(model, control, callbacks, accum_steps=None, micro_batch_size=None,
         control.stop_fast_forward()
         for callback in settings_callbacks:
             callback.bind_fit(None)
+        for backup in backups:
+            backup.bind_settings([])
 

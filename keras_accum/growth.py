@@ -22,8 +22,8 @@ Example:
 
 ```python
 growth = BatchGrowth(max_accum_steps=128)
-growth.observe(noise.read())       # at each decision, the window's sums
-growth.next_accum_steps(current=4, samples_per_step=16)
+growth.begin(noise)                # the window's NoiseScale, as a fit starts
+growth.decide(noise, current=4, samples_per_step=16)  # at each decision
 ```
 """
 
@@ -128,22 +128,24 @@ def _fieller(trace, signal, s_tt, s_gg, s_tg, z):
 
 
 class BatchGrowth:
-    """The noise-scale schedule's state: the smoothed sums, and its rule.
+    """The noise-scale schedule's state over one `fit`: the smoothed sums,
+    what the window's `NoiseScale` held at the last decision, and the rule.
 
     Args:
         max_accum_steps: the cap.
-        keep: the share of the smoothed sums kept at each observation.
+        keep: the share of the smoothed sums kept at each decision.
+        multiple: the batch grown towards, in noise scales.
 
     Attributes:
         smoothed: the decayed sums of the windows' estimates (NoiseScale's
-            layout), None before the first observation.
+            layout), None before the first decision.
 
     Example:
 
     ```python
     growth = BatchGrowth(max_accum_steps=64)
-    growth.observe(sums_since_last_decision)
-    growth.next_accum_steps(current=2, samples_per_step=32)  # e.g. 4
+    growth.begin(noise)                    # a fit starts
+    growth.decide(noise, current=2, samples_per_step=32)  # e.g. 4
     ```
     """
 
@@ -152,6 +154,22 @@ class BatchGrowth:
         self.keep = keep
         self.multiple = multiple
         self.smoothed = None
+        # `NoiseScale.read()` at the last decision: the windows since are
+        # the difference.
+        self._read = None
+
+    def begin(self, noise):
+        """A fit starts: nothing smoothed yet, windows counted from now."""
+        self.smoothed = None
+        self._read = noise.read()
+
+    def decide(self, noise, current, samples_per_step):
+        """Adds the windows since the last decision, and returns the
+        `accum_steps` for the next windows (`next_accum_steps`)."""
+        now = noise.read()
+        self.observe(now - self._read)
+        self._read = now
+        return self.next_accum_steps(current, samples_per_step)
 
     def observe(self, sums):
         """Adds the windows since the last observation (a sums difference)."""
@@ -161,10 +179,6 @@ class BatchGrowth:
         else:
             self.smoothed = self.keep * self.smoothed + sums
 
-    def forget(self):
-        """Starts again (a new fit)."""
-        self.smoothed = None
-
     @property
     def estimate(self):
         """The smoothed `NoiseEstimate` (NaN before any window)."""
@@ -173,9 +187,9 @@ class BatchGrowth:
         return NoiseEstimate.of(self.smoothed)
 
     def next_accum_steps(self, current, samples_per_step):
-        """`accum_steps` for the next windows: towards the estimate (its
-        lower bound while unresolved), at most doubling, never shrinking,
-        up to the cap."""
+        """`accum_steps` for the next windows: towards `multiple` times the
+        estimate (its lower bound while unresolved), at most doubling,
+        never shrinking, up to the cap."""
         estimate = self.estimate
         if not samples_per_step or estimate.windows < MIN_WINDOWS:
             return current
@@ -185,3 +199,20 @@ class BatchGrowth:
         wanted = self.multiple * target / samples_per_step
         wanted = math.inf if math.isinf(wanted) else round(wanted)
         return int(min(self.max_accum_steps, 2 * current, max(current, wanted)))
+
+    def state(self, noise):
+        """For a backup mid-`fit` (JSON-able): the smoothed sums, the
+        windows measured since the last decision, and the open window's
+        sums (on one replica)."""
+        return {
+            "smoothed": None if self.smoothed is None else self.smoothed.tolist(),
+            "since_decision": (noise.read() - self._read).tolist(),
+            "open_window": noise.open_window(),
+        }
+
+    def restore(self, state, noise):
+        """A backup's `state` back, into this fit's `noise`."""
+        smoothed = state["smoothed"]
+        self.smoothed = None if smoothed is None else np.array(smoothed)
+        self._read = noise.read() - np.array(state["since_decision"])
+        noise.resume_window(state["open_window"])

@@ -7,17 +7,14 @@ from typing import NamedTuple, Optional
 
 from keras_accum import _internals as internals
 from keras_accum import rate_rules
-from keras_accum.arguments import check_accum_steps
+from keras_accum import arguments
+from keras_accum.arguments import NOISE_SCALE, check_accum_steps
 from keras_accum.fitting import FitSetting
 from keras_accum.growth import BatchGrowth, NoiseEstimate
 
 # The learning_rate_rule argument's default: "auto" with "noise_scale",
 # None with a dict or a callable.
 DEFAULT = object()
-# "noise_scale" decides this often unless told (every_updates).
-DEFAULT_EVERY_UPDATES = 50
-# ... and grows the batch towards this multiple of the noise scale.
-DEFAULT_NOISE_SCALE_MULTIPLE = 2.0
 
 
 class Decision(NamedTuple):
@@ -97,13 +94,13 @@ class AccumScheduler(FitSetting):
             required): the largest `accum_steps` to grow to.
         every_updates: with "noise_scale": decide after every this many
             optimizer updates, at a window's end (default
-            `DEFAULT_EVERY_UPDATES`).
+            `arguments.DEFAULT_EVERY_UPDATES`).
         every_samples: with "noise_scale", instead of `every_updates`:
             decide once this many samples were trained since the last
             decision (at a window's end).
         noise_scale_multiple: with "noise_scale": the batch grown towards,
             in multiples of the noise scale (default
-            `DEFAULT_NOISE_SCALE_MULTIPLE`, 2: the measured noise scale
+            `arguments.DEFAULT_NOISE_SCALE_MULTIPLE`, 2: the measured noise scale
             sits at 0.5-1x the critical batch, where a bigger batch stops
             paying; docs: growing the batch).
         learning_rate_rule: how the learning rate follows the batch
@@ -152,14 +149,14 @@ class AccumScheduler(FitSetting):
                  learning_rate_rule=DEFAULT, tuned_batch=None,
                  noise_scale_multiple=None):
         super().__init__()
-        self.max_accum_steps = _check_max_accum_steps(schedule, max_accum_steps)
-        self.every_updates, self.every_samples = _check_every(
-            schedule, every_updates, every_samples)
+        (self.max_accum_steps, self.every_updates, self.every_samples,
+         self.noise_scale_multiple) = arguments.noise_scale_arguments(
+            schedule, max_accum_steps, every_updates, every_samples, noise_scale_multiple)
         if learning_rate_rule is DEFAULT:
             learning_rate_rule = rate_rules.AUTO if schedule == NOISE_SCALE else None
         self._rule = rate_rules.check_rule(learning_rate_rule)
         self.learning_rate_rule = learning_rate_rule
-        self.tuned_batch = _check_tuned_batch(tuned_batch, self._rule)
+        self.tuned_batch = arguments.check_tuned_batch(tuned_batch, self._rule)
         if schedule == NOISE_SCALE:
             self._table = None
             self._schedule = self._from_noise_scale
@@ -180,16 +177,17 @@ class AccumScheduler(FitSetting):
         self.schedule = schedule
         self.verbose = verbose
         self.path = []
-        self.noise_scale_multiple = _check_multiple(schedule, noise_scale_multiple)
         self._growth = (
             BatchGrowth(self.max_accum_steps, multiple=self.noise_scale_multiple)
             if schedule == NOISE_SCALE else None
         )
         self._follower = None
         self._epoch = 0
-        self._read = None  # the noise scale's sums at the last decision
         self._since = _Since()
         self._trained = 0  # samples trained in this fit
+        self._begun = False  # the rate for the fit's first batch is set
+        self._started = False  # on_train_begin ran in this fit
+        self._restored = None  # a backup's state, until applied
 
     def _lookup(self, epoch):
         value = None
@@ -202,12 +200,8 @@ class AccumScheduler(FitSetting):
     def _from_noise_scale(self, epoch):
         # At an epoch's start or every_updates/every_samples: the windows
         # since the last decision join the smoothed estimate.
-        noise = self.fit_control.noise
-        now = noise.read()
-        self._growth.observe(now - (self._read if self._read is not None else now * 0))
-        self._read = now
-        return self._growth.next_accum_steps(
-            self.model.accum_steps, self.fit_control.batch_size_seen())
+        return self._growth.decide(
+            self.fit_control.noise, self.model.accum_steps, self.fit_control.batch_size_seen())
 
     def _value(self, epoch):
         value = self._schedule(epoch)
@@ -230,11 +224,14 @@ class AccumScheduler(FitSetting):
 
     def bind_fit(self, control):
         super().bind_fit(control)
-        if control is None and self._follower is not None:
-            # The fit ended (or failed): the tuned rate back, with the
-            # model's own accum_steps.
-            self._follower.stop()
-            self._follower = None
+        if control is None:
+            self._started = False
+            self._restored = None
+            if self._follower is not None:
+                # The fit ended (or failed): the tuned rate back, with the
+                # model's own accum_steps.
+                self._follower.stop()
+                self._follower = None
 
     def on_train_begin(self, logs=None):
         self._check_model()
@@ -246,8 +243,7 @@ class AccumScheduler(FitSetting):
                     "it: make it with `noise_scale=True` (AccumModel or "
                     "keras_accum.wrap)."
                 )
-            self._growth.forget()
-            self._read = self.fit_control.noise.read()
+            self._growth.begin(self.fit_control.noise)
         elif self._table is None:
             # A callable is checked for every epoch before the first step.
             for epoch in range(self.params.get("epochs") or 0):
@@ -259,6 +255,46 @@ class AccumScheduler(FitSetting):
             self._follower = rate_rules.RateFollower(self._rule)
             self._follower.start(self.model.optimizer, self.tuned_batch)
         self._begun = False
+        self._started = True
+        if self._restored is not None:
+            self._apply_state()
+
+    # -- backups (keras_accum.BackupAndRestore) -------------------------------
+
+    def state(self):
+        """The schedule's state mid-`fit`, kept in each backup: the
+        `accum_steps` in force, the decision counters, the tuned rate, the
+        smoothed estimate and the windows measured since the last decision
+        (the open one's too, on one replica)."""
+        if self.fit_control is None or not self._started:
+            return None
+        state = {"class": type(self).__name__, "accum_steps": self.model.accum_steps,
+                 "since": list(self._since), "trained": self._trained, "begun": self._begun}
+        if self._follower is not None:
+            state["rate"] = [self._follower.tuned, self._follower.tuned_batch]
+        if self._growth is not None:
+            state["growth"] = self._growth.state(self.fit_control.noise)
+        return state
+
+    def restore_state(self, state):
+        self._restored = state
+        if self._started:
+            self._apply_state()
+
+    def _apply_state(self):
+        state, self._restored = self._restored, None
+        if state["accum_steps"] != self.model.accum_steps:
+            # The backup's window was opened with this value.
+            self.fit_control.set_accum_steps(state["accum_steps"])
+        self._since = _Since(*state["since"])
+        self._trained = state["trained"]
+        self._begun = state["begun"]
+        if self._follower is not None and "rate" in state:
+            # The optimizer's rate came back with the weights (scaled); the
+            # tuned one is the backup's.
+            self._follower.tuned, self._follower.tuned_batch = state["rate"]
+        if self._growth is not None and "growth" in state:
+            self._growth.restore(state["growth"], self.fit_control.noise)
 
     def _check_model(self):
         if not hasattr(type(self.model), "accum_steps"):
@@ -342,110 +378,12 @@ class _Since(NamedTuple):
     samples: int = 0
 
 
-NOISE_SCALE = "noise_scale"
 
 
 def _not_noise_scale(schedule):
     if isinstance(schedule, str):
         return 'A string must be "noise_scale". '
     return ""
-
-
-def _check_max_accum_steps(schedule, max_accum_steps):
-    if schedule == NOISE_SCALE:
-        if max_accum_steps is None:
-            raise ValueError(
-                'AccumScheduler("noise_scale") needs `max_accum_steps`, the '
-                "largest accum_steps to grow to, e.g. "
-                'AccumScheduler("noise_scale", max_accum_steps=32). '
-                "Received: max_accum_steps=None."
-            )
-        try:
-            return check_accum_steps(max_accum_steps)
-        except (TypeError, ValueError) as error:
-            raise type(error)(
-                str(error).replace("accum_steps", "max_accum_steps")
-            ) from None
-    if max_accum_steps is not None:
-        raise ValueError(
-            '`max_accum_steps` is for AccumScheduler("noise_scale"); a '
-            "dict or callable schedule sets accum_steps itself. "
-            f"Received: max_accum_steps={max_accum_steps!r} with "
-            f"schedule={schedule!r}."
-        )
-    return None
-
-
-def _check_every(schedule, every_updates, every_samples):
-    """`(every_updates, every_samples)`, normalised: "noise_scale" decides
-    every `DEFAULT_EVERY_UPDATES` updates unless told; a dict or callable
-    schedule decides at epochs, and refuses both."""
-    given = {k: v for k, v in (("every_updates", every_updates),
-                               ("every_samples", every_samples)) if v is not None}
-    if schedule != NOISE_SCALE:
-        if given:
-            name, value = next(iter(given.items()))
-            raise ValueError(
-                f"`{name}` is for AccumScheduler(\"noise_scale\"); a dict or "
-                "callable schedule sets accum_steps per epoch. Received: "
-                f"{name}={value!r} with schedule={schedule!r}."
-            )
-        return None, None
-    if len(given) == 2:
-        raise ValueError(
-            "Give `every_updates` or `every_samples`, not both. Received: "
-            f"every_updates={every_updates!r}, every_samples={every_samples!r}."
-        )
-    for name, value in given.items():
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-            raise ValueError(
-                f"`{name}` must be a positive integer (how often the "
-                "schedule decides). Received: "
-                f"{name}={value!r}."
-            )
-    if not given:
-        return DEFAULT_EVERY_UPDATES, None
-    return (int(every_updates) if every_updates is not None else None,
-            int(every_samples) if every_samples is not None else None)
-
-
-def _check_tuned_batch(tuned_batch, rule):
-    """`tuned_batch`: None or a positive integer, with a rule only."""
-    if tuned_batch is None:
-        return None
-    if rule is None:
-        raise ValueError(
-            "`tuned_batch` is the batch the learning rate was tuned for, "
-            "which only a learning_rate_rule uses, and learning_rate_rule "
-            f"is None. Received: tuned_batch={tuned_batch!r}."
-        )
-    if isinstance(tuned_batch, bool) or not isinstance(tuned_batch, numbers.Integral) or tuned_batch < 1:
-        raise ValueError(
-            "`tuned_batch` must be a positive integer (samples per update "
-            f"the rate was tuned for). Received: tuned_batch={tuned_batch!r}."
-        )
-    return int(tuned_batch)
-
-
-def _check_multiple(schedule, multiple):
-    """`noise_scale_multiple`, normalised to a float (its default with
-    "noise_scale"); refused with another schedule or when not positive."""
-    if schedule != NOISE_SCALE:
-        if multiple is not None:
-            raise ValueError(
-                '`noise_scale_multiple` is for AccumScheduler("noise_scale"). '
-                f"Received: noise_scale_multiple={multiple!r} with schedule={schedule!r}."
-            )
-        return None
-    if multiple is None:
-        return DEFAULT_NOISE_SCALE_MULTIPLE
-    if isinstance(multiple, bool) or not isinstance(multiple, numbers.Real) or not multiple > 0:
-        raise ValueError(
-            "`noise_scale_multiple` must be a number > 0 (the batch to grow "
-            "towards, in noise scales; e.g. 2.0). Received: "
-            f"noise_scale_multiple={multiple!r}."
-        )
-    return float(multiple)
 
 
 def _check_takes_an_epoch(schedule):

@@ -73,14 +73,28 @@ def test_nothing_known_without_windows_and_no_interval_from_two():
     assert two.value == 200.0 and not two.resolved and (two.low, two.high) == (0.0, math.inf)
 
 
-def test_the_smoothed_sums_keep_a_share_of_the_old():
-    growth = BatchGrowth(max_accum_steps=64, keep=0.5)
+class _Noise:
+    """A NoiseScale's cumulative sums, as `read()` gives them."""
+
+    def __init__(self):
+        self.sums = np.zeros(6)
+
+    def read(self):
+        return self.sums.copy()
+
+
+def test_each_decision_adds_the_windows_since_the_last_and_halves_the_older():
+    noise, growth = _Noise(), BatchGrowth(max_accum_steps=64, keep=0.5)
+    noise.sums += _sums([999.0] * 3, [1.0] * 3)  # before the fit: not counted
+    growth.begin(noise)
     first, second = _sums([300.0] * 4, [1.0] * 4), _sums([100.0] * 4, [2.0] * 4)
-    growth.observe(first)
-    growth.observe(second)
+    noise.sums += first
+    growth.decide(noise, current=2, samples_per_step=16)
+    noise.sums += second
+    growth.decide(noise, current=2, samples_per_step=16)
     np.testing.assert_allclose(growth.smoothed, 0.5 * first + second)
     assert growth.estimate == NoiseEstimate.of(0.5 * first + second)
-    growth.forget()
+    growth.begin(noise)
     assert growth.smoothed is None and growth.estimate.windows == 0
 
 

@@ -619,3 +619,45 @@ def test_under_mirrored_strategy_the_schedule_is_a_plain_model_fed_its_batches(m
     assert run["iterations"] == len(batches)
     for a, b in zip(run["weights"], plain.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("order", ["scheduler_first", "backup_first"])
+def test_a_schedule_resumed_from_a_backup_continues_exactly(tmp_path, order):
+    from helpers.training import InterruptAt
+
+    x, y = regression_data(344, noise=4.0)
+    fit = dict(batch_size=8, epochs=3, shuffle=False, verbose=0)
+
+    def compiled():
+        model = regression_net(keras_accum.AccumModel, accum_steps=2, noise_scale=True)
+        model.compile(keras.optimizers.Adam(0.05), "mse")
+        return model
+
+    def callbacks(scheduler, *more):
+        backup = keras_accum.BackupAndRestore(str(tmp_path / "backup"), save_freq=7)
+        pair = [scheduler, backup] if order == "scheduler_first" else [backup, scheduler]
+        return pair + list(more)
+
+    def scheduler():
+        return keras_accum.AccumScheduler("noise_scale", max_accum_steps=12, every_updates=3,
+                                          learning_rate_rule="sqrt")
+
+    reference, uninterrupted = compiled(), scheduler()
+    reference.fit(x, y, callbacks=[uninterrupted], **fit)
+    with pytest.raises(KeyboardInterrupt):
+        # Epoch 2, batch 24: the last backup (after batch 21) is mid-window,
+        # two windows after a decision, after the batch grew and the rate
+        # moved: the open window, the windows since the decision and the
+        # smoothed estimate must all come back.
+        compiled().fit(x, y, callbacks=callbacks(scheduler(), InterruptAt(1, 23)), **fit)
+    model, resumed = compiled(), scheduler()  # as a new process would
+    model.fit(x, y, callbacks=callbacks(resumed), **fit)
+    assert resumed.path and resumed.path[0].updates > 3
+    later = [d for d in uninterrupted.path if d.updates >= resumed.path[0].updates]
+    assert [(d.updates, d.accum_steps, d.learning_rate) for d in resumed.path] == [
+        (d.updates, d.accum_steps, d.learning_rate) for d in later]
+    np.testing.assert_allclose([d.estimate.value for d in resumed.path],
+                               [d.estimate.value for d in later], rtol=1e-9)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    assert float(model.optimizer.learning_rate) == pytest.approx(0.05)

@@ -171,6 +171,21 @@ class NoiseScale:
             return np.zeros([6])
         return self.estimate_sums.numpy()
 
+    def open_window(self):
+        """Eagerly: the open window's `window_sums` (a list), for a backup
+        of a schedule that acts on the estimate; None under a strategy of
+        several replicas (each holds its own share: the resumed window is
+        then left out of the estimate, as a file's)."""
+        if not self.built or tf.distribute.get_strategy().num_replicas_in_sync > 1:
+            return None
+        return self.window_sums.numpy().tolist()
+
+    def resume_window(self, sums):
+        """Eagerly: the open window's sums back (`open_window`'s), so that a
+        window resumed from a backup is measured whole."""
+        if self.built and sums is not None:
+            self.window_sums.assign(tf.constant(sums, tf.float64))
+
     def start_epoch(self):
         """Eagerly: the epoch's estimate starts from the windows after now."""
         self._epoch_start = self.read()
