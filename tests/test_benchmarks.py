@@ -174,3 +174,21 @@ def test_xla_benchmark_runs_and_reads_each_steps_traffic(tmp_path):
     assert 0 < accumulate < update
     assert traffic["step mode"][0] < traffic["built-in"][0]
     assert "| mlp | step mode / built-in |" in result.stdout
+
+
+@pytest.mark.release
+def test_batch_growth_benchmark_sweeps_fits_and_runs_the_scheduler(tmp_path):
+    out = tmp_path / "batch_growth.json"
+    result = run_python(
+        "-m", "benchmarks.batch_growth", "--quick", "--out", str(out),
+        "--plot", str(tmp_path / "batch_growth.png"), timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    import json
+
+    report = json.loads(out.read_text())
+    assert report["fit"]["S_min"] > 0 and report["best"]
+    (schedule,) = report["schedule"].values()
+    assert schedule["reached"] == 1 and schedule["runs"][0]["decisions"]
+    assert "AccumScheduler" in out.with_suffix(".md").read_text()
+    assert (tmp_path / "batch_growth.png").read_bytes().startswith(PNG_SIGNATURE)
