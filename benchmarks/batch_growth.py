@@ -578,7 +578,12 @@ def report(results):
                 f"{v['examples']:,.0f} ({v['examples'] / fit['E_min']:.2f}) | |")
     lines += ["", f"Run {results['date']}, TensorFlow {results['versions']['tensorflow']}, "
               f"Keras {results['versions']['keras']}, {results['threads']} thread(s), "
-              f"{results['wall_seconds']:.0f} s."]
+              f"{results['wall_seconds']:.0f} s"]
+    if "sweep_run" in results:  # the scheduler's runs on a committed sweep
+        sweep_run = results["sweep_run"]
+        lines[-1] += (f" for the scheduler's runs, on the sweep of {sweep_run['date']} "
+                      f"({sweep_run['wall_seconds']:.0f} s, {sweep_run['threads']} thread(s))")
+    lines[-1] += "."
     return "\n".join(lines) + "\n"
 
 
@@ -692,6 +697,7 @@ def main(argv=None):
     if args.schedule_only:
         swept = json.loads(Path(args.schedule_only).read_text())
         results = {k: swept[k] for k in ("runs", "best", "fit")}
+        results["sweep_run"] = {k: swept[k] for k in ("date", "wall_seconds", "threads")}
         seeds = tuple(swept["sweep"]["seeds"])
     else:
         results = sweep(task, batch_sizes, seeds, first_lr=args.first_lr)

@@ -3,7 +3,7 @@
 Trains a small network on scikit-learn's handwritten digits (shipped inside
 the package, no download) with `noise_scale=True`, starting from 16-sample
 micro-batches and `accum_steps=2`, and lets
-`AccumScheduler("noise_scale")` grow `accum_steps` towards twice the
+`AccumScheduler("noise_scale")` grow `accum_steps` towards 1.5 times the
 measured noise scale every 25 updates (a batch-size warm-up; McCandlish et al. 2018),
 the learning rate following the batch (Adam: the square root of AdaScale's
 gain). Prints each decision: the smoothed noise scale with its 95%

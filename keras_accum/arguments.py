@@ -352,7 +352,7 @@ NOISE_SCALE = "noise_scale"
 # "noise_scale" decides this often unless told (every_updates) ...
 DEFAULT_EVERY_UPDATES = 50
 # ... and grows the batch towards this multiple of the noise scale.
-DEFAULT_NOISE_SCALE_MULTIPLE = 2.0
+DEFAULT_NOISE_SCALE_MULTIPLE = 1.5
 
 
 def noise_scale_arguments(schedule, max_accum_steps, every_updates, every_samples,
@@ -395,7 +395,7 @@ def noise_scale_arguments(schedule, max_accum_steps, every_updates, every_sample
         every_samples = _positive("every_samples", every_samples, None,
                                   "how often the schedule decides")
     multiple = _positive("noise_scale_multiple", multiple, DEFAULT_NOISE_SCALE_MULTIPLE,
-                         "the batch to grow towards, in noise scales; e.g. 2.0", float)
+                         "the batch to grow towards, in noise scales; e.g. 1.5", float)
     return max_accum_steps, every_updates, every_samples, multiple
 
 

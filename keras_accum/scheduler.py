@@ -100,9 +100,9 @@ class AccumScheduler(FitSetting):
             decision (at a window's end).
         noise_scale_multiple: with "noise_scale": the batch grown towards,
             in multiples of the noise scale (default
-            `arguments.DEFAULT_NOISE_SCALE_MULTIPLE`, 2: the measured noise scale
-            sits at 0.5-1x the critical batch, where a bigger batch stops
-            paying; docs: growing the batch).
+            `arguments.DEFAULT_NOISE_SCALE_MULTIPLE`, 1.5: the measured
+            noise scale sits at 0.5-1x the critical batch, where a bigger
+            batch stops paying; docs: growing the batch).
         learning_rate_rule: how the learning rate follows the batch
             (keras_accum/rate_rules.py): "auto" (AdaScale's gain for SGD,
             its square root for Adam and other adaptive optimizers),

@@ -586,10 +586,10 @@ def test_noise_scale_example_grows_the_batch_by_the_rule():
     assert len(epochs) == 4 and len(decisions) >= 3, result.stdout
     steps = 2
     for update, value, low, _, resolved, accum_steps, rate in decisions:
-        # Towards twice the smoothed estimate (its lower bound unresolved),
+        # Towards 1.5 times the smoothed estimate (its lower bound unresolved),
         # in 16-sample steps: at most doubling, never shrinking, up to 32.
         # The printed estimate is rounded to 0.1: a tie may round either way.
-        target = 2 * float(value if resolved == "True" else low) / 16
+        target = 1.5 * float(value if resolved == "True" else low) / 16
         wanted = [min(32, 2 * steps, max(steps, round(t))) for t in (target - 0.01, target + 0.01)]
         assert int(accum_steps) in wanted, (update, value, low, resolved, accum_steps, steps)
         assert bool(rate) == (int(accum_steps) != steps)  # a rate is set at each change
