@@ -48,6 +48,7 @@ batch size, and the fit; `--plot PATH` draws the trade-off (matplotlib).
 """
 
 import argparse
+import copy
 import dataclasses
 import datetime
 import itertools
@@ -538,6 +539,23 @@ def schedule_runs(task, best, fit, seeds, starts=STARTS, **scheduler_kwargs):
     return out
 
 
+def _compact_json(results):
+    """The JSON written: the sweep's runs without their checks' paths (the
+    scheduler's keep theirs, for the plot), each path on one line."""
+    results = copy.deepcopy(dict(results, runs=[
+        {k: v for k, v in run.items() if k != "path"} for run in results["runs"]]))
+    paths = {}
+    for summary in results.get("schedule", {}).values():
+        for run in summary["runs"]:
+            key = f"@path{len(paths)}@"
+            paths[key] = json.dumps(run["path"])
+            run["path"] = key
+    text = json.dumps(results, indent=1)
+    for key, path in paths.items():
+        text = text.replace(json.dumps(key), path)
+    return text + "\n"
+
+
 def report(results):
     """The Markdown of a run: the sweep's best points, the fit, and the
     scheduler's runs against them (benchmarks/batch_growth.md)."""
@@ -753,7 +771,7 @@ def main(argv=None):
             print(f"AccumScheduler, {name}: not reached")
     print(f"{seconds:.0f} s with {args.threads} thread(s)")
     if out:
-        Path(out).write_text(json.dumps(results, indent=1) + "\n")
+        Path(out).write_text(_compact_json(results))
         Path(out).with_suffix(".md").write_text(report(results))
         print(f"wrote {out} and its .md")
     if args.plot:
