@@ -661,3 +661,16 @@ def test_a_schedule_resumed_from_a_backup_continues_exactly(tmp_path, order):
     for a, b in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert float(model.optimizer.learning_rate) == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+@pytest.mark.unit
+def test_a_backup_keeps_the_open_windows_measure_on_one_replica_only(replicas):
+    # Across replicas each holds a share: a backup leaves the window out.
+    from helpers.replicas import mirrored
+
+    from keras_accum.window.noise_scale import NoiseScale
+
+    noise = NoiseScale()
+    noise.build(mirrored(replicas))
+    assert (noise.open_window() is None) == (replicas == 2)

@@ -17,7 +17,7 @@ which, with equal micro-batches, is the paper's pair of estimators (its
 so an estimate over many windows (an epoch's, or the scheduler's since its
 last decision) is the ratio of the sums of the windows' estimates (a ratio
 of means, as the paper advises). The sums of their squares and product are
-kept beside them, for the estimate's spread (keras_accum/noise_estimate.py).
+kept beside them, for the estimate's spread (keras_accum/growth.py).
 
 What is measured, and where:
 
@@ -176,7 +176,10 @@ class NoiseScale:
         of a schedule that acts on the estimate; None under a strategy of
         several replicas (each holds its own share: the resumed window is
         then left out of the estimate, as a file's)."""
-        if not self.built or tf.distribute.get_strategy().num_replicas_in_sync > 1:
+        # Eagerly, outside the strategy's scope: `get_strategy()` would be
+        # the default one here, so the variable says how many shares it has.
+        shares = getattr(self.window_sums, "values", (self.window_sums,))
+        if not self.built or len(shares) > 1:
             return None
         return self.window_sums.numpy().tolist()
 
