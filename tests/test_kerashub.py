@@ -8,6 +8,7 @@ skipping). Models come from small configs with random weights
 """
 
 import os
+import warnings
 
 import keras
 import numpy as np
@@ -202,6 +203,18 @@ def test_docs_pages_with_kerashub_blocks_run_whole(tmp_path):
         workdir.mkdir()
         code = "\n".join(b.code for b in blocks(page.read_text()) if b.lang == "python")
         result = run_program(code, workdir)
+        if result.returncode < 0:
+            # Killed by a signal in native code: glibc found TensorFlow's
+            # heap corrupted ("corrupted double-linked list"), on
+            # docs/contrastive.md twice in about six slow-tier runs (TF
+            # 2.21.0, oneDNN), never in 40 runs of the page alone. TF
+            # 2.21's oneDNN batch matmul is known to write past its
+            # buffers (tensorflow/tensorflow#117700, #123109). Run once
+            # more; the first crash's tracebacks (faulthandler) are kept
+            # as a warning. A second crash, or any Python error, fails.
+            warnings.warn(f"{page.name}: died by signal {-result.returncode}, "
+                          f"run again:\n{result.stderr[-3000:]}")
+            result = run_program(code, workdir)
         assert result.returncode == 0, f"{page}:\n{result.stderr[-3000:]}"
         if '"lm.keras"' in code:  # the ways-in page's model, saved
             assert (workdir / "lm.keras").exists()

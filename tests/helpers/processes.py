@@ -31,9 +31,16 @@ WAIT = 300
 
 
 def environment(**env):
-    """This process's environment, with the repository importable, plus `env`."""
+    """This process's environment, with the repository importable, plus
+    `env`; a native crash (TensorFlow's) prints every thread's Python
+    traceback (faulthandler), so its report names the line."""
     pythonpath = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
-    return {**os.environ, "PYTHONPATH": pythonpath, **env}
+    return {**os.environ, "PYTHONPATH": pythonpath, "PYTHONFAULTHANDLER": "1", **env}
+
+
+# Set by tests/conftest.py for the out-of-memory tests' speed; a reader's
+# Python does not have it.
+_TESTS_ONLY = ("TF_ONEDNN_USE_SYSTEM_ALLOCATOR",)
 
 
 def script(name):
@@ -59,17 +66,21 @@ def run_python(*args, timeout=600, **env):
 def run_program(code, workdir, timeout=600):
     """Runs `code` as a reader would: saved as `program.py` in `workdir` (an
     empty directory) and run there by a fresh `python program.py`, with the
-    repository importable and temporary files in `workdir` too; returns
-    the CompletedProcess (text output)."""
+    repository importable and temporary files in `workdir` too, without the
+    tests' own settings (`_TESTS_ONLY`); returns the CompletedProcess (text
+    output)."""
     workdir = Path(workdir)
     (workdir / "program.py").write_text(code)
+    env = environment(TF_CPP_MIN_LOG_LEVEL="3", TMPDIR=str(workdir))
+    for name in _TESTS_ONLY:
+        env.pop(name, None)
     return subprocess.run(
         [sys.executable, "program.py"],
         cwd=workdir,
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=environment(TF_CPP_MIN_LOG_LEVEL="3", TMPDIR=str(workdir)),
+        env=env,
     )
 
 
