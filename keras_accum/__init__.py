@@ -35,6 +35,7 @@ if keras.backend.backend() != "tensorflow":
 from keras_accum.backup import BackupAndRestore  # noqa: E402
 from keras_accum.model import AccumModel  # noqa: E402
 from keras_accum.optimizer import AccumOptimizer  # noqa: E402
+from keras_accum.sample_schedule import SampleSchedule  # noqa: E402
 from keras_accum.scheduler import AccumScheduler  # noqa: E402
 from keras_accum.wrap import wrap  # noqa: E402
 
@@ -45,6 +46,7 @@ __all__ = [
     "AccumOptimizer",
     "AccumScheduler",
     "BackupAndRestore",
+    "SampleSchedule",
     "__version__",
     "wrap",
 ]

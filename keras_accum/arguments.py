@@ -399,16 +399,24 @@ def noise_scale_arguments(schedule, max_accum_steps, every_updates, every_sample
     return max_accum_steps, every_updates, every_samples, multiple
 
 
-def check_tuned_batch(tuned_batch, rule):
-    """`tuned_batch`: None or a positive integer, with a rule only."""
-    if tuned_batch is not None and rule is None:
-        raise ValueError(
-            "`tuned_batch` is the batch the learning rate was tuned for, "
-            "which only a learning_rate_rule uses, and learning_rate_rule "
-            f"is None. Received: tuned_batch={tuned_batch!r}."
-        )
+def check_tuned_batch(tuned_batch):
+    """`tuned_batch`: None or a positive integer (a fit with neither a rule
+    nor a `SampleSchedule` refuses one: `check_tuned_batch_used`)."""
     return _positive("tuned_batch", tuned_batch, None,
                      "samples per update the rate was tuned for")
+
+
+def check_tuned_batch_used(tuned_batch, used):
+    """Refuses a `tuned_batch` that nothing in the fit uses (`used`: a rule
+    or a `SampleSchedule` follows the batch), before training."""
+    if tuned_batch is not None and not used:
+        raise ValueError(
+            "`tuned_batch` is the batch the learning rate was tuned for, "
+            "which a learning_rate_rule or a keras_accum.SampleSchedule "
+            "uses, and this fit has neither (learning_rate_rule=None, and "
+            "the optimizer's rate is not a SampleSchedule). Nothing was "
+            f"trained. Received: tuned_batch={tuned_batch!r}."
+        )
 
 
 def _positive(name, value, default, meaning, kind=int):

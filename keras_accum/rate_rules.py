@@ -41,6 +41,9 @@ import math
 
 import keras
 
+from keras_accum import _internals as internals
+from keras_accum.sample_schedule import SampleSchedule
+
 
 def linear(batch, tuned_batch, estimate=None):
     """`batch / tuned_batch`.
@@ -141,12 +144,15 @@ def for_optimizer(rule, optimizer):
 
 
 class RateFollower:
-    """Sets the optimizer's rate to the tuned rate times a rule's factor,
-    for one `fit`, and puts the tuned rate back at its end.
+    """Makes the optimizer's rate follow the batch for one `fit`: the tuned
+    rate times a rule's factor, and the tuned rate back at its end.
 
-    The tuned rate is the optimizer's at the fit's start; the rate must be
-    a number (a Keras variable the traced step reads), not a
-    `LearningRateSchedule`, which is refused before training.
+    The tuned rate is the optimizer's at the fit's start: a number (a Keras
+    variable the traced step reads, set through the public
+    `optimizer.learning_rate`), or a `SampleSchedule`, which is told the
+    factor and the samples each update holds (its steps count samples; it
+    is followed without a rule too, with the factor 1). Another
+    `LearningRateSchedule` with a rule is refused before training.
 
     Example:
 
@@ -161,16 +167,28 @@ class RateFollower:
     def __init__(self, rule):
         self.rule = rule
         self.optimizer = None
+        self.schedule = None  # the optimizer's SampleSchedule, if it has one
         self.tuned = None
         self.tuned_batch = None
+
+    @staticmethod
+    def needed(rule, optimizer):
+        """Whether a fit with `rule` (None: none) and `optimizer` has a rate
+        to follow: a rule, or a `SampleSchedule` to count samples for."""
+        return rule is not None or isinstance(
+            internals.learning_rate_schedule(optimizer), SampleSchedule)
 
     def start(self, optimizer, tuned_batch=None):
         """Remembers the tuned rate, and the batch it was tuned for (None:
         the first batch `follow` is given)."""
-        check_rate_is_a_number(optimizer)
+        schedule = internals.learning_rate_schedule(optimizer)
+        if isinstance(schedule, SampleSchedule):
+            self.schedule = schedule
+        elif self.rule is not None:
+            check_rate_is_a_number(optimizer)
+            self.tuned = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
         self.rule = for_optimizer(self.rule, optimizer)
         self.optimizer = optimizer
-        self.tuned = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
         self.tuned_batch = tuned_batch
 
     def follow(self, batch, estimate):
@@ -179,19 +197,49 @@ class RateFollower:
             return None
         if self.tuned_batch is None:
             self.tuned_batch = batch
-        rate = self.tuned * float(self.rule(batch, self.tuned_batch, estimate))
+        factor = 1.0 if self.rule is None else float(self.rule(batch, self.tuned_batch, estimate))
+        if self.schedule is not None:
+            self.schedule.follow(self._updates(), batch / self.tuned_batch, factor)
+            return self.rate()
+        rate = self.tuned * factor
         self.optimizer.learning_rate = rate
         return rate
 
+    def rate(self):
+        """The rate the next update uses."""
+        return float(keras.ops.convert_to_numpy(self.optimizer.learning_rate))
+
     def stop(self):
-        """The tuned rate back (a fit's end)."""
-        if self.optimizer is not None:
+        """The tuned rate back (a fit's end); a `SampleSchedule` keeps its
+        count and counts updates of the tuned batch from here."""
+        if self.schedule is not None:
+            self.schedule.follow(self._updates(), 1.0, 1.0)
+        elif self.optimizer is not None and self.tuned is not None:
             self.optimizer.learning_rate = self.tuned
         self.optimizer = None
+        self.schedule = None
+
+    def state(self):
+        """What a backup keeps (JSON-able)."""
+        state = {"tuned": self.tuned, "tuned_batch": self.tuned_batch}
+        if self.schedule is not None:
+            state["schedule"] = list(self.schedule.state())
+        return state
+
+    def restore(self, state):
+        """Takes back a `state()` after the weights were restored."""
+        self.tuned, self.tuned_batch = state["tuned"], state["tuned_batch"]
+        if self.schedule is not None and "schedule" in state:
+            self.schedule.restore(state["schedule"])
+
+    def _updates(self):
+        # `.numpy()`: under a strategy the count is a MirroredVariable.
+        return int(self.optimizer.iterations.numpy())
 
 
 def check_rate_is_a_number(optimizer):
-    """Refuses a `LearningRateSchedule` (or callable) rate, before training.
+    """Refuses a `LearningRateSchedule` (or callable) rate other than a
+    `SampleSchedule` with a rule, before training.
 
     Read from the optimizer's config (public): a number there is a rate
     the traced step reads from a variable; a schedule is a dict.
@@ -206,6 +254,8 @@ def check_rate_is_a_number(optimizer):
             "A learning_rate_rule sets the optimizer's rate as the batch "
             f"changes, and this optimizer's rate is a {kind}, not a "
             "number. Give the optimizer a number (the rate tuned for the "
-            "starting batch), or pass learning_rate_rule=None to "
-            "AccumScheduler. Nothing was trained."
+            "starting batch), wrap the schedule in "
+            "keras_accum.SampleSchedule (its steps then count samples, and "
+            "the rule multiplies its rate), or pass learning_rate_rule=None "
+            "to AccumScheduler. Nothing was trained."
         )

@@ -60,7 +60,9 @@ class AccumScheduler(FitSetting):
     `optimizer.iterations` counts updates, so learning-rate schedules see
     the big-batch run's steps: with a growing batch, a schedule indexed by
     steps moves more slowly per sample (`path` records the samples at each
-    decision). Each distinct value is traced once for the whole `fit`,
+    decision). Wrap the schedule in `keras_accum.SampleSchedule` to count
+    its steps in samples instead (updates of `tuned_batch` samples); the
+    scheduler keeps its count, and a rule multiplies its rate. Each distinct value is traced once for the whole `fit`,
     however often the schedule returns to it. On resume (`initial_epoch`,
     `BackupAndRestore`) the schedule is applied for the epoch training
     starts at. Like `fit(accum_steps=...)`, the change lasts for that `fit`
@@ -114,8 +116,9 @@ class AccumScheduler(FitSetting):
             Default: "auto" with "noise_scale", None with a dict or a
             callable.
         tuned_batch: the batch (samples per update, global) the
-            optimizer's rate was tuned for, with a `learning_rate_rule`.
-            Default: the batch the fit starts at. Give it when starting
+            optimizer's rate was tuned for, with a `learning_rate_rule` or
+            a `keras_accum.SampleSchedule` (whose steps are updates of this
+            many samples). Default: the batch the fit starts at. Give it when starting
             smaller than the batch the rate was tuned for: a rate tuned for
             256 samples can make 16-sample updates diverge.
 
@@ -156,7 +159,7 @@ class AccumScheduler(FitSetting):
             learning_rate_rule = rate_rules.AUTO if schedule == NOISE_SCALE else None
         self._rule = rate_rules.check_rule(learning_rate_rule)
         self.learning_rate_rule = learning_rate_rule
-        self.tuned_batch = arguments.check_tuned_batch(tuned_batch, self._rule)
+        self.tuned_batch = arguments.check_tuned_batch(tuned_batch)
         if schedule == NOISE_SCALE:
             self._table = None
             self._schedule = self._from_noise_scale
@@ -251,7 +254,9 @@ class AccumScheduler(FitSetting):
         self.path = []
         self._since = _Since(self._updates(), 0)
         self._trained = 0
-        if self._rule is not None:
+        follows = rate_rules.RateFollower.needed(self._rule, self.model.optimizer)
+        arguments.check_tuned_batch_used(self.tuned_batch, follows)
+        if follows:
             self._follower = rate_rules.RateFollower(self._rule)
             self._follower.start(self.model.optimizer, self.tuned_batch)
         self._begun = False
@@ -271,7 +276,7 @@ class AccumScheduler(FitSetting):
         state = {"class": type(self).__name__, "accum_steps": self.model.accum_steps,
                  "since": list(self._since), "trained": self._trained, "begun": self._begun}
         if self._follower is not None:
-            state["rate"] = [self._follower.tuned, self._follower.tuned_batch]
+            state["rate"] = self._follower.state()
         if self._growth is not None:
             state["growth"] = self._growth.state(self.fit_control.noise)
         return state
@@ -291,8 +296,8 @@ class AccumScheduler(FitSetting):
         self._begun = state["begun"]
         if self._follower is not None and "rate" in state:
             # The optimizer's rate came back with the weights (scaled); the
-            # tuned one is the backup's.
-            self._follower.tuned, self._follower.tuned_batch = state["rate"]
+            # tuned one is the backup's, and so is a SampleSchedule's count.
+            self._follower.restore(state["rate"])
         if self._growth is not None and "growth" in state:
             self._growth.restore(state["growth"], self.fit_control.noise)
 
@@ -362,7 +367,7 @@ class AccumScheduler(FitSetting):
             return None
         size = self.fit_control.batch_size_seen()
         if not size:
-            return self._follower.tuned  # no data seen: nothing to scale by
+            return self._follower.rate()  # no data seen: nothing to scale by
         return self._follower.follow(size * self.model.accum_steps, estimate)
 
     def on_epoch_end(self, epoch, logs=None):

@@ -42,6 +42,7 @@ def test_public_surface():
         "AccumOptimizer",
         "AccumScheduler",
         "BackupAndRestore",
+        "SampleSchedule",
         "wrap",
         "__version__",
     }

@@ -305,7 +305,10 @@ def test_the_internals_package_re_exports_every_public_name():
 
 @pytest.mark.parametrize(
     "attribute",
-    ["_trainable_variables", "_trainable_variables_indices", "_var_key", "_get_variable_index", "_variables"],
+    [
+        "_trainable_variables", "_trainable_variables_indices", "_var_key",
+        "_get_variable_index", "_variables", "_learning_rate",
+    ],
 )
 @pytest.mark.unit
 def test_optimizer_private_attributes_exist(attribute):
@@ -330,6 +333,15 @@ def test_optimizer_bookkeeping_is_the_build_order_and_own_variables():
     extra = keras.Variable([0.0])
     unknown = internals.unknown_variables(optimizer, [*variables, extra])
     assert len(unknown) == 1 and unknown[0] is extra
+
+
+@pytest.mark.unit
+def test_the_schedule_object_an_optimizer_was_given_is_found():
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.5)
+    assert internals.learning_rate_schedule(keras.optimizers.SGD(schedule)) is schedule
+    scaled = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(schedule))
+    assert internals.learning_rate_schedule(scaled) is schedule
+    assert internals.learning_rate_schedule(keras.optimizers.SGD(0.1)) is None
 
 
 @pytest.mark.unit
@@ -361,7 +373,7 @@ PRIVATE_NAMES = {
     "_moments", "_inbound_nodes",
     # Optimizer
     "_trainable_variables", "_trainable_variables_indices", "_var_key",
-    "_get_variable_index", "_variables",
+    "_get_variable_index", "_variables", "_learning_rate",
     # BackupAndRestore
     "_should_save_on_batch", "_last_batch_seen", "_batches_seen_since_last_saving",
     "_save_model",

@@ -7,12 +7,13 @@ That a schedule traces one step per distinct value: test_train_functions.py.
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from helpers.tiers import WAYS, wide
 from helpers.assertions import assert_history_close, assert_trained, assert_weights_close
 from helpers.data import make_data
 from helpers.models import OPTIMIZERS, WAYS_IN, functional, initial_weights, loss
 
-from keras_accum import AccumModel, AccumScheduler
+from keras_accum import AccumModel, AccumScheduler, SampleSchedule
 
 # 92 samples at micro-batch 8: 11 micro-batches of 8 and one of 4, so every
 # epoch ends on a short window (8+4 at N=2, 8+8+8+4 at N=4), which is exact
@@ -327,13 +328,99 @@ def test_a_rule_changes_nothing_when_the_batch_does_not():
         np.testing.assert_array_equal(a, b)
 
 
-def test_a_rule_with_a_learning_rate_schedule_is_refused_before_training():
+@pytest.mark.parametrize(
+    "optimizer, kwargs, match",
+    [
+        ("adam_exponential_decay", dict(learning_rate_rule="sqrt"),
+         r"rate is a ExponentialDecay, not a number.*SampleSchedule.*learning_rate_rule=None"),
+        ("adam", dict(tuned_batch=256),
+         r"`tuned_batch` is.*neither.*Nothing was trained. Received: tuned_batch=256"),
+    ],
+)
+def test_a_rule_or_tuned_batch_the_rate_cannot_follow_is_refused_before_training(
+        optimizer, kwargs, match):
     model = functional(AccumModel)
-    model.compile(OPTIMIZERS["adam_exponential_decay"](), loss())
-    with pytest.raises(ValueError, match=r"rate is a ExponentialDecay, not a number.*learning_rate_rule=None"):
-        model.fit(X, Y, batch_size=MICRO, epochs=2,
-                  callbacks=[AccumScheduler({1: 2}, learning_rate_rule="sqrt")], **FIT)
+    model.compile(OPTIMIZERS[optimizer](), loss())
+    with pytest.raises(ValueError, match=match):
+        model.fit(X, Y, batch_size=MICRO, epochs=2, callbacks=[AccumScheduler({1: 2}, **kwargs)], **FIT)
     assert int(model.optimizer.iterations.numpy()) == 0
+
+
+# -- SampleSchedule: a Keras schedule whose steps count samples ------------------
+
+
+def decay():
+    return keras.optimizers.schedules.ExponentialDecay(0.02, decay_steps=10, decay_rate=0.5)
+
+
+@pytest.mark.unit
+def test_a_sample_schedule_nothing_drives_is_its_schedule_bit_for_bit():
+    inner, counted = decay(), SampleSchedule(decay())
+    for step in [0, 1, 5, 17, 1000, 2**20 + 1]:
+        assert float(counted(step)) == float(inner(step)), step
+
+
+@pytest.mark.unit
+def test_a_sample_schedule_counts_each_updates_samples_since_each_change():
+    inner, counted = decay(), SampleSchedule(decay())
+    counted.follow(10, scale=2.0, factor=3.0)  # updates 0-9 held one tuned batch each
+    assert counted.step_at(14) == 10 + 4 * 2
+    counted.follow(14, scale=4.0, factor=0.5)
+    assert counted.step_at(15) == 18 + 4
+    np.testing.assert_allclose(float(counted(15)), 0.5 * float(inner(22.0)), rtol=1e-6)
+    # Its count travels in its config (a .keras file's optimizer).
+    again = keras.optimizers.schedules.deserialize(keras.optimizers.schedules.serialize(counted))
+    assert isinstance(again, SampleSchedule) and again.state() == counted.state()
+    assert float(again(15)) == float(counted(15))
+
+
+@pytest.mark.unit
+def test_a_sample_schedule_of_what_is_not_a_schedule_is_refused_naming_it():
+    with pytest.raises(TypeError, match=r"`schedule` must be a keras.*schedule=0.1 \(of type float\)"):
+        SampleSchedule(0.1)
+
+
+class PiecewiseReference(keras.optimizers.schedules.LearningRateSchedule):
+    """By hand: `inner` at the samples trained (in batches of 8) times the
+    rule's factor, for updates of 8 x `steps[i]` samples from `starts[i]`."""
+
+    def __init__(self, inner, starts, steps, rule):
+        self.inner, self.starts, self.steps, self.rule = inner, starts, steps, rule
+
+    def __call__(self, step):
+        step = tf.cast(step, tf.float64)
+        ends = self.starts[1:] + [np.inf]
+        progress = sum(
+            tf.clip_by_value(step - start, 0.0, end - start) * k
+            for start, end, k in zip(self.starts, ends, self.steps)
+        )
+        factor = tf.gather(
+            tf.constant([self.rule(k) for k in self.steps], tf.float32),
+            tf.reduce_sum(tf.cast(step >= tf.constant(self.starts[1:], tf.float64), tf.int32)),
+        )
+        return self.inner(tf.cast(progress, tf.float32)) * factor
+
+
+@pytest.mark.parametrize("rule", [None, "sqrt"])
+def test_a_sample_schedule_follows_the_samples_and_the_rule_exactly(rule):
+    model = functional(AccumModel)
+    model.compile(keras.optimizers.Adam(SampleSchedule(decay())), loss())
+    scheduler = AccumScheduler(SCHEDULE, learning_rate_rule=rule)
+    model.fit(X, Y, batch_size=MICRO, epochs=EPOCHS, callbacks=[scheduler], **FIT)
+    # Updates per epoch: 12 of 8 samples, 12, 6 of 16, 3 of 32, 3.
+    factor = (lambda k: 1.0) if rule is None else np.sqrt
+    plain = functional()
+    plain.compile(keras.optimizers.Adam(PiecewiseReference(decay(), [0, 24, 30], [1, 2, 4], factor)), loss())
+    for epoch in range(EPOCHS):
+        steps = step_of(SCHEDULE)(epoch)
+        plain.fit(X, Y, batch_size=MICRO * steps, epochs=epoch + 1, initial_epoch=epoch, **FIT)
+    assert_weights_close(plain, model)
+    assert [d.updates for d in scheduler.path] == [24, 30]
+    assert [d.learning_rate for d in scheduler.path] == pytest.approx(
+        [factor(2) * float(decay()(24.0)), factor(4) * float(decay()(36.0))], rel=1e-6)
+    # After the fit the count goes on in updates of the tuned batch, from
+    # the samples trained: 24 + 2 x 6 + 4 x 6 = 60.
+    assert model.optimizer.learning_rate.numpy() == pytest.approx(float(decay()(60.0)), rel=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -352,8 +439,6 @@ def test_a_rule_with_a_learning_rate_schedule_is_refused_before_training():
          r"`noise_scale_multiple` is for.*noise_scale_multiple=2.0"),
         (dict(schedule={0: 2}, learning_rate_rule="sqrt", tuned_batch=0), ValueError,
          r"`tuned_batch` must be a positive integer.*tuned_batch=0"),
-        (dict(schedule={0: 2}, tuned_batch=256), ValueError,
-         r"learning_rate_rule is None.*tuned_batch=256"),
         (dict(schedule={0: 2}, learning_rate_rule="cube"), ValueError,
          r"`learning_rate_rule` must be one of.*learning_rate_rule='cube'"),
     ],

@@ -23,7 +23,8 @@ By concern:
 - `saving`: training state in a model's files, tracking, build shapes,
   tf_keras objects.
 - `distribute`: replicas, workers, per-replica variables, XLA.
-- `optimizer`: the variables an optimizer was built for, and its own.
+- `optimizer`: the variables an optimizer was built for, its own, and
+  the schedule object it was given.
 - `callbacks`: `BackupAndRestore`'s batch counting and backups, the epoch
   `fit` starts at.
 - `model_hooks`: the private `Model` hooks `AccumModel` overrides (the
@@ -109,6 +110,7 @@ from keras_accum._internals.model_hooks import (  # noqa: E402
 from keras_accum._internals.optimizer import (  # noqa: E402
     build_position,
     built_variables,
+    learning_rate_schedule,
     own_variables,
     unknown_variables,
 )
@@ -211,6 +213,7 @@ __all__ = [
     # optimizer
     "build_position",
     "built_variables",
+    "learning_rate_schedule",
     "own_variables",
     "unknown_variables",
     # callbacks

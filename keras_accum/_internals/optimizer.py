@@ -3,8 +3,12 @@ built for, in which order, and which variables it made itself.
 
 Keras keeps these in private attributes of `BaseOptimizer`, set by `build`
 (`_trainable_variables`, `_trainable_variables_indices`, `_var_key`,
-`_get_variable_index`) and by `add_variable` (`_variables`).
+`_get_variable_index`) and by `add_variable` (`_variables`); the schedule
+object it was given, in `_learning_rate` (the public `learning_rate`
+evaluates it).
 """
+
+import keras
 
 
 def unknown_variables(optimizer, variables):
@@ -35,3 +39,18 @@ def own_variables(optimizer):
     """The variables `optimizer` made itself (`iterations`, its slots), not
     those of an optimizer it wraps: what `BaseOptimizer.variables` lists."""
     return optimizer._variables
+
+
+def learning_rate_schedule(optimizer):
+    """The `LearningRateSchedule` object `optimizer` was given as its rate
+    (a `LossScaleOptimizer`'s inner optimizer's), or None for a number.
+
+    Public Keras gives the schedule's value (`optimizer.learning_rate`)
+    and its config, not the object, whose state a `SampleSchedule` keeps.
+    """
+    while hasattr(optimizer, "inner_optimizer"):
+        optimizer = optimizer.inner_optimizer
+    rate = optimizer._learning_rate
+    if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
+        return rate
+    return None
