@@ -66,6 +66,9 @@ class FitControl(NamedTuple):
     # `measured(value)`: an epoch's noise scale estimate, for the model's
     # `noise_scale` property.
     measured: Callable
+    # The settings callbacks' states in the model's `.keras` files
+    # (`SettingStates`).
+    setting_states: "SettingStates"
 
 
 class FitSetting(keras.callbacks.Callback):
@@ -101,6 +104,61 @@ class FitSetting(keras.callbacks.Callback):
     def restore_state(self, state):
         """Takes back a `state()` when a backup is restored (before the
         first batch; before or after this callback's `on_train_begin`)."""
+
+
+class SettingStates:
+    """The states of a running `fit`'s settings callbacks (`FitSetting.state`)
+    in the model's config, so that a `.keras` file written mid-fit (by
+    `keras.callbacks.ModelCheckpoint`) holds them beside the weights and
+    the optimizer; and those read from such a file, handed once to the
+    callbacks of the same class in the next `fit` (as a backup's are).
+
+    Example:
+
+    ```python
+    config.update(states.config())   # AccumModel.get_config, mid-fit
+    states.load(SettingStates.popped(config))  # AccumModel.from_config
+    states.start(settings_callbacks) # one_fit: the loaded ones handed back
+    ```
+    """
+
+    KEY = "fit_setting_states"
+
+    def __init__(self):
+        self.running = []  # the running fit's settings callbacks
+        self.loaded = {}  # {class name: state} from a file, for the next fit
+
+    def config(self):
+        """`{KEY: {class name: state}}` while a fit runs with a stateful
+        settings callback, else `{}` (a model between fits: nothing)."""
+        states = {}
+        for callback in self.running:
+            state = callback.state()
+            if state is not None:
+                states[type(callback).__name__] = state
+        return {self.KEY: states} if states else {}
+
+    @classmethod
+    def popped(cls, config):
+        """What `config()` wrote, popped from a model's `config` (a dict)."""
+        return config.pop(cls.KEY, None) or {}
+
+    def load(self, states):
+        """Keeps `popped(config)` for the next fit."""
+        self.loaded = dict(states)
+
+    def start(self, callbacks):
+        """A fit starts with these settings callbacks: each gets the
+        loaded state of its class, once."""
+        self.running = list(callbacks)
+        loaded, self.loaded = self.loaded, {}
+        for callback in self.running:
+            state = loaded.pop(type(callback).__name__, None)
+            if state is not None:
+                callback.restore_state(state)
+
+    def stop(self):
+        self.running = []
 
 
 class EpochEndFlush(keras.callbacks.Callback):
@@ -291,6 +349,7 @@ def one_fit(model, control, callbacks, accum_steps=None, micro_batch_size=None,
     settings_callbacks = [c for c in given if isinstance(c, FitSetting)]
     for callback in settings_callbacks:
         callback.bind_fit(control)
+    control.setting_states.start(settings_callbacks)  # a .keras file's, once
     backups = [c for c in given if hasattr(c, "bind_settings")]
     for backup in backups:  # keras_accum.BackupAndRestore keeps their state
         backup.bind_settings(settings_callbacks)
@@ -310,6 +369,7 @@ def one_fit(model, control, callbacks, accum_steps=None, micro_batch_size=None,
         # Not through the setters: the open window stays open.
         control.restore(previous._replace(**control.changes.stop()))
         control.stop_fast_forward()
+        control.setting_states.stop()
         for callback in settings_callbacks:
             callback.bind_fit(None)
         for backup in backups:

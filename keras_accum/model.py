@@ -173,6 +173,8 @@ class AccumModel(
         self._made_coupling = None
         # Settings assigned during a fit, which outlive it (fitting.py).
         self._fit_changes = fitting.FitChanges()
+        # The settings callbacks' states in .keras files (fitting.py).
+        self._setting_states = fitting.SettingStates()
         internals.holder_of(self, "train_function")
         self._configure(settings)
 
@@ -483,6 +485,7 @@ class AccumModel(
             restore=self._restore_settings,
             stop_fast_forward=self._functions().stop_fast_forward,
             changes=self._fit_changes,
+            setting_states=self._setting_states,
             batch_size_seen=lambda: self._batch_size_seen,
             window_open=lambda: bool(self._accum_state.open_micro_batches()),
             noise=self._accum_state.noise,
@@ -624,7 +627,9 @@ class AccumModel(
 
     def get_config(self):
         self._check_config_is_faithful()
-        return {**self._model_config(), **self._settings.config()}
+        # Mid-fit (a ModelCheckpoint), the settings callbacks' states too.
+        return {**self._model_config(), **self._settings.config(),
+                **self._setting_states.config()}
 
     def _model_config(self):
         # The Keras model's own config, to which the settings are added;
@@ -635,9 +640,11 @@ class AccumModel(
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
         settings = arguments.settings_from_config(config)
+        states = fitting.SettingStates.popped(config)
         # Keras makes functional models with only their graph's arguments:
         # the settings are given to the model it made, before any training
         # (this class's _configure, on the instance it made).
         model = super().from_config(config, custom_objects=custom_objects)
         cls._configure(model, settings)
+        model._setting_states.load(states)
         return model

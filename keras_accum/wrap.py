@@ -5,6 +5,7 @@ import types
 import keras
 
 from keras_accum import _internals as internals
+from keras_accum import fitting
 from keras_accum.arguments import MODEL_ARGUMENTS, accum_settings, check_keywords
 from keras_accum.model import AccumModel
 from keras_accum.saving import check_config_is_faithful
@@ -131,10 +132,13 @@ class RebuiltModel(AccumModel):
 def _from_config(cls, config, custom_objects):
     """A wrapper class's model from `config["model"]`, wrapped as saved."""
     config = dict(config)
+    states = fitting.SettingStates.popped(config)  # written mid-fit
     model = keras.saving.deserialize_keras_object(
         config.pop("model"), custom_objects=custom_objects
     )
-    return cls(model, **config)
+    wrapped = cls(model, **config)
+    wrapped._setting_states.load(states)
+    return wrapped
 
 
 def wrap(

@@ -621,8 +621,13 @@ def test_under_mirrored_strategy_the_schedule_is_a_plain_model_fed_its_batches(m
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("order", ["scheduler_first", "backup_first"])
-def test_a_schedule_resumed_from_a_backup_continues_exactly(tmp_path, order):
+@pytest.mark.parametrize("order, rate", [
+    ("scheduler_first", "number"), ("backup_first", "number"),
+    # A SampleSchedule's count is not an optimizer variable: the
+    # scheduler's state brings it back.
+    ("scheduler_first", "sample_schedule"),
+])
+def test_a_schedule_resumed_from_a_backup_continues_exactly(tmp_path, order, rate):
     from helpers.training import InterruptAt
 
     x, y = regression_data(344, noise=4.0)
@@ -630,7 +635,9 @@ def test_a_schedule_resumed_from_a_backup_continues_exactly(tmp_path, order):
 
     def compiled():
         model = regression_net(keras_accum.AccumModel, accum_steps=2, noise_scale=True)
-        model.compile(keras.optimizers.Adam(0.05), "mse")
+        schedule = keras.optimizers.schedules.ExponentialDecay(0.05, 30, 0.5)
+        model.compile(keras.optimizers.Adam(
+            0.05 if rate == "number" else keras_accum.SampleSchedule(schedule)), "mse")
         return model
 
     def callbacks(scheduler, *more):
@@ -660,7 +667,59 @@ def test_a_schedule_resumed_from_a_backup_continues_exactly(tmp_path, order):
                                [d.estimate.value for d in later], rtol=1e-9)
     for a, b in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
-    assert float(model.optimizer.learning_rate) == pytest.approx(0.05)
+    assert float(model.optimizer.learning_rate) == pytest.approx(
+        float(reference.optimizer.learning_rate))
+
+
+@pytest.mark.parametrize("way, rate", [("functional", "number"), ("wrap", "sample_schedule")])
+def test_a_schedule_resumed_from_a_keras_file_continues_exactly(tmp_path, way, rate):
+    # ModelCheckpoint writes a .keras file at each epoch's end, mid-fit: the
+    # schedule's state rides in the model's config, and the first fit of the
+    # model loaded from it continues the schedule and the rate.
+    from helpers.training import InterruptAt
+
+    x, y = regression_data(344, noise=4.0)
+    fit = dict(batch_size=8, epochs=4, shuffle=False, verbose=0)
+    path = str(tmp_path / "checkpoint.keras")
+
+    def compiled():
+        if way == "wrap":
+            model = keras_accum.wrap(regression_net(), accum_steps=2, noise_scale=True)
+        else:
+            model = regression_net(keras_accum.AccumModel, accum_steps=2, noise_scale=True)
+        schedule = keras.optimizers.schedules.ExponentialDecay(0.05, 30, 0.5)
+        model.compile(keras.optimizers.Adam(
+            0.05 if rate == "number" else keras_accum.SampleSchedule(schedule)), "mse")
+        return model
+
+    def scheduler():
+        return keras_accum.AccumScheduler("noise_scale", max_accum_steps=12, every_updates=3,
+                                          learning_rate_rule="sqrt")
+
+    reference, uninterrupted = compiled(), scheduler()
+    reference.fit(x, y, callbacks=[uninterrupted], **fit)
+    with pytest.raises(KeyboardInterrupt):
+        compiled().fit(x, y, callbacks=[scheduler(), keras.callbacks.ModelCheckpoint(path),
+                                        InterruptAt(2, 3)], **fit)
+    model, resumed = keras.saving.load_model(path), scheduler()  # as a new process would
+    # A file written mid-fit holds the value in force (its window's).
+    assert model.accum_steps == [d for d in uninterrupted.path if d.epoch < 2][-1].accum_steps
+    model.fit(x, y, initial_epoch=2, callbacks=[resumed], **fit)
+    later = [d for d in uninterrupted.path if d.epoch >= 2]
+    assert later and [(d.updates, d.accum_steps) for d in resumed.path] == [
+        (d.updates, d.accum_steps) for d in later]
+    np.testing.assert_allclose([d.learning_rate or 0 for d in resumed.path],
+                               [d.learning_rate or 0 for d in later], rtol=1e-6)
+    np.testing.assert_allclose([d.estimate.value for d in resumed.path],
+                               [d.estimate.value for d in later], rtol=1e-6)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(model.optimizer.learning_rate),
+                               float(reference.optimizer.learning_rate), rtol=1e-6)
+    # Handed over once: a later fit of the loaded model starts afresh.
+    again = scheduler()
+    model.fit(x, y, batch_size=8, epochs=1, callbacks=[again], shuffle=False, verbose=0)
+    assert again.path[0].updates == int(reference.optimizer.iterations) + 3
 
 
 @pytest.mark.parametrize("replicas", [1, 2])

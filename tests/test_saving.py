@@ -381,3 +381,22 @@ def test_tf_saved_model_save(tmp_path):
     tf.saved_model.save(model, str(tmp_path / "sm"))
     served = serve_in_fresh_process(tmp_path / "sm", tmp_path)
     np.testing.assert_allclose(served, model.predict(X, verbose=0), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("way", ["functional", "wrap_functional", "wrap_subclassed"])
+@pytest.mark.unit
+def test_a_files_setting_states_are_kept_for_the_next_fit_by_every_way_in(way):
+    # What a .keras file written mid-fit adds to the config (the schedule's
+    # state, tests/test_noise_scale.py resumes from one) is taken out of it
+    # before Keras rebuilds the model, on each way in.
+    from keras_accum.fitting import SettingStates
+
+    model = {
+        "functional": lambda: functional(AccumModel),
+        "wrap_functional": lambda: keras_accum.wrap(functional()),
+        "wrap_subclassed": lambda: keras_accum.wrap(subclassed()),
+    }[way]()
+    states = {"AccumScheduler": {"class": "AccumScheduler", "accum_steps": 4}}
+    again = type(model).from_config({**model.get_config(), SettingStates.KEY: states})
+    assert again._setting_states.loaded == states
+    assert SettingStates.KEY not in again.get_config()  # between fits: none
