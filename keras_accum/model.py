@@ -639,12 +639,25 @@ class AccumModel(
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        settings = arguments.settings_from_config(config)
+        # A file written mid-fit: its settings callbacks' states, for the
+        # next fit of the model made here.
         states = fitting.SettingStates.popped(config)
+        model = cls._made_from_config(config, custom_objects)
+        cls._keep_setting_states(model, states)
+        return model
+
+    @classmethod
+    def _made_from_config(cls, config, custom_objects):
+        # The model of a config (`wrap`'s classes make theirs from the model
+        # they wrap).
+        settings = arguments.settings_from_config(config)
         # Keras makes functional models with only their graph's arguments:
         # the settings are given to the model it made, before any training
         # (this class's _configure, on the instance it made).
         model = super().from_config(config, custom_objects=custom_objects)
         cls._configure(model, settings)
-        model._setting_states.load(states)
         return model
+
+    def _keep_setting_states(self, states):
+        # A file's settings callbacks' states, for the next fit (from_config).
+        self._setting_states.load(states)

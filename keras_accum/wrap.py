@@ -5,7 +5,6 @@ import types
 import keras
 
 from keras_accum import _internals as internals
-from keras_accum import fitting
 from keras_accum.arguments import MODEL_ARGUMENTS, accum_settings, check_keywords
 from keras_accum.model import AccumModel
 from keras_accum.saving import check_config_is_faithful
@@ -63,7 +62,7 @@ class WrappedModel(AccumModel):
         return config
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
+    def _made_from_config(cls, config, custom_objects):
         return _from_config(cls, config, custom_objects)
 
 
@@ -125,20 +124,17 @@ class RebuiltModel(AccumModel):
         return config
 
     @classmethod
-    def from_config(cls, config, custom_objects=None):
+    def _made_from_config(cls, config, custom_objects):
         return _from_config(cls, config, custom_objects)
 
 
 def _from_config(cls, config, custom_objects):
     """A wrapper class's model from `config["model"]`, wrapped as saved."""
     config = dict(config)
-    states = fitting.SettingStates.popped(config)  # written mid-fit
     model = keras.saving.deserialize_keras_object(
         config.pop("model"), custom_objects=custom_objects
     )
-    wrapped = cls(model, **config)
-    wrapped._setting_states.load(states)
-    return wrapped
+    return cls(model, **config)
 
 
 def wrap(

@@ -384,19 +384,32 @@ def test_tf_saved_model_save(tmp_path):
 
 
 @pytest.mark.parametrize("way", ["functional", "wrap_functional", "wrap_subclassed"])
-@pytest.mark.unit
-def test_a_files_setting_states_are_kept_for_the_next_fit_by_every_way_in(way):
+def test_a_files_setting_states_go_to_the_next_fit_once_by_every_way_in(way):
     # What a .keras file written mid-fit adds to the config (the schedule's
-    # state, tests/test_noise_scale.py resumes from one) is taken out of it
-    # before Keras rebuilds the model, on each way in.
-    from keras_accum.fitting import SettingStates
+    # state: tests/test_noise_scale.py resumes from one) is taken out of it
+    # before Keras rebuilds the model, on each way in, and handed to the
+    # next fit's settings callback of its class, once.
+    from keras_accum.fitting import FitSetting, SettingStates
+
+    class Recorder(FitSetting):
+        def __init__(self):
+            super().__init__()
+            self.restored = []
+
+        def restore_state(self, state):
+            self.restored.append(state)
 
     model = {
         "functional": lambda: functional(AccumModel),
         "wrap_functional": lambda: keras_accum.wrap(functional()),
         "wrap_subclassed": lambda: keras_accum.wrap(subclassed()),
     }[way]()
-    states = {"AccumScheduler": {"class": "AccumScheduler", "accum_steps": 4}}
+    states = {"Recorder": {"accum_steps": 4}, "Other": {}}
     again = type(model).from_config({**model.get_config(), SettingStates.KEY: states})
-    assert again._setting_states.loaded == states
     assert SettingStates.KEY not in again.get_config()  # between fits: none
+    again.compile("sgd", loss())
+    x, y = make_data(16)
+    first, second = Recorder(), Recorder()
+    again.fit(x, y, batch_size=8, verbose=0, callbacks=[first])
+    again.fit(x, y, batch_size=8, verbose=0, callbacks=[second])
+    assert first.restored == [{"accum_steps": 4}] and second.restored == []
