@@ -477,13 +477,13 @@ def _batches(changes, n, micro_batch, epochs, accum_steps):
     return batches
 
 
-def _plain_fed(path, x, y, micro, epochs, make_optimizer, start=2):
+def _plain_fed(path, x, y, micro, epochs, make_optimizer, start=2, **compile_kwargs):
     """A plain model fed the batches and rates of a schedule's `path`, as
     (updates, accum_steps, learning_rate) rows; and those batches."""
     batches = _batches({u: steps for u, steps, _ in path}, len(x), micro, epochs, start)
     rates = {u: rate for u, _, rate in path if rate is not None}
     plain = regression_net()
-    plain.compile(make_optimizer(), "mse")
+    plain.compile(make_optimizer(), "mse", **compile_kwargs)
     for update, (first, stop) in enumerate(batches):
         if update in rates:
             plain.optimizer.learning_rate = rates[update]
@@ -495,19 +495,28 @@ def _rows(path):
     return [(d.updates, d.accum_steps, d.learning_rate) for d in path]
 
 
-@pytest.mark.parametrize("rule, optimizer, every", [
-    ("sqrt", "adam", dict(every_updates=3)),
+@pytest.mark.parametrize("rule, optimizer, every, way", [
+    ("sqrt", "adam", dict(every_updates=3), "functional"),
     # 40 samples fall inside a window: the decision waits for its end.
-    ("adascale", "sgd", dict(every_samples=40)),
+    ("adascale", "sgd", dict(every_samples=40), "functional"),
+    # Keras's default on one GPU: each value's step compiled by XLA; a
+    # wrapped model, recompiled before fit.
+    ("sqrt", "adam", dict(every_updates=3), "wrap_xla_recompiled"),
 ])
 def test_deciding_every_k_updates_is_a_plain_model_fed_those_batches_and_rates(
-        rule, optimizer, every):
+        rule, optimizer, every, way):
     # Learning rate > 0: the noise scale changes as the model trains.
     x, y = regression_data(344, noise=4.0)
     micro, cap, epochs, tuned = 8, 12, 3, dict(adam=0.05, sgd=0.02)[optimizer]
     make = dict(adam=keras.optimizers.Adam, sgd=keras.optimizers.SGD)[optimizer]
-    model = regression_net(keras_accum.AccumModel, accum_steps=2, noise_scale=True)
-    model.compile(make(tuned), "mse")
+    compile_kwargs = {}
+    if way == "functional":
+        model = regression_net(keras_accum.AccumModel, accum_steps=2, noise_scale=True)
+    else:
+        compile_kwargs = dict(jit_compile=True)
+        model = keras_accum.wrap(regression_net(), accum_steps=2, noise_scale=True)
+        model.compile(make(1.0), "mae")
+    model.compile(make(tuned), "mse", **compile_kwargs)
     scheduler = keras_accum.AccumScheduler(
         "noise_scale", max_accum_steps=cap, learning_rate_rule=rule, **every)
     history = model.fit(x, y, batch_size=micro, epochs=epochs, shuffle=False, verbose=0,
@@ -523,7 +532,8 @@ def test_deciding_every_k_updates_is_a_plain_model_fed_those_batches_and_rates(
         gaps = np.diff([0] + [d.samples for d in path])
         assert all(40 <= gap < 40 + micro * d.accum_steps for gap, d in zip(gaps, path)), gaps
     n_updates = int(model.optimizer.iterations)
-    plain, batches = _plain_fed(_rows(path), x, y, micro, epochs, lambda: make(tuned))
+    plain, batches = _plain_fed(_rows(path), x, y, micro, epochs, lambda: make(tuned),
+                                **compile_kwargs)
     assert len(batches) == n_updates
     # Some change came mid-epoch (at a window's end, not an epoch's).
     changes = [d for prev, d in zip([None] + path, path)
