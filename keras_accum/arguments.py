@@ -356,13 +356,15 @@ DEFAULT_NOISE_SCALE_MULTIPLE = 1.5
 
 
 def noise_scale_arguments(schedule, max_accum_steps, every_updates, every_samples,
-                          multiple):
+                          multiple, min_accum_steps=None):
     """AccumScheduler's arguments for "noise_scale", normalised:
-    `(max_accum_steps, every_updates, every_samples, noise_scale_multiple)`.
-    Required or defaulted with "noise_scale"; refused with a dict or a
-    callable schedule, which sets accum_steps per epoch itself."""
+    `(max_accum_steps, every_updates, every_samples, noise_scale_multiple,
+    min_accum_steps)`. Required or defaulted with "noise_scale"; refused
+    with a dict or a callable schedule, which sets accum_steps per epoch
+    itself."""
     given = {"max_accum_steps": max_accum_steps, "every_updates": every_updates,
-             "every_samples": every_samples, "noise_scale_multiple": multiple}
+             "every_samples": every_samples, "noise_scale_multiple": multiple,
+             "min_accum_steps": min_accum_steps}
     if schedule != NOISE_SCALE:
         for name, value in given.items():
             if value is not None:
@@ -371,7 +373,7 @@ def noise_scale_arguments(schedule, max_accum_steps, every_updates, every_sample
                     "callable schedule sets accum_steps per epoch itself. "
                     f"Received: {name}={value!r} with schedule={schedule!r}."
                 )
-        return None, None, None, None
+        return None, None, None, None, None
     if max_accum_steps is None:
         raise ValueError(
             'AccumScheduler("noise_scale") needs `max_accum_steps`, the '
@@ -396,7 +398,18 @@ def noise_scale_arguments(schedule, max_accum_steps, every_updates, every_sample
                                   "how often the schedule decides")
     multiple = _positive("noise_scale_multiple", multiple, DEFAULT_NOISE_SCALE_MULTIPLE,
                          "the batch to grow towards, in noise scales; e.g. 1.5", float)
-    return max_accum_steps, every_updates, every_samples, multiple
+    if min_accum_steps is not None:
+        try:
+            min_accum_steps = check_accum_steps(min_accum_steps)
+        except (TypeError, ValueError) as error:
+            raise type(error)(str(error).replace("accum_steps", "min_accum_steps")) from None
+        if min_accum_steps > max_accum_steps:
+            raise ValueError(
+                "`min_accum_steps` (the smallest accum_steps the schedule may "
+                "shrink to) must be at most `max_accum_steps`. Received: "
+                f"min_accum_steps={min_accum_steps}, max_accum_steps={max_accum_steps}."
+            )
+    return max_accum_steps, every_updates, every_samples, multiple, min_accum_steps
 
 
 def check_tuned_batch(tuned_batch):

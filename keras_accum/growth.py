@@ -135,6 +135,8 @@ class BatchGrowth:
         max_accum_steps: the cap.
         keep: the share of the smoothed sums kept at each decision.
         multiple: the batch grown towards, in noise scales.
+        min_accum_steps: None: never shrinks; else the batch may shrink,
+            at most halving per decision, down to this.
 
     Attributes:
         smoothed: the decayed sums of the windows' estimates (NoiseScale's
@@ -149,10 +151,11 @@ class BatchGrowth:
     ```
     """
 
-    def __init__(self, max_accum_steps, keep=KEEP, multiple=1.0):
+    def __init__(self, max_accum_steps, keep=KEEP, multiple=1.0, min_accum_steps=None):
         self.max_accum_steps = max_accum_steps
         self.keep = keep
         self.multiple = multiple
+        self.min_accum_steps = min_accum_steps
         self.smoothed = None
         # `NoiseScale.read()` at the last decision: the windows since are
         # the difference.
@@ -188,8 +191,11 @@ class BatchGrowth:
 
     def next_accum_steps(self, current, samples_per_step):
         """`accum_steps` for the next windows: towards `multiple` times the
-        estimate (its lower bound while unresolved), at most doubling,
-        never shrinking, up to the cap."""
+        estimate (its lower bound while unresolved), at most doubling, up
+        to the cap; never shrinking, unless `min_accum_steps` is set: then
+        towards `multiple` times the interval's upper end (only a resolved
+        estimate has one: a smaller batch must be wanted whatever the
+        noise scale is within it), at most halving, down to it."""
         estimate = self.estimate
         if not samples_per_step or estimate.windows < MIN_WINDOWS:
             return current
@@ -198,7 +204,13 @@ class BatchGrowth:
             return current
         wanted = self.multiple * target / samples_per_step
         wanted = math.inf if math.isinf(wanted) else round(wanted)
-        return int(min(self.max_accum_steps, 2 * current, max(current, wanted)))
+        if wanted >= current or self.min_accum_steps is None:
+            return int(min(self.max_accum_steps, 2 * current, max(current, wanted)))
+        # Unresolved, the upper end is inf: kept.
+        upper = self.multiple * estimate.high / samples_per_step
+        if upper >= current or current <= self.min_accum_steps:
+            return current
+        return int(max(self.min_accum_steps, -(-current // 2), round(upper)))
 
     def state(self, noise):
         """For a backup mid-`fit` (JSON-able): the smoothed sums, the

@@ -90,7 +90,8 @@ class AccumScheduler(FitSetting):
             samples_per_step` (`samples_per_step`: the batch `fit` draws,
             global under a strategy), from the estimate's lower bound
             while the estimate is unresolved: at most doubling per
-            decision, never shrinking, up to `max_accum_steps`.
+            decision, up to `max_accum_steps`; never shrinking, unless
+            `min_accum_steps` is given.
         verbose: 1 prints a message when the value changes.
         max_accum_steps: with "noise_scale" (and only then, where it is
             required): the largest `accum_steps` to grow to.
@@ -105,6 +106,10 @@ class AccumScheduler(FitSetting):
             `arguments.DEFAULT_NOISE_SCALE_MULTIPLE`, 1.5: the measured
             noise scale sits at 0.5-1x the critical batch, where a bigger
             batch stops paying; docs: growing the batch).
+        min_accum_steps: with "noise_scale": let the batch shrink, at most
+            halving per decision, down to this (which may be below the
+            start), when even the estimate's upper end wants a smaller
+            one. Default None: it never shrinks.
         learning_rate_rule: how the learning rate follows the batch
             (keras_accum/rate_rules.py): "auto" (AdaScale's gain for SGD,
             its square root for Adam and other adaptive optimizers),
@@ -150,11 +155,12 @@ class AccumScheduler(FitSetting):
     def __init__(self, schedule, verbose=0, max_accum_steps=None, *,
                  every_updates=None, every_samples=None,
                  learning_rate_rule=DEFAULT, tuned_batch=None,
-                 noise_scale_multiple=None):
+                 noise_scale_multiple=None, min_accum_steps=None):
         super().__init__()
         (self.max_accum_steps, self.every_updates, self.every_samples,
-         self.noise_scale_multiple) = arguments.noise_scale_arguments(
-            schedule, max_accum_steps, every_updates, every_samples, noise_scale_multiple)
+         self.noise_scale_multiple, self.min_accum_steps) = arguments.noise_scale_arguments(
+            schedule, max_accum_steps, every_updates, every_samples, noise_scale_multiple,
+            min_accum_steps)
         if learning_rate_rule is DEFAULT:
             learning_rate_rule = rate_rules.AUTO if schedule == NOISE_SCALE else None
         self._rule = rate_rules.check_rule(learning_rate_rule)
@@ -181,7 +187,8 @@ class AccumScheduler(FitSetting):
         self.verbose = verbose
         self.path = []
         self._growth = (
-            BatchGrowth(self.max_accum_steps, multiple=self.noise_scale_multiple)
+            BatchGrowth(self.max_accum_steps, multiple=self.noise_scale_multiple,
+                        min_accum_steps=self.min_accum_steps)
             if schedule == NOISE_SCALE else None
         )
         self._follower = None

@@ -130,6 +130,34 @@ def test_unresolved_it_grows_to_the_lower_bound():
     assert growth.next_accum_steps(400, samples_per_step=1) == max(400, round(low))
 
 
+def test_asked_to_it_shrinks_by_the_upper_end_at_most_halving_down_to_the_minimum():
+    rng = np.random.default_rng(3)
+    trace, signal = _windows(rng, 40, trace=160.0, signal=4.0, spread=(20.0, 0.5))
+    never, asked = BatchGrowth(max_accum_steps=64), BatchGrowth(max_accum_steps=64, min_accum_steps=3)
+    for growth in (never, asked):
+        growth.observe(_sums(trace, signal))
+    estimate = asked.estimate
+    assert estimate.resolved and estimate.high < 2 * estimate.value  # about 40, tight
+    upper = round(estimate.high)  # samples_per_step=1, multiple 1
+    assert never.next_accum_steps(64, samples_per_step=1) == 64  # never shrinks
+    assert asked.next_accum_steps(64, samples_per_step=1) == max(32, upper)  # halving at most
+    assert asked.next_accum_steps(upper + 2, samples_per_step=1) == upper  # to the upper end
+    assert asked.next_accum_steps(2 * upper, samples_per_step=1) == upper
+    assert asked.next_accum_steps(upper, samples_per_step=1) == upper  # within: kept
+    assert asked.next_accum_steps(upper, samples_per_step=16) == max(3, -(-upper // 2))
+    assert asked.next_accum_steps(4, samples_per_step=16) == 3  # the minimum
+    assert asked.next_accum_steps(2, samples_per_step=32) == 2  # below it: not raised
+
+
+def test_asked_to_it_does_not_shrink_on_an_unresolved_estimate():
+    rng = np.random.default_rng(2)
+    trace, signal = _windows(rng, 12, signal=0.2, spread=(50.0, 1.0))
+    growth = BatchGrowth(max_accum_steps=1000, min_accum_steps=1)
+    growth.observe(_sums(trace, signal))
+    assert not growth.estimate.resolved
+    assert growth.next_accum_steps(1000, samples_per_step=1) == 1000
+
+
 # -- the learning-rate rules ---------------------------------------------------
 
 def test_each_rule_is_its_formula_and_one_at_the_tuned_batch():

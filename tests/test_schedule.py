@@ -441,6 +441,12 @@ def test_a_sample_schedule_follows_the_samples_and_the_rule_exactly(rule):
          r"`tuned_batch` must be a positive integer.*tuned_batch=0"),
         (dict(schedule={0: 2}, learning_rate_rule="cube"), ValueError,
          r"`learning_rate_rule` must be one of.*learning_rate_rule='cube'"),
+        (dict(schedule="noise_scale", max_accum_steps=8, min_accum_steps=16), ValueError,
+         r"`min_accum_steps`.*at most `max_accum_steps`.*min_accum_steps=16, max_accum_steps=8"),
+        (dict(schedule="noise_scale", max_accum_steps=8, min_accum_steps=0), ValueError,
+         r"`min_accum_steps`.*min_accum_steps=0"),
+        (dict(schedule={0: 2}, min_accum_steps=1), ValueError,
+         r"`min_accum_steps` is for.*min_accum_steps=1"),
     ],
 )
 @pytest.mark.unit
