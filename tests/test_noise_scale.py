@@ -643,6 +643,24 @@ def test_under_mirrored_strategy_the_schedule_is_a_plain_model_fed_its_batches(m
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+def _resumable(way, rate):
+    """The resume tests' model: functional or wrapped, Adam at a number or
+    at a SampleSchedule."""
+    if way == "wrap":
+        model = keras_accum.wrap(regression_net(), accum_steps=2, noise_scale=True)
+    else:
+        model = regression_net(keras_accum.AccumModel, accum_steps=2, noise_scale=True)
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.05, 30, 0.5)
+    model.compile(keras.optimizers.Adam(
+        0.05 if rate == "number" else keras_accum.SampleSchedule(schedule)), "mse")
+    return model
+
+
+def _resumable_scheduler():
+    return keras_accum.AccumScheduler("noise_scale", max_accum_steps=12, every_updates=3,
+                                      learning_rate_rule="sqrt")
+
+
 @pytest.mark.parametrize("order, rate", [
     ("scheduler_first", "number"), ("backup_first", "number"),
     # A SampleSchedule's count is not an optimizer variable: the
@@ -656,20 +674,14 @@ def test_a_schedule_resumed_from_a_backup_continues_exactly(tmp_path, order, rat
     fit = dict(batch_size=8, epochs=3, shuffle=False, verbose=0)
 
     def compiled():
-        model = regression_net(keras_accum.AccumModel, accum_steps=2, noise_scale=True)
-        schedule = keras.optimizers.schedules.ExponentialDecay(0.05, 30, 0.5)
-        model.compile(keras.optimizers.Adam(
-            0.05 if rate == "number" else keras_accum.SampleSchedule(schedule)), "mse")
-        return model
+        return _resumable("functional", rate)
 
     def callbacks(scheduler, *more):
         backup = keras_accum.BackupAndRestore(str(tmp_path / "backup"), save_freq=7)
         pair = [scheduler, backup] if order == "scheduler_first" else [backup, scheduler]
         return pair + list(more)
 
-    def scheduler():
-        return keras_accum.AccumScheduler("noise_scale", max_accum_steps=12, every_updates=3,
-                                          learning_rate_rule="sqrt")
+    scheduler = _resumable_scheduler
 
     reference, uninterrupted = compiled(), scheduler()
     reference.fit(x, y, callbacks=[uninterrupted], **fit)
@@ -705,18 +717,9 @@ def test_a_schedule_resumed_from_a_keras_file_continues_exactly(tmp_path, way, r
     path = str(tmp_path / "checkpoint.keras")
 
     def compiled():
-        if way == "wrap":
-            model = keras_accum.wrap(regression_net(), accum_steps=2, noise_scale=True)
-        else:
-            model = regression_net(keras_accum.AccumModel, accum_steps=2, noise_scale=True)
-        schedule = keras.optimizers.schedules.ExponentialDecay(0.05, 30, 0.5)
-        model.compile(keras.optimizers.Adam(
-            0.05 if rate == "number" else keras_accum.SampleSchedule(schedule)), "mse")
-        return model
+        return _resumable(way, rate)
 
-    def scheduler():
-        return keras_accum.AccumScheduler("noise_scale", max_accum_steps=12, every_updates=3,
-                                          learning_rate_rule="sqrt")
+    scheduler = _resumable_scheduler
 
     reference, uninterrupted = compiled(), scheduler()
     reference.fit(x, y, callbacks=[uninterrupted], **fit)
