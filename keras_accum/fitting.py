@@ -14,7 +14,9 @@ nothing here reads the model's attributes.
 
 import contextlib
 import inspect
+import json
 import math
+import os
 import warnings
 from typing import Callable, NamedTuple, Optional
 
@@ -108,44 +110,51 @@ class FitSetting(keras.callbacks.Callback):
 
 class SettingStates:
     """The states of a running `fit`'s settings callbacks (`FitSetting.state`)
-    in the model's config, so that a `.keras` file written mid-fit (by
-    `keras.callbacks.ModelCheckpoint`) holds them beside the weights and
-    the optimizer; and those read from such a file, handed once to the
-    callbacks of the same class in the next `fit` (as a backup's are).
+    in the model's `.keras` files: a file written mid-fit (by
+    `keras.callbacks.ModelCheckpoint`) holds them beside the weights and the
+    optimizer (an asset, `AccumModel.save_assets`); the first `fit` of the
+    model loaded from it hands each to the callback of its class, once (as
+    a backup's are), and warns about any no callback of this fit takes.
 
     Example:
 
     ```python
-    config.update(states.config())   # AccumModel.get_config, mid-fit
-    states.load(SettingStates.popped(config))  # AccumModel.from_config
+    states.save(dir_path)            # AccumModel.save_assets, mid-fit
+    states.read(dir_path)            # AccumModel.load_assets
     states.start(settings_callbacks) # one_fit: the loaded ones handed back
     ```
     """
 
-    KEY = "fit_setting_states"
+    FILE = "fit_setting_states.json"
 
     def __init__(self):
         self.running = []  # the running fit's settings callbacks
         self.loaded = {}  # {class name: state} from a file, for the next fit
 
-    def config(self):
-        """`{KEY: {class name: state}}` while a fit runs with a stateful
-        settings callback, else `{}` (a model between fits: nothing)."""
+    def current(self):
+        """`{class name: state}` of the running fit's stateful settings
+        callbacks (empty between fits)."""
         states = {}
         for callback in self.running:
             state = callback.state()
             if state is not None:
                 states[type(callback).__name__] = state
-        return {self.KEY: states} if states else {}
+        return states
 
-    @classmethod
-    def popped(cls, config):
-        """What `config()` wrote, popped from a model's `config` (a dict)."""
-        return config.pop(cls.KEY, None) or {}
+    def save(self, dir_path):
+        """Writes `current()` into `dir_path` (nothing if empty)."""
+        states = self.current()
+        if states:
+            with open(os.path.join(dir_path, self.FILE), "w") as f:
+                json.dump(states, f)
 
-    def load(self, states):
-        """Keeps `popped(config)` for the next fit."""
-        self.loaded = dict(states)
+    def read(self, dir_path):
+        """Keeps what `save` wrote into `dir_path` for the next fit."""
+        path = os.path.join(dir_path, self.FILE)
+        self.loaded = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                self.loaded = json.load(f)
 
     def start(self, callbacks):
         """A fit starts with these settings callbacks: each gets the
@@ -156,6 +165,15 @@ class SettingStates:
             state = loaded.pop(type(callback).__name__, None)
             if state is not None:
                 callback.restore_state(state)
+        if loaded:
+            warnings.warn(
+                f"The model was loaded from a file written mid-fit with the "
+                f"state of {', '.join(sorted(loaded))}, and this fit has no "
+                "such callback: that state is dropped (the schedule starts "
+                "afresh if one is given later). To continue it, pass the "
+                "same callback to this fit.",
+                stacklevel=4,
+            )
 
     def stop(self):
         self.running = []

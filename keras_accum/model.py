@@ -627,9 +627,7 @@ class AccumModel(
 
     def get_config(self):
         self._check_config_is_faithful()
-        # Mid-fit (a ModelCheckpoint), the settings callbacks' states too.
-        return {**self._model_config(), **self._settings.config(),
-                **self._setting_states.config()}
+        return {**self._model_config(), **self._settings.config()}
 
     def _model_config(self):
         # The Keras model's own config, to which the settings are added;
@@ -639,17 +637,6 @@ class AccumModel(
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        # A file written mid-fit: its settings callbacks' states, for the
-        # next fit of the model made here.
-        states = fitting.SettingStates.popped(config)
-        model = cls._made_from_config(config, custom_objects)
-        cls._keep_setting_states(model, states)
-        return model
-
-    @classmethod
-    def _made_from_config(cls, config, custom_objects):
-        # The model of a config (`wrap`'s classes make theirs from the model
-        # they wrap).
         settings = arguments.settings_from_config(config)
         # Keras makes functional models with only their graph's arguments:
         # the settings are given to the model it made, before any training
@@ -658,6 +645,16 @@ class AccumModel(
         cls._configure(model, settings)
         return model
 
-    def _keep_setting_states(self, states):
-        # A file's settings callbacks' states, for the next fit (from_config).
-        self._setting_states.load(states)
+    # -- a .keras file's assets: the settings callbacks' states mid-fit --------
+
+    def save_assets(self, dir_path):
+        """Keras's saving hook (`.keras` files): written mid-`fit` (by
+        `ModelCheckpoint`), the file holds the running settings callbacks'
+        states (an `AccumScheduler`'s), beside the weights, for the first
+        `fit` of the model loaded from it (`fitting.SettingStates`). An
+        asset, not config: a subclass's own `from_config` never sees it."""
+        self._setting_states.save(dir_path)
+
+    def load_assets(self, dir_path):
+        """Keras's loading hook: takes back what `save_assets` wrote."""
+        self._setting_states.read(dir_path)

@@ -62,7 +62,7 @@ class WrappedModel(AccumModel):
         return config
 
     @classmethod
-    def _made_from_config(cls, config, custom_objects):
+    def from_config(cls, config, custom_objects=None):
         return _from_config(cls, config, custom_objects)
 
 
@@ -124,7 +124,7 @@ class RebuiltModel(AccumModel):
         return config
 
     @classmethod
-    def _made_from_config(cls, config, custom_objects):
+    def from_config(cls, config, custom_objects=None):
         return _from_config(cls, config, custom_objects)
 
 

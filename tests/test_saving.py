@@ -384,32 +384,46 @@ def test_tf_saved_model_save(tmp_path):
 
 
 @pytest.mark.parametrize("way", ["functional", "wrap_functional", "wrap_subclassed"])
-def test_a_files_setting_states_go_to_the_next_fit_once_by_every_way_in(way):
-    # What a .keras file written mid-fit adds to the config (the schedule's
-    # state: tests/test_noise_scale.py resumes from one) is taken out of it
-    # before Keras rebuilds the model, on each way in, and handed to the
-    # next fit's settings callback of its class, once.
-    from keras_accum.fitting import FitSetting, SettingStates
+def test_a_files_setting_states_go_to_the_next_fit_once_by_every_way_in(way, tmp_path):
+    # A .keras file written mid-fit holds the settings callbacks' states (an
+    # asset: the schedule's, tests/test_noise_scale.py resumes from one);
+    # the first fit of the model loaded from it hands each to the callback
+    # of its class, once, and warns about one no callback takes.
+    from keras_accum.fitting import FitSetting
 
     class Recorder(FitSetting):
-        def __init__(self):
+        def __init__(self, state=None):
             super().__init__()
-            self.restored = []
+            self.restored, self._state = [], state
+
+        def state(self):
+            return self._state
 
         def restore_state(self, state):
             self.restored.append(state)
+
+    class Other(Recorder):
+        pass
 
     model = {
         "functional": lambda: functional(AccumModel),
         "wrap_functional": lambda: keras_accum.wrap(functional()),
         "wrap_subclassed": lambda: keras_accum.wrap(subclassed()),
     }[way]()
-    states = {"Recorder": {"accum_steps": 4}, "Other": {}}
-    again = type(model).from_config({**model.get_config(), SettingStates.KEY: states})
-    assert SettingStates.KEY not in again.get_config()  # between fits: none
-    again.compile("sgd", loss())
+    model.compile("sgd", loss())
     x, y = make_data(16)
+    path = str(tmp_path / "mid_fit.keras")
+    save = keras.callbacks.LambdaCallback(on_epoch_end=lambda *_: model.save(path))
+    model.fit(x, y, batch_size=8, verbose=0,
+              callbacks=[Recorder({"accum_steps": 4}), Other({"n": 1}), save])
+    model.save(tmp_path / "after_fit.keras")  # between fits: no state
+    loaded = keras.saving.load_model(path)
     first, second = Recorder(), Recorder()
-    again.fit(x, y, batch_size=8, verbose=0, callbacks=[first])
-    again.fit(x, y, batch_size=8, verbose=0, callbacks=[second])
+    with pytest.warns(UserWarning, match=r"state of Other, and this fit has no such callback"):
+        loaded.fit(x, y, batch_size=8, verbose=0, callbacks=[first])
+    loaded.fit(x, y, batch_size=8, verbose=0, callbacks=[second])
     assert first.restored == [{"accum_steps": 4}] and second.restored == []
+    after = keras.saving.load_model(tmp_path / "after_fit.keras")
+    third = Recorder()
+    after.fit(x, y, batch_size=8, verbose=0, callbacks=[third])
+    assert third.restored == []
