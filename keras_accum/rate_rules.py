@@ -38,6 +38,7 @@ follower.stop()                           # the tuned rate back
 """
 
 import math
+import warnings
 
 import keras
 
@@ -184,6 +185,18 @@ class RateFollower:
         schedule = internals.learning_rate_schedule(optimizer)
         if isinstance(schedule, SampleSchedule):
             self.schedule = schedule
+            updates = int(optimizer.iterations.numpy())
+            if schedule.behind(updates):
+                warnings.warn(
+                    f"The optimizer's iterations ({updates}) are behind its "
+                    "SampleSchedule's count (a new optimizer given the "
+                    "schedule of an earlier one, or weights loaded from "
+                    "earlier): the count restarts from the optimizer's "
+                    f"iterations, step {updates}.",
+                    stacklevel=2,
+                )
+            # A later fit counts in the first one's unit.
+            tuned_batch = tuned_batch or schedule.tuned_batch
         elif self.rule is not None:
             check_rate_is_a_number(optimizer)
             self.tuned = float(keras.ops.convert_to_numpy(optimizer.learning_rate))
@@ -199,7 +212,8 @@ class RateFollower:
             self.tuned_batch = batch
         factor = 1.0 if self.rule is None else float(self.rule(batch, self.tuned_batch, estimate))
         if self.schedule is not None:
-            self.schedule.follow(self._updates(), batch / self.tuned_batch, factor)
+            self.schedule.follow(self._updates(), batch / self.tuned_batch, factor,
+                                 self.tuned_batch)
             return self.rate()
         rate = self.tuned * factor
         self.optimizer.learning_rate = rate

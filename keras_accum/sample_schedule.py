@@ -19,11 +19,16 @@ updates since times samples per update), no counter runs in the step.
 Each update counts as `accum_steps` full micro-batches: an epoch's short
 last window counts whole.
 
-Its state (4 numbers) is saved in the optimizer's config, so a `.keras`
+Its state (5 numbers) is saved in the optimizer's config, so a `.keras`
 file resumes it; `keras_accum.BackupAndRestore` keeps it through the
-scheduler's state. While nothing drives it (no `AccumScheduler`, or one
-that never changed the batch) it is `schedule` at `optimizer.iterations`,
-bit for bit.
+scheduler's state. The tuned batch, once a fit has set it, stays with it:
+a later fit counts in the same unit. Until something drives it (no
+`AccumScheduler`, or one at the tuned batch that never changes it) it is
+`schedule` at `optimizer.iterations`, bit for bit, except that the step
+it hands `schedule` is a float32 (Keras's own schedules cast it so; one
+that indexes a table by the step must cast it back). An optimizer whose
+`iterations` are behind the count (a new one after `compile`, or weights
+loaded from earlier) restarts it from its own `iterations`.
 
 Example:
 
@@ -46,7 +51,8 @@ BASE_UPDATES = 0  # optimizer.iterations at the last change
 BASE_STEP = 1  # the schedule's step then (samples / tuned_batch)
 SCALE = 2  # samples per update / tuned_batch, since the last change
 FACTOR = 3  # the rule's factor for the batch in force
-_AT_START = (0.0, 0.0, 1.0, 1.0)
+TUNED_BATCH = 4  # the tuned batch the steps count, once known (0: not yet)
+_AT_START = (0.0, 0.0, 1.0, 1.0, 0.0)
 
 
 @keras.saving.register_keras_serializable(package="keras_accum")
@@ -62,7 +68,7 @@ class SampleSchedule(keras.optimizers.schedules.LearningRateSchedule):
         schedule: a `keras.optimizers.schedules.LearningRateSchedule` whose
             steps are updates of `tuned_batch` samples (the scheduler's
             `tuned_batch`: by default the batch the first `fit` starts at).
-        state: the 4 numbers a saved schedule restores (its config's);
+        state: the 5 numbers a saved schedule restores (its config's);
             None for a new one.
 
     Example:
@@ -86,12 +92,7 @@ class SampleSchedule(keras.optimizers.schedules.LearningRateSchedule):
                 f"{type(schedule).__name__}). For a fixed rate give the "
                 "optimizer the number itself."
             )
-        state = _AT_START if state is None else tuple(float(v) for v in state)
-        if len(state) != 4:
-            raise ValueError(
-                "`state` must be the 4 numbers of a saved SampleSchedule's "
-                f"config (or None). Received: state={state!r}."
-            )
+        state = _AT_START if state is None else _checked_state(state)
         self.schedule = schedule
         # float64: updates and steps stay exact integers far past float32's 2**24.
         self._state = tf.Variable(state, dtype=tf.float64, trainable=False,
@@ -99,7 +100,10 @@ class SampleSchedule(keras.optimizers.schedules.LearningRateSchedule):
 
     def __call__(self, step):
         state = tf.convert_to_tensor(self._state)
-        progress = state[BASE_STEP] + (tf.cast(step, tf.float64) - state[BASE_UPDATES]) * state[SCALE]
+        step = tf.cast(step, tf.float64)
+        progress = state[BASE_STEP] + (step - state[BASE_UPDATES]) * state[SCALE]
+        # An optimizer behind the count: its own iterations (module doc).
+        progress = tf.where(step < state[BASE_UPDATES], step, progress)
         rate = self.schedule(tf.cast(progress, tf.float32))
         return rate * tf.cast(state[FACTOR], rate.dtype)
 
@@ -115,13 +119,27 @@ class SampleSchedule(keras.optimizers.schedules.LearningRateSchedule):
         counted.step_at(100)  # 100.0: nothing has changed the batch yet
         ```
         """
-        base_updates, base_step, scale, _ = self.state()
+        base_updates, base_step, scale, _, _ = self.state()
+        if updates < base_updates:
+            return float(updates)  # an optimizer behind the count
         return base_step + (updates - base_updates) * scale
 
-    def follow(self, updates, scale, factor):
+    @property
+    def tuned_batch(self):
+        """The batch the steps count (samples per step), once a fit set it;
+        None before."""
+        return self.state()[TUNED_BATCH] or None
+
+    def behind(self, updates):
+        """Whether an optimizer at `updates` is behind the count (a new
+        one, or one whose weights were loaded from earlier)."""
+        return updates < self.state()[BASE_UPDATES]
+
+    def follow(self, updates, scale, factor, tuned_batch=None):
         """From update `updates` on, each update holds `scale` tuned
         batches of samples and the rate is the schedule's times `factor`
-        (called between steps, at a change of the batch).
+        (called between steps, at a change of the batch); `tuned_batch`,
+        if given, is recorded.
 
         Example:
 
@@ -132,11 +150,12 @@ class SampleSchedule(keras.optimizers.schedules.LearningRateSchedule):
         counted.step_at(110)  # 140.0
         ```
         """
-        self._state.assign([updates, self.step_at(updates), scale, factor])
+        tuned = tuned_batch or self.state()[TUNED_BATCH]
+        self._state.assign([updates, self.step_at(updates), scale, factor, tuned])
 
     def state(self):
-        """The 4 numbers (updates and step at the last change, samples per
-        update in tuned batches, factor) as floats.
+        """The 5 numbers (updates and step at the last change, samples per
+        update in tuned batches, factor, tuned batch or 0) as floats.
 
         Example:
 
@@ -150,10 +169,25 @@ class SampleSchedule(keras.optimizers.schedules.LearningRateSchedule):
 
     def restore(self, state):
         """Takes back a `state()`, between steps (a backup's restore)."""
-        self._state.assign([float(v) for v in state])
+        self._state.assign(_checked_state(state))
 
     def get_config(self):
         return {
             "schedule": keras.optimizers.schedules.serialize(self.schedule),
             "state": list(self.state()),
         }
+
+
+def _checked_state(state):
+    """`state` as 5 floats, or a ValueError naming it."""
+    try:
+        values = tuple(float(v) for v in state)
+    except (TypeError, ValueError):
+        values = None
+    if isinstance(state, (str, bytes)) or values is None or len(values) != len(_AT_START):
+        raise ValueError(
+            f"`state` must be the {len(_AT_START)} numbers of a saved "
+            "SampleSchedule's config (`state()`), or None for a new one. "
+            f"Received: state={state!r}."
+        )
+    return values

@@ -214,6 +214,8 @@ def test_docs_pages_with_kerashub_blocks_run_whole(tmp_path):
             # as a warning. A second crash, or any Python error, fails.
             warnings.warn(f"{page.name}: died by signal {-result.returncode}, "
                           f"run again:\n{result.stderr[-3000:]}")
+            workdir = tmp_path / f"{i}-again"
+            workdir.mkdir()
             result = run_program(code, workdir)
         assert result.returncode == 0, f"{page}:\n{result.stderr[-3000:]}"
         if '"lm.keras"' in code:  # the ways-in page's model, saved

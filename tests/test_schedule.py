@@ -4,6 +4,8 @@ epoch by epoch; bad schedules refused before training.
 That a schedule traces one step per distinct value: test_train_functions.py.
 """
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -378,6 +380,40 @@ def test_a_sample_schedule_counts_each_updates_samples_since_each_change():
 def test_a_sample_schedule_of_what_is_not_a_schedule_is_refused_naming_it():
     with pytest.raises(TypeError, match=r"`schedule` must be a keras.*schedule=0.1 \(of type float\)"):
         SampleSchedule(0.1)
+    for state in (5, "12345", [1.0, 2.0]):
+        with pytest.raises(ValueError, match=rf"`state` must be the 5 numbers.*state={re.escape(repr(state))}"):
+            SampleSchedule(decay(), state=state)
+
+
+@pytest.mark.unit
+def test_an_optimizer_behind_the_count_restarts_it_from_its_own_iterations():
+    # A new optimizer given an earlier one's schedule, or weights loaded
+    # from earlier: never a negative step (a negative rate for a warm-up).
+    inner, counted = decay(), SampleSchedule(decay())
+    counted.follow(32, scale=0.25, factor=1.0)  # 32 updates of the tuned batch
+    assert counted.behind(5) and not counted.behind(32)
+    assert counted.step_at(5) == 5.0
+    assert float(counted(5)) == float(inner(5))
+    counted.follow(5, scale=2.0, factor=1.0)  # restarted at update 5
+    assert counted.step_at(7) == 5 + 2 * 2
+
+
+def test_a_later_fit_counts_in_the_first_fits_tuned_batch():
+    model = functional(AccumModel)
+    counted = SampleSchedule(decay())
+    model.compile(keras.optimizers.Adam(counted), loss())
+    model.fit(X, Y, batch_size=MICRO, epochs=1, callbacks=[AccumScheduler({0: 1})], **FIT)
+    assert counted.tuned_batch == MICRO and counted.step_at(12) == 12
+    # This fit starts at batch 16: still counted in batches of 8.
+    model.fit(X, Y, batch_size=MICRO, epochs=1, accum_steps=2,
+              callbacks=[AccumScheduler({0: 2})], **FIT)
+    assert counted.step_at(int(model.optimizer.iterations)) == 12 + 2 * 6
+    # Recompiled with a new optimizer: behind the count, restarted, warned.
+    model.compile(keras.optimizers.Adam(counted), loss())
+    with pytest.warns(UserWarning, match=r"iterations \(0\) are behind its SampleSchedule"):
+        model.fit(X, Y, batch_size=MICRO, epochs=1, callbacks=[AccumScheduler({0: 1})], **FIT)
+    assert counted.step_at(12) == 12
+    assert float(model.optimizer.learning_rate) == pytest.approx(float(decay()(12.0)))
 
 
 class PiecewiseReference(keras.optimizers.schedules.LearningRateSchedule):
