@@ -41,7 +41,12 @@ the same two checks (ties).
 For other scripts (the same task, measured the same way, any model and
 callbacks): `make_task(seed)`, `Task.student_layers(seed)`,
 `Task.build_student(seed, model_class)`, `Task.student(seed,
-learning_rate)`, `ReachTarget`, `run`, `fit_tradeoff`, `plot`.
+learning_rate)`, `ReachTarget`, `run`, `fit_tradeoff`, `plot`. Another
+task (benchmarks/batch_growth_adam.py: a classifier trained with Adam)
+is a `Task` of its own data carrying how its student is compiled
+(`optimizer`, `loss`, `output_dim`) and what is measured on the held-out
+set (`held_out`): the sweep, the fit and the scheduler's runs are this
+module's, unchanged; the defaults are the regression's.
 
 Writes benchmarks/batch_growth.json (`--out`): every run, the best per
 batch size, and the fit; `--plot PATH` draws the trade-off (matplotlib).
@@ -82,6 +87,15 @@ MAX_UPDATES = 40_000  # and in updates
 DIVERGED = 10.0  # an excess loss above this is divergence (the start is ~1)
 
 
+def excess_mse(outputs, targets):
+    """The regression's held-out quantity (`Task.held_out`'s default): the
+    MSE of the student's `outputs` against the noise-free `targets`, the
+    excess loss itself. Traced into `ReachTarget`'s compiled check."""
+    import tensorflow as tf
+
+    return tf.reduce_mean(tf.square(outputs - targets))
+
+
 @dataclasses.dataclass
 class Task:
     """The teacher-student regression; numpy float32 arrays.
@@ -90,6 +104,21 @@ class Task:
     excess loss. `y_test_noisy` has labels drawn like the training set's
     (its MSE is the excess loss plus `noise_floor`, give or take its
     scatter), for whoever wants the noisy version.
+
+    The last fields say how the student is made and judged, so that another
+    task (another optimizer, loss, output, held-out measure) runs through
+    the same sweep, `ReachTarget` and scheduler's runs; their defaults are
+    the regression's (one output, SGD, the MSE, `excess_mse`), which build,
+    compile and measure exactly what this module did before they existed:
+
+    - `output_dim`: the student's outputs (a linear last layer);
+    - `optimizer`: the name of a `keras.optimizers` class, or a callable
+      `learning_rate -> optimizer`;
+    - `loss`: `compile`'s loss (a name or a loss object);
+    - `held_out`: `(outputs, y_test) -> scalar tensor`, the quantity that
+      must fall to `target` (traced once per model into a `tf.function`:
+      TensorFlow ops only); a non-finite value is divergence;
+    - `held_out_name`: what it is, for printing and plots.
     """
 
     x_train: np.ndarray
@@ -102,6 +131,11 @@ class Task:
     seed: int
     input_dim: int = INPUT_DIM
     student_hidden: tuple = STUDENT_HIDDEN
+    output_dim: int = 1
+    optimizer: object = "SGD"
+    loss: object = "mse"
+    held_out: object = excess_mse
+    held_out_name: str = "held-out excess loss"
 
     def student_layers(self, seed):
         """`(inputs, outputs)` Keras tensors of the student MLP, its weights
@@ -116,7 +150,7 @@ class Task:
         hidden = inputs
         for width in self.student_hidden:
             hidden = keras.layers.Dense(width, activation="tanh")(hidden)
-        outputs = keras.layers.Dense(1)(hidden)
+        outputs = keras.layers.Dense(self.output_dim)(hidden)
         return inputs, outputs
 
     def build_student(self, seed, model_class=None, **model_kwargs):
@@ -128,13 +162,21 @@ class Task:
         return model_class(*self.student_layers(seed), **model_kwargs)
 
     def student(self, seed, learning_rate, model_class=None, **model_kwargs):
-        """The student compiled as the sweep's: `build_student(...)`,
-        `SGD(learning_rate)`, the MSE."""
+        """The student compiled as the sweep's: `build_student(...)`, the
+        task's optimizer at `learning_rate` (the regression's: `SGD`), its
+        loss (the MSE)."""
+        model = self.build_student(seed, model_class, **model_kwargs)
+        model.compile(optimizer=self.make_optimizer(learning_rate), loss=self.loss)
+        return model
+
+    def make_optimizer(self, learning_rate):
+        """A fresh optimizer at `learning_rate`: `optimizer` by name from
+        `keras.optimizers` (default arguments otherwise), or called."""
         import keras
 
-        model = self.build_student(seed, model_class, **model_kwargs)
-        model.compile(optimizer=keras.optimizers.SGD(learning_rate), loss="mse")
-        return model
+        if isinstance(self.optimizer, str):
+            return getattr(keras.optimizers, self.optimizer)(learning_rate)
+        return self.optimizer(learning_rate)
 
 
 def make_task(seed=TASK_SEED, n_train=N_TRAIN, n_test=N_TEST, target=TARGET,
@@ -182,7 +224,8 @@ def _keras_callback_base():
 
 
 class ReachTarget(_keras_callback_base()):
-    """Stops `fit` when the held-out excess loss first reaches the target.
+    """Stops `fit` when the held-out excess loss (the task's `held_out`
+    quantity; the regression's is the excess loss) first reaches the target.
 
     Counts updates from `model.optimizer.iterations` (a model that
     accumulates gradients makes one update per several `fit` batches:
@@ -192,17 +235,18 @@ class ReachTarget(_keras_callback_base()):
     last batch of an epoch of `n_samples` the remainder; `n_samples=None`
     counts every batch as full). After an update, once the updates have
     grown by `resolution` (relative) since the last check, it evaluates
-    the excess loss (MSE against the noise-free held-out targets) in a
-    compiled `tf.function` and appends `(updates, examples, excess_loss)`
-    to `path`. Its state persists over several `fit` calls (`reset()`
-    clears it; once it has stopped, a later `fit` stops at its first
-    batch); `updates` is counted from `iterations` itself, so start from a
-    fresh optimizer. On a data set of unknown length Keras's extra call per
-    epoch may count an update that changes nothing: give the data set a
-    known cardinality (as `run` does).
+    the excess loss (`task.held_out`: by default the MSE against the
+    noise-free held-out targets) in a compiled `tf.function` and appends
+    `(updates, examples, excess_loss)` to `path`. Its state persists over
+    several `fit` calls (`reset()` clears it; once it has stopped, a later
+    `fit` stops at its first batch); `updates` is counted from
+    `iterations` itself, so start from a fresh optimizer. On a data set of
+    unknown length Keras's extra call per epoch may count an update that
+    changes nothing: give the data set a known cardinality (as `run`
+    does).
 
     Args:
-        task: the `Task` (its `x_test`, `y_test`, `target`).
+        task: the `Task` (its `x_test`, `y_test`, `held_out`, `target`).
         batch_size: samples per `fit` batch.
         target: the excess loss to reach (default: `task.target`).
         n_samples: samples per epoch (default: the training set's).
@@ -247,14 +291,15 @@ class ReachTarget(_keras_callback_base()):
         if self._fn_model is not self.model:
             x = tf.constant(self.task.x_test)
             y = tf.constant(self.task.y_test)
-            model = self.model
+            model, measure = self.model, self.task.held_out
 
-            # Compiled once per model: a forward pass and a mean, no
-            # `evaluate` (its data adapter and callbacks cost more than the
-            # pass). No control flow to convert: AutoGraph off.
+            # Compiled once per model: a forward pass and the task's measure
+            # (the regression's: a mean of squares), no `evaluate` (its data
+            # adapter and callbacks cost more than the pass). No control
+            # flow to convert: AutoGraph off.
             @tf.function(autograph=False)
             def excess():
-                return tf.reduce_mean(tf.square(model(x, training=False) - y))
+                return measure(model(x, training=False), y)
 
             self._excess_fn, self._fn_model = excess, model
         return float(self._excess_fn())
@@ -498,11 +543,14 @@ STARTS = {
 }
 
 
-def schedule_runs(task, best, fit, seeds, starts=STARTS, **scheduler_kwargs):
+def schedule_runs(task, best, fit, seeds, starts=STARTS, *, reach_kwargs=None,
+                  **scheduler_kwargs):
     """The default `AccumScheduler("noise_scale", max_accum_steps=128)` on
     the task, from batch 16, with each start's rate, per seed: updates and
     examples to the target (also in S_min and E_min), its decisions, and
-    the checks' path. `best` is the sweep's best per batch size (its rates)."""
+    the checks' path. `best` is the sweep's best per batch size (its rates).
+    `reach_kwargs`: `ReachTarget`'s arguments (say a lower cap, for a rule
+    that may never reach the target), by default its defaults."""
     import keras_accum
 
     out = {}
@@ -515,7 +563,8 @@ def schedule_runs(task, best, fit, seeds, starts=STARTS, **scheduler_kwargs):
             scheduler = keras_accum.AccumScheduler(
                 "noise_scale", max_accum_steps=SCHEDULE_CAP,
                 tuned_batch=start["tuned_batch"], **scheduler_kwargs)
-            record = run(task, model, SCHEDULE_MICRO, callbacks=[scheduler], shuffle_seed=seed)
+            record = run(task, model, SCHEDULE_MICRO, callbacks=[scheduler], shuffle_seed=seed,
+                         **(reach_kwargs or {}))
             record["decisions"] = [
                 {"updates": d.updates, "samples": d.samples,
                  "batch": d.accum_steps * SCHEDULE_MICRO, "learning_rate": d.learning_rate,
@@ -667,7 +716,8 @@ def plot(results, path, extra_paths=()):
     ax.set_xlabel("examples E to the target")
     ax.set_ylabel("optimizer updates S to the target")
     task = results.get("task", {})
-    ax.set_title(f"held-out excess loss {task.get('target', TARGET)}: steps vs examples")
+    measure = task.get("held_out_name", "held-out excess loss")
+    ax.set_title(f"{measure} {task.get('target', TARGET)}: steps vs examples")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

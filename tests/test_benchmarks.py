@@ -192,3 +192,23 @@ def test_batch_growth_benchmark_sweeps_fits_and_runs_the_scheduler(tmp_path):
     assert schedule["reached"] == 1 and schedule["runs"][0]["decisions"]
     assert "AccumScheduler" in out.with_suffix(".md").read_text()
     assert (tmp_path / "batch_growth.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+@pytest.mark.release
+def test_batch_growth_adam_benchmark_sweeps_fits_and_runs_a_rule(tmp_path):
+    # The classifier trained with Adam, through batch_growth's sweep and
+    # scheduler runs (its Task carrying the optimizer, loss and measure).
+    out = tmp_path / "batch_growth_adam.json"
+    result = run_python(
+        "-m", "benchmarks.batch_growth_adam", "--quick", "--out", str(out), timeout=600,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    import json
+
+    report = json.loads(out.read_text())
+    assert report["fit"]["S_min"] > 0 and report["best"]
+    assert report["sweep"]["optimizer"].startswith("keras.optimizers.Adam")
+    (schedule,) = report["schedule"].values()
+    assert schedule["rule"] == "auto"
+    assert schedule["reached"] == 1 and schedule["runs"][0]["decisions"]
+    assert "| auto |" in out.with_suffix(".md").read_text()
