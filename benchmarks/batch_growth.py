@@ -725,6 +725,31 @@ def plot(results, path, extra_paths=()):
     plt.close(fig)
 
 
+def print_summary(results):
+    """Prints a run's best points, fit and scheduler outcomes (a results
+    dict as `main` writes it; the classifier's too)."""
+    print()
+    print("| B | best lr | updates S | examples E |")
+    print("|---|---|---|---|")
+    for b, v in results["best"].items():
+        edge = " (grid edge)" if v["best_at_grid_edge"] else ""
+        # A median of two seeds may end in .5.
+        print(f"| {b} | {v['learning_rate']:.4g}{edge} | {v['updates']:g} | {v['examples']:g} |")
+    fit = results["fit"]
+    if fit:
+        print(f"\nS_min = {fit['S_min']:.0f} updates, E_min = {fit['E_min']:.0f} examples, "
+              f"B_crit = {fit['B_crit']:.0f}; knee at S = {2 * fit['S_min']:.0f}, "
+              f"E = {2 * fit['E_min']:.0f}")
+    for name, summary in results.get("schedule", {}).items():
+        if "updates" in summary:
+            print(f"AccumScheduler, {name}: {summary['updates']:g} updates "
+                  f"({summary['updates_in_S_min']:.2f} S_min), {summary['examples']:g} "
+                  f"examples ({summary['examples_in_E_min']:.2f} E_min); reached in "
+                  f"{summary['reached']} of {len(summary['runs'])} seeds")
+        else:
+            print(f"AccumScheduler, {name}: not reached")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES))
@@ -799,26 +824,7 @@ def main(argv=None):
                   "loss": "mse"},
         **results,
     }
-    print()
-    print("| B | best lr | updates S | examples E |")
-    print("|---|---|---|---|")
-    for b, v in results["best"].items():
-        edge = " (grid edge)" if v["best_at_grid_edge"] else ""
-        # A median of two seeds may end in .5.
-        print(f"| {b} | {v['learning_rate']:.4g}{edge} | {v['updates']:g} | {v['examples']:g} |")
-    fit = results["fit"]
-    if fit:
-        print(f"\nS_min = {fit['S_min']:.0f} updates, E_min = {fit['E_min']:.0f} examples, "
-              f"B_crit = {fit['B_crit']:.0f}; knee at S = {2 * fit['S_min']:.0f}, "
-              f"E = {2 * fit['E_min']:.0f}")
-    for name, summary in results.get("schedule", {}).items():
-        if "updates" in summary:
-            print(f"AccumScheduler, {name}: {summary['updates']:g} updates "
-                  f"({summary['updates_in_S_min']:.2f} S_min), {summary['examples']:g} "
-                  f"examples ({summary['examples_in_E_min']:.2f} E_min); reached in "
-                  f"{summary['reached']} of {len(summary['runs'])} seeds")
-        else:
-            print(f"AccumScheduler, {name}: not reached")
+    print_summary(results)
     print(f"{seconds:.0f} s with {args.threads} thread(s)")
     if out:
         Path(out).write_text(_compact_json(results))

@@ -424,24 +424,7 @@ def main(argv=None):
         "schedule_max_examples": SCHEDULE_MAX_EXAMPLES,
         **results,
     }
-    print()
-    print("| B | best lr | updates S | examples E |")
-    print("|---|---|---|---|")
-    for b, v in results["best"].items():
-        edge = " (grid edge)" if v["best_at_grid_edge"] else ""
-        print(f"| {b} | {v['learning_rate']:.4g}{edge} | {v['updates']:g} | {v['examples']:g} |")
-    fit = results["fit"]
-    if fit:
-        print(f"\nS_min = {fit['S_min']:.0f} updates, E_min = {fit['E_min']:.0f} examples, "
-              f"B_crit = {fit['B_crit']:.0f}")
-    for name, summary in results.get("schedule", {}).items():
-        if "updates" in summary:
-            print(f"AccumScheduler, {name}: {summary['updates']:g} updates "
-                  f"({summary['updates_in_S_min']:.2f} S_min), {summary['examples']:g} "
-                  f"examples ({summary['examples_in_E_min']:.2f} E_min); reached in "
-                  f"{summary['reached']} of {len(summary['runs'])} seeds")
-        else:
-            print(f"AccumScheduler, {name}: not reached")
+    bg.print_summary(results)
     print(f"{seconds:.0f} s with {args.threads} thread(s)")
     if out:
         Path(out).write_text(compact_json(results))
