@@ -541,6 +541,34 @@ STARTS = {
     "rate tuned for 16": dict(rate_of=16, tuned_batch=None),
     "rate tuned for 256, tuned_batch=256": dict(rate_of=256, tuned_batch=256),
 }
+# The other `learning_rate_rule`s from the rate tuned for 16 (the starts
+# above run the default, "auto": "adascale" for SGD), each to a cap of
+# RULES_MAX_EXAMPLES (a rule that never reaches the target, or no rule,
+# would otherwise run to the sweep's 4M examples at micro-batches of 8).
+RULES = ("sqrt", "adascale_sqrt", "linear", None)
+RULES_MAX_EXAMPLES = 2_000_000
+# The default schedule deciding on a probe where the window is outgrown:
+# the held-out inputs with labels drawn as the training set's (8,192
+# examples, never trained on), 8 windows.
+PROBE_STARTS = {f"{name}, probe of 8,192 held-out examples": start
+                for name, start in STARTS.items()}
+
+
+def rule_name(rule):
+    """The report's row for `rule` run from the rate tuned for 16."""
+    return f"learning_rate_rule={rule!r}, rate tuned for 16"
+
+
+def rule_runs(task, best, fit, seeds, rules=RULES, **scheduler_kwargs):
+    """`schedule_runs` from the rate tuned for 16 once per rule in `rules`,
+    each to RULES_MAX_EXAMPLES examples."""
+    out = {}
+    for rule in rules:
+        out.update(schedule_runs(
+            task, best, fit, seeds, {rule_name(rule): dict(rate_of=16, tuned_batch=None)},
+            reach_kwargs=dict(max_examples=RULES_MAX_EXAMPLES),
+            learning_rate_rule=rule, **scheduler_kwargs))
+    return out
 
 
 def schedule_runs(task, best, fit, seeds, starts=STARTS, *, reach_kwargs=None,
@@ -569,10 +597,15 @@ def schedule_runs(task, best, fit, seeds, starts=STARTS, *, reach_kwargs=None,
                 {"updates": d.updates, "samples": d.samples,
                  "batch": d.accum_steps * SCHEDULE_MICRO, "learning_rate": d.learning_rate,
                  "noise_scale": d.estimate.value, "low": d.estimate.low,
-                 "high": d.estimate.high, "resolved": d.estimate.resolved}
+                 "high": d.estimate.high, "resolved": d.estimate.resolved,
+                 "probed": d.probed}
                 for d in scheduler.path
             ]
             record["seed"] = seed
+            if scheduler_kwargs.get("probe") is not None:
+                # Measured, not trained on: a forward and backward pass each.
+                record["probe_samples"] = len(scheduler_kwargs["probe"][0]) * sum(
+                    d.probed for d in scheduler.path)
             runs.append(record)
             print(f"{name}, seed {seed}: {record['updates']} updates, "
                   f"{record['examples']} examples ({record['stopped']})", flush=True)
@@ -631,10 +664,13 @@ def report(results):
                          f"{len(summary['runs'])} |")
             continue
         per_seed = ", ".join(f"{r['updates']}" for r in summary["runs"] if r["reached"])
+        probed = [r["probe_samples"] for r in summary["runs"] if "probe_samples" in r]
+        measured = (f"; and {statistics.median(probed):,.0f} measured on the probe"
+                    if probed else "")
         lines.append(
             f"| {name} | {summary['learning_rate']:.3g} | {summary['updates']:g} "
             f"({summary['updates_in_S_min']:.2f}; seeds: {per_seed}) | "
-            f"{summary['examples']:,.0f} ({summary['examples_in_E_min']:.2f}) | "
+            f"{summary['examples']:,.0f} ({summary['examples_in_E_min']:.2f}){measured} | "
             f"{summary['reached']} of {len(summary['runs'])} |")
     for b in ("16", "256"):
         if b in results["best"]:
@@ -770,6 +806,13 @@ def main(argv=None):
                         "run the scheduler only")
     parser.add_argument("--no-schedule", action="store_true",
                         help="the sweep only, without the scheduler's runs")
+    parser.add_argument("--no-rules", action="store_true",
+                        help="the default rule only, without the other rules' runs")
+    parser.add_argument("--no-probe", action="store_true",
+                        help="without the runs deciding on a probe")
+    parser.add_argument("--add-runs", action="store_true",
+                        help="with --schedule-only: keep its JSON's scheduler runs and run "
+                        "only the ones it lacks (the seconds add up)")
     args = parser.parse_args(argv)
     import tensorflow as tf
 
@@ -786,12 +829,15 @@ def main(argv=None):
         # An easy target and three batch sizes: seconds, not a measurement.
         task.target = 0.1
         batch_sizes = [b for b in batch_sizes if b >= 64][:5:2] or batch_sizes[-2:]
-    began = time.perf_counter()
+    began, kept, kept_seconds = time.perf_counter(), {}, 0.0
     if args.schedule_only:
         swept = json.loads(Path(args.schedule_only).read_text())
         results = {k: swept[k] for k in ("runs", "best", "fit")}
-        results["sweep_run"] = {k: swept[k] for k in ("date", "wall_seconds", "threads")}
+        results["sweep_run"] = swept.get("sweep_run") or {
+            k: swept[k] for k in ("date", "wall_seconds", "threads")}
         seeds = tuple(swept["sweep"]["seeds"])
+        if args.add_runs:  # the JSON's scheduler runs kept, the missing ones run
+            kept, kept_seconds = swept.get("schedule", {}), swept["wall_seconds"]
     else:
         results = sweep(task, batch_sizes, seeds, first_lr=args.first_lr)
     if not args.no_schedule:
@@ -800,9 +846,22 @@ def main(argv=None):
             rate_of = min(results["best"], key=int)
             starts = {f"rate tuned for {rate_of}": dict(rate_of=int(rate_of), tuned_batch=None)}
             every = dict(every_updates=5)
-        results["schedule"] = schedule_runs(
-            task, results["best"], results["fit"], seeds, starts, **every)
-    seconds = time.perf_counter() - began
+        results["schedule"] = dict(kept)
+
+        def missing(names):
+            return any(name not in kept for name in names)
+
+        if missing(starts):
+            results["schedule"].update(schedule_runs(
+                task, results["best"], results["fit"], seeds, starts, **every))
+        if not args.quick and not args.no_rules and missing(map(rule_name, RULES)):
+            results["schedule"].update(
+                rule_runs(task, results["best"], results["fit"], seeds, **every))
+        if not args.quick and not args.no_probe and missing(PROBE_STARTS):
+            results["schedule"].update(schedule_runs(
+                task, results["best"], results["fit"], seeds, PROBE_STARTS,
+                probe=(task.x_test, task.y_test_noisy), **every))
+    seconds = time.perf_counter() - began + kept_seconds
     results = {
         "date": datetime.date.today().isoformat(),
         "versions": {"tensorflow": tf.__version__, "keras": keras.__version__,
@@ -835,7 +894,7 @@ def main(argv=None):
             plot(results, args.plot, extra_paths=[
                 (f"AccumScheduler, {name}, seed {r['seed']}", r)
                 for name, summary in results.get("schedule", {}).items()
-                for r in summary["runs"][:1]
+                if name in STARTS for r in summary["runs"][:1]
             ])
             print(f"wrote {args.plot}")
         except ImportError:

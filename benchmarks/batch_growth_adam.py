@@ -1,6 +1,7 @@
 """The steps-examples trade-off again, on a second task: a classifier trained
 with Adam. Which learning-rate rule should `AccumScheduler("noise_scale")`
-follow for Adam? ("auto" gives Adam the square root of AdaScale's gain.)
+follow for Adam? ("auto" gives Adam "sqrt"; before 2026-12-05, the square
+root of AdaScale's gain.)
 
     python -m benchmarks.batch_growth_adam             # the sweep and the rules
     python -m benchmarks.batch_growth_adam --schedule-only benchmarks/batch_growth_adam.json
@@ -30,8 +31,8 @@ caps, the fit S = S_min + E_min / B. Then the scheduler,
 `AccumScheduler("noise_scale", max_accum_steps=128)` from batch 16
 (micro-batch 8, accum_steps=2, an `AccumModel(noise_scale=True)`), with the
 rate the sweep found best at batch 16, once per `learning_rate_rule`
-("auto", that is "adascale_sqrt" for Adam; "sqrt"; "adascale"; "linear";
-None: the rate left as it is), per seed; and "auto" from the rate tuned
+("auto": "sqrt" for Adam, "adascale_sqrt" before 2026-12-05; "sqrt";
+"adascale"; "adascale_sqrt"; "linear"; None: the rate left as it is), per seed; and "auto" from the rate tuned
 for batch 256 with `tuned_batch=256`.
 
 Writes benchmarks/batch_growth_adam.json (`--out`; the sweep's runs without
@@ -73,8 +74,8 @@ FIRST_LR = 2e-3  # Adam's: where the walk starts at the smallest batch size (on 
 # The scheduler's runs: each rule from batch 16 at the rate the sweep found
 # best there (the names are the JSON's and the report's; the values
 # `learning_rate_rule`'s).
-RULES = {"auto": "auto", "sqrt": "sqrt", "adascale": "adascale", "linear": "linear",
-         "None": None}
+RULES = {"auto": "auto", "sqrt": "sqrt", "adascale": "adascale",
+         "adascale_sqrt": "adascale_sqrt", "linear": "linear", "None": None}
 TUNED_256 = "auto, rate tuned for 256, tuned_batch=256"
 # The scheduler's runs' cap, in examples (the sweep's is 4M): some 12 E_min
 # here, several times what the rules that reach the target use. A rule
@@ -139,6 +140,16 @@ def _loss():
     import keras
 
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def auto_is():
+    """The rule name "auto" resolves to for this benchmark's optimizer."""
+    import keras
+
+    from keras_accum import rate_rules
+
+    chosen = rate_rules.for_optimizer("auto", keras.optimizers.Adam())
+    return next(name for name, rule in rate_rules.RULES.items() if rule is chosen)
 
 
 def schedule(task, best, fit, seeds, rules=tuple(RULES), tuned_256=True,
@@ -314,8 +325,8 @@ def report(results):
         lines.append(f"| {name} | {'; '.join(grown)} | {'; '.join(last)} |")
     lines += [
         "",
-        "Medians over the seeds that reached the target; \"auto\" is \"adascale_sqrt\" for "
-        "Adam. Per seed, \"cap\": not reached within "
+        "Medians over the seeds that reached the target; \"auto\" is "
+        f"\"{results.get('auto_is', 'adascale_sqrt')}\" for Adam. Per seed, \"cap\": not reached within "
         f"{results.get('schedule_max_examples', bg.MAX_EXAMPLES):,} examples. Final batch: the "
         "scheduler's last decision's; rate factor: the last rate its rule set over the "
         "start's (a rule sets it only when the batch changes; '-': no rule).",
@@ -421,6 +432,7 @@ def main(argv=None):
         },
         "sweep": sweep_meta,
         "schedule_seeds": list(rule_seeds),
+        "auto_is": auto_is(),
         "schedule_max_examples": SCHEDULE_MAX_EXAMPLES,
         **results,
     }

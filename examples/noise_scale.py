@@ -5,8 +5,8 @@ the package, no download) with `noise_scale=True`, starting from 16-sample
 micro-batches and `accum_steps=2`, and lets
 `AccumScheduler("noise_scale")` grow `accum_steps` towards 1.5 times the
 measured noise scale every 25 updates (a batch-size warm-up; McCandlish et al. 2018),
-the learning rate following the batch (Adam: the square root of AdaScale's
-gain). Prints each decision: the smoothed noise scale with its 95%
+the learning rate following the batch (Adam: the square root of the
+batch's growth). Prints each decision: the smoothed noise scale with its 95%
 interval, the `accum_steps` chosen and the rate; then one line per epoch:
 the epoch's raw noise scale `B_simple` (in samples), the `accum_steps` at
 its end, the effective batch and the validation accuracy.

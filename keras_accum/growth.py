@@ -169,10 +169,19 @@ class BatchGrowth:
     def decide(self, noise, current, samples_per_step):
         """Adds the windows since the last decision, and returns the
         `accum_steps` for the next windows (`next_accum_steps`)."""
+        self.take_windows(noise)
+        return self.next_accum_steps(current, samples_per_step)
+
+    def take_windows(self, noise):
+        """Adds the windows `noise` measured since the last call."""
         now = noise.read()
         self.observe(now - self._read)
         self._read = now
-        return self.next_accum_steps(current, samples_per_step)
+
+    def can_change(self, current):
+        """Whether a decision at `current` may change it: below the cap,
+        or allowed to shrink."""
+        return current < self.max_accum_steps or self.min_accum_steps is not None
 
     def observe(self, sums):
         """Adds the windows since the last observation (a sums difference)."""
@@ -189,14 +198,16 @@ class BatchGrowth:
             return NoiseEstimate.of(np.zeros(6))
         return NoiseEstimate.of(self.smoothed)
 
-    def next_accum_steps(self, current, samples_per_step):
+    def next_accum_steps(self, current, samples_per_step, estimate=None):
         """`accum_steps` for the next windows: towards `multiple` times the
         estimate (its lower bound while unresolved), at most doubling, up
         to the cap; never shrinking, unless `min_accum_steps` is set: then
         towards `multiple` times the interval's upper end (only a resolved
         estimate has one: a smaller batch must be wanted whatever the
-        noise scale is within it), at most halving, down to it."""
-        estimate = self.estimate
+        noise scale is within it), at most halving, down to it.
+        `estimate`: another to act on (a probe's), by default the smoothed
+        one."""
+        estimate = self.estimate if estimate is None else estimate
         if not samples_per_step or estimate.windows < MIN_WINDOWS:
             return current
         target = estimate.value if estimate.resolved else estimate.low

@@ -11,6 +11,7 @@ from keras_accum import arguments
 from keras_accum.arguments import NOISE_SCALE, check_accum_steps
 from keras_accum.fitting import FitSetting
 from keras_accum.growth import BatchGrowth, NoiseEstimate
+from keras_accum.probe import probe_argument
 
 # The learning_rate_rule argument's default: "auto" with "noise_scale",
 # None with a dict or a callable.
@@ -26,8 +27,10 @@ class Decision(NamedTuple):
         samples: samples trained in this `fit` when it was made.
         accum_steps: the value set (or kept) for the next windows.
         learning_rate: the rate set by the rule, or None without one.
-        estimate: the smoothed `growth.NoiseEstimate` ("noise_scale"
-            schedule), or None.
+        estimate: the `growth.NoiseEstimate` the decision acted on
+            ("noise_scale" schedule): the windows' smoothed one, or the
+            probe's; None for other schedules.
+        probed: whether `estimate` was measured on the `probe`.
 
     Example:
 
@@ -43,6 +46,7 @@ class Decision(NamedTuple):
     accum_steps: int
     learning_rate: Optional[float]
     estimate: Optional[NoiseEstimate]
+    probed: bool = False
 
 
 class AccumScheduler(FitSetting):
@@ -92,6 +96,11 @@ class AccumScheduler(FitSetting):
             while the estimate is unresolved: at most doubling per
             decision, up to `max_accum_steps`; never shrinking, unless
             `min_accum_steps` is given.
+            With a `probe`, a decision at which the noise scale has
+            outgrown training's window (the smoothed estimate unresolved,
+            too few windows yet included, or above `accum_steps` times the
+            batch `fit` draws) acts on the noise scale measured on the
+            probe instead.
         verbose: 1 prints a message when the value changes.
         max_accum_steps: with "noise_scale" (and only then, where it is
             required): the largest `accum_steps` to grow to.
@@ -117,7 +126,7 @@ class AccumScheduler(FitSetting):
             one. Default None: it never shrinks.
         learning_rate_rule: how the learning rate follows the batch
             (keras_accum/rate_rules.py): "auto" (AdaScale's gain for SGD,
-            its square root for Adam and other adaptive optimizers),
+            "sqrt" for Adam and other adaptive optimizers),
             "adascale", "adascale_sqrt", "sqrt", "linear", a function
             `(batch, tuned_batch, estimate) -> factor`, or None (the rate
             is left alone). The optimizer's rate is taken as the one tuned
@@ -125,6 +134,20 @@ class AccumScheduler(FitSetting):
             (and from the first step when the fit starts at another batch).
             Default: "auto" with "noise_scale", None with a dict or a
             callable.
+        probe: with "noise_scale": `(x, y)` or `(x, y, sample_weight)`,
+            examples held aside (not trained on here) to measure the noise
+            scale on at the current weights where training's windows have
+            become too small to (keras_accum/probe.py): shuffled once,
+            split into `probe_windows` windows, each of two or more
+            micro-batches of what one device runs at once (a replica's
+            share of the batch `fit` draws, or `micro_batch_size` when the
+            step splits it). Not across workers yet. Give several times the noise scale you
+            expect per window (e.g. 8 x 1,024 samples for a batch grown to
+            1,024). Each use costs a forward and backward pass over it; it
+            changes no weight, statistic or seed. Default None: the
+            windows' estimate only.
+        probe_windows: the windows the probe is split into (>= 3; default
+            8): the spread of their estimates is the interval.
         tuned_batch: the batch (samples per update, global) the
             optimizer's rate was tuned for, with a `learning_rate_rule` or
             a `keras_accum.SampleSchedule` (whose steps are updates of this
@@ -160,7 +183,8 @@ class AccumScheduler(FitSetting):
     def __init__(self, schedule, verbose=0, max_accum_steps=None, *,
                  every_updates=None, every_samples=None,
                  learning_rate_rule=DEFAULT, tuned_batch=None,
-                 noise_scale_multiple=None, min_accum_steps=None):
+                 noise_scale_multiple=None, min_accum_steps=None,
+                 probe=None, probe_windows=None):
         super().__init__()
         (self.max_accum_steps, self.every_updates, self.every_samples,
          self.noise_scale_multiple, self.min_accum_steps) = arguments.noise_scale_arguments(
@@ -171,6 +195,8 @@ class AccumScheduler(FitSetting):
         self._rule = rate_rules.check_rule(learning_rate_rule)
         self.learning_rate_rule = learning_rate_rule
         self.tuned_batch = arguments.check_tuned_batch(tuned_batch)
+        self._probe = probe_argument(schedule, probe, probe_windows)
+        self.probe_windows = None if self._probe is None else self._probe.windows
         if schedule == NOISE_SCALE:
             self._table = None
             self._schedule = self._from_noise_scale
@@ -204,6 +230,8 @@ class AccumScheduler(FitSetting):
         self._begun = False  # the rate for the fit's first batch is set
         self._started = False  # on_train_begin ran in this fit
         self._restored = None  # a backup's state, until applied
+        self._acted_on = None, False  # the last decision's estimate, probed
+        self._probe_checked = False  # the probe's size checked in this fit
 
     def _lookup(self, epoch):
         value = None
@@ -215,9 +243,17 @@ class AccumScheduler(FitSetting):
 
     def _from_noise_scale(self, epoch):
         # At an epoch's start or every_updates/every_samples: the windows
-        # since the last decision join the smoothed estimate.
-        return self._growth.decide(
-            self.fit_control.noise, self.model.accum_steps, self.fit_control.batch_size_seen())
+        # since the last decision join the smoothed estimate; where the
+        # noise scale has outgrown the window, a probe measures it instead.
+        growth, current = self._growth, self.model.accum_steps
+        size = self._batch_drawn()
+        growth.take_windows(self.fit_control.noise)
+        estimate, probed = growth.estimate, False
+        if (self._probe is not None and size and growth.can_change(current)
+                and _outgrown(estimate, current * size)):
+            estimate, probed = self._probe.measure(self.model, self._probe_micro_batch()), True
+        self._acted_on = estimate, probed
+        return growth.next_accum_steps(current, size, estimate)
 
     def _value(self, epoch):
         value = self._schedule(epoch)
@@ -260,6 +296,17 @@ class AccumScheduler(FitSetting):
                     "keras_accum.wrap)."
                 )
             self._growth.begin(self.fit_control.noise)
+            if self._probe is not None:
+                if internals.multi_worker(self.model.distribute_strategy):
+                    raise ValueError(
+                        "`probe` is not supported across workers yet: each "
+                        "worker would measure it apart and could decide "
+                        "another `accum_steps`. Drop `probe` for a "
+                        "multi-worker fit (the windows' estimate is reduced "
+                        "across workers)."
+                    )
+                self._probe.forget()  # a recompile may have changed the loss
+                self._probe_checked = False
         elif self._table is None:
             # A callable is checked for every epoch before the first step.
             for epoch in range(self.params.get("epochs") or 0):
@@ -325,6 +372,12 @@ class AccumScheduler(FitSetting):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
+        if self._probe is not None and not self._probe_checked:
+            # The batch fit draws is known now, before the fit's first step
+            # (a resumed fit's too).
+            self._probe_checked = True
+            if self._probe_micro_batch():
+                self._probe.check(self._probe_micro_batch())
         if not (self.schedule == NOISE_SCALE and self._decides_within_epochs()):
             self._decide(epoch)
         if not self._begun:
@@ -337,7 +390,7 @@ class AccumScheduler(FitSetting):
                     self.path[-1] = self.path[-1]._replace(learning_rate=rate)
 
     def on_train_batch_end(self, batch, logs=None):
-        size = self.fit_control.batch_size_seen() or 0
+        size = self._batch_drawn() or 0
         # Counted by full batches: an epoch's short last batch counts whole.
         self._trained += size
         if not self._decides_within_epochs() or self.fit_control.window_open():
@@ -351,6 +404,20 @@ class AccumScheduler(FitSetting):
         if due:
             self._decide(self._epoch)
 
+    def _batch_drawn(self):
+        # The batch fit draws per step, global: under a strategy the model
+        # sees one replica's share. None before the first.
+        size = self.fit_control.batch_size_seen()
+        return size and size * self.model.distribute_strategy.num_replicas_in_sync
+
+    def _probe_micro_batch(self):
+        # What one device runs at once in a step: the micro-batch when the
+        # step splits its batch (memory), else the replica's share.
+        share = self.fit_control.batch_size_seen()
+        setting = self.fit_control.settings().micro_batch_size
+        split = self.model.chosen_micro_batch_size if setting == "auto" else setting
+        return min(split, share) if split and share else share
+
     def _updates(self):
         # `.numpy()`: under a strategy the count is a MirroredVariable,
         # which `int()` refuses.
@@ -361,7 +428,7 @@ class AccumScheduler(FitSetting):
 
     def _decide(self, epoch):
         value = self._value(epoch)
-        estimate = self._growth.estimate if self._growth is not None else None
+        estimate, probed = self._acted_on if self._growth is not None else (None, False)
         self._since = _Since(self._updates(), self._trained)
         changed = value is not None and value != self.model.accum_steps
         if changed:
@@ -376,12 +443,12 @@ class AccumScheduler(FitSetting):
         if changed or self._growth is not None:
             self.path.append(Decision(
                 epoch, self._since.updates, self._trained, self.model.accum_steps,
-                rate, estimate))
+                rate, estimate, probed))
 
     def _follow(self, estimate):
         if self._follower is None:
             return None
-        size = self.fit_control.batch_size_seen()
+        size = self._batch_drawn()
         if not size:
             return self._follower.rate()  # no data seen: nothing to scale by
         return self._follower.follow(size * self.model.accum_steps, estimate)
@@ -400,6 +467,12 @@ class AccumScheduler(FitSetting):
 # for 16 and 2.38 / 2.17 from 256's; RAMP 3: 1.96 / 2.20 and 2.16 / 2.21;
 # RAMP 5: 2.20 / 2.42 and 2.12 / 2.21.
 RAMP = 3
+
+
+def _outgrown(estimate, window):
+    """Whether the noise scale has outgrown a `window` of samples: the
+    estimate unresolved, or above it."""
+    return not estimate.resolved or estimate.value > window
 
 
 def _gap(elapsed, every):

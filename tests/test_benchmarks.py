@@ -212,3 +212,18 @@ def test_batch_growth_adam_benchmark_sweeps_fits_and_runs_a_rule(tmp_path):
     assert schedule["rule"] == "auto"
     assert schedule["reached"] == 1 and schedule["runs"][0]["decisions"]
     assert "| auto |" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.release
+def test_noise_probe_benchmark_compares_windows_and_probe_with_the_exact_value(tmp_path):
+    out = tmp_path / "noise_probe.json"
+    result = run_python("-m", "benchmarks.noise_probe", "--quick", "--out", str(out),
+                        timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    import json
+
+    report = json.loads(out.read_text())
+    (point,) = report["checkpoints"]
+    assert point["exact"] > 0
+    assert set(point["estimators"]) == {"windows of 16", "probe of 2048"}
+    assert "| probe of 2048 |" in out.with_suffix(".md").read_text()

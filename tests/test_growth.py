@@ -186,7 +186,7 @@ def test_a_rule_is_a_name_a_function_or_none():
         check_rule("cubic")
 
 
-def test_auto_is_adascale_for_sgd_and_its_square_root_for_adaptive_optimizers():
+def test_auto_is_adascale_for_sgd_and_sqrt_for_adaptive_optimizers():
     import keras
 
     from keras_accum.rate_rules import adascale_sqrt, for_optimizer
@@ -194,7 +194,7 @@ def test_auto_is_adascale_for_sgd_and_its_square_root_for_adaptive_optimizers():
     resolved = NoiseEstimate(48.0, 40.0, 60.0, 10, True)
     assert adascale_sqrt(64, 16, resolved) == pytest.approx(math.sqrt(adascale(64, 16, resolved)))
     assert for_optimizer("auto", keras.optimizers.SGD(0.1, momentum=0.9)) is adascale
-    assert for_optimizer("auto", keras.optimizers.Adam()) is adascale_sqrt
+    assert for_optimizer("auto", keras.optimizers.Adam()) is square_root
     assert for_optimizer(
         "auto", keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())) is adascale
     assert for_optimizer(linear, keras.optimizers.Adam()) is linear

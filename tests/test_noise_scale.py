@@ -502,6 +502,9 @@ def _rows(path):
     # Keras's default on one GPU: each value's step compiled by XLA; a
     # wrapped model, recompiled before fit.
     ("sqrt", "adam", dict(every_updates=3), "wrap_xla_recompiled"),
+    # Decisions on a probe's estimate (the window outgrown), which the rule
+    # follows too; measuring on it trains nothing.
+    ("adascale", "sgd", dict(every_updates=3), "functional_probe"),
 ])
 def test_deciding_every_k_updates_is_a_plain_model_fed_those_batches_and_rates(
         rule, optimizer, every, way):
@@ -509,21 +512,28 @@ def test_deciding_every_k_updates_is_a_plain_model_fed_those_batches_and_rates(
     x, y = regression_data(344, noise=4.0)
     micro, cap, epochs, tuned = 8, 12, 3, dict(adam=0.05, sgd=0.02)[optimizer]
     make = dict(adam=keras.optimizers.Adam, sgd=keras.optimizers.SGD)[optimizer]
-    compile_kwargs = {}
-    if way == "functional":
+    compile_kwargs, probe = {}, {}
+    if way.startswith("functional"):
         model = regression_net(keras_accum.AccumModel, accum_steps=2, noise_scale=True)
+        if way == "functional_probe":
+            probe = dict(probe=regression_data(512, noise=4.0, seed=5), probe_windows=4)
     else:
         compile_kwargs = dict(jit_compile=True)
         model = keras_accum.wrap(regression_net(), accum_steps=2, noise_scale=True)
         model.compile(make(1.0), "mae")
     model.compile(make(tuned), "mse", **compile_kwargs)
     scheduler = keras_accum.AccumScheduler(
-        "noise_scale", max_accum_steps=cap, learning_rate_rule=rule, **every)
+        "noise_scale", max_accum_steps=cap, learning_rate_rule=rule, **every, **probe)
     history = model.fit(x, y, batch_size=micro, epochs=epochs, shuffle=False, verbose=0,
                         callbacks=[scheduler]).history
     path = scheduler.path
     steps = [d.accum_steps for d in path]
     assert steps[-1] > 2 and steps == sorted(steps), steps  # it grew, never shrank
+    # Probed while below the cap and the window outgrown, never after.
+    assert any(d.probed for d in path) == bool(probe), path
+    for in_force, d in zip([2] + steps, path):
+        assert not (d.probed and in_force == cap), d  # nothing left to decide
+        assert not d.probed or d.estimate.windows == 4, d
     assert all(b <= 2 * a for a, b in zip([2] + steps, steps)), steps  # doubling at most
     # Every 3 updates, or at the first window's end after 40 samples; the
     # first decisions sooner: the gap is half the fit so far, from a third
@@ -629,16 +639,26 @@ def test_under_mirrored_strategy_training_is_bit_identical(mirrored, config):
     assert not any(math.isnan(v) for v in result["noise_scale"])
 
 
-def test_under_mirrored_strategy_the_schedule_is_a_plain_model_fed_its_batches(mirrored):
+@pytest.mark.parametrize("run_name", ["schedule", "schedule_probe"])
+def test_under_mirrored_strategy_the_schedule_is_a_plain_model_fed_its_batches(
+        mirrored, run_name):
     from helpers.mirrored import SCHEDULE_MICRO, SCHEDULE_N, SCHEDULE_TUNED
 
-    run = mirrored["schedule"]
+    run = mirrored[run_name]
     steps = [accum_steps for _, accum_steps, _ in run["path"]]
     assert steps[-1] > 2, run["path"]  # it grew
+    assert any(run["probed"]) == (run_name == "schedule_probe"), run
+    if run_name == "schedule_probe":
+        # The probe measures the trained weights as on one device.
+        strategy_value, one_device = run["probe_values"]
+        assert strategy_value == pytest.approx(one_device, rel=RTOL)
     x, y = regression_data(SCHEDULE_N, noise=4.0)
     plain, batches = _plain_fed(run["path"], x, y, SCHEDULE_MICRO, 3,
                                 lambda: keras.optimizers.Adam(SCHEDULE_TUNED))
     assert run["iterations"] == len(batches)
+    # Samples counted globally (the model sees each replica's share).
+    trained = np.cumsum([stop - first for first, stop in batches])
+    assert run["samples"] == [int(trained[u - 1]) for u, _, _ in run["path"]]
     for a, b in zip(run["weights"], plain.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 

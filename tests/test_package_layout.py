@@ -94,7 +94,7 @@ LAYER = {
     # the step, its functions, its splits, fit and files around it
     "plan": 4, "step": 4, "train_functions": 4, "fitting": 4, "saving": 4,
     "microbatch": 4, "coupling": 4, "auto_micro_batch": 4, "auto_replicas": 4,
-    "growth": 4, "rate_rules": 4, "sample_schedule": 4,
+    "growth": 4, "rate_rules": 4, "sample_schedule": 4, "probe": 4,
     # the accumulation window
     "window": 3,
     # the arguments and the arithmetic

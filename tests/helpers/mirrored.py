@@ -333,6 +333,7 @@ def noise_checks(replicas):
             "noise_scale": h_on["noise_scale"],
         }
     out["schedule"] = schedule_run(strategy)
+    out["schedule_probe"] = schedule_run(strategy, probe=True)
     return _plain(out)
 
 
@@ -341,22 +342,36 @@ def noise_checks(replicas):
 SCHEDULE_N, SCHEDULE_MICRO, SCHEDULE_TUNED = 344, 8, 0.05
 
 
-def schedule_run(strategy):
+def schedule_run(strategy, probe=False):
     """`AccumScheduler("noise_scale")` under `strategy`: its decisions and
-    the trained weights."""
+    the trained weights. With `probe`, deciding on a probe where the window
+    is outgrown, and the probe's estimate at the trained weights under the
+    strategy and on one device."""
     x, y = regression_data(SCHEDULE_N, noise=4.0)
     with strategy.scope():
         model = regression_net(AccumModel, accum_steps=2, noise_scale=True)
         model.compile(keras.optimizers.Adam(SCHEDULE_TUNED), "mse")
+    held = regression_data(512, noise=4.0, seed=5) if probe else None
     scheduler = AccumScheduler("noise_scale", max_accum_steps=12, every_updates=3,
-                               learning_rate_rule="sqrt")
+                               learning_rate_rule="sqrt", probe=held,
+                               probe_windows=4 if probe else None)
     model.fit(x, y, batch_size=SCHEDULE_MICRO, epochs=3, shuffle=False, verbose=0,
               callbacks=[scheduler])
-    return {
+    out = {
         "path": [(d.updates, d.accum_steps, d.learning_rate) for d in scheduler.path],
+        "probed": [d.probed for d in scheduler.path],
+        "samples": [d.samples for d in scheduler.path],
         "weights": [w.tolist() for w in model.get_weights()],
         "iterations": int(model.optimizer.iterations.numpy()),
     }
+    if probe:
+        from keras_accum.probe import NoiseProbe
+
+        one_device = regression_net(AccumModel, accum_steps=2, noise_scale=True)
+        one_device.set_weights(model.get_weights())
+        measure = NoiseProbe(held, windows=4).measure
+        out["probe_values"] = [measure(m, SCHEDULE_MICRO).value for m in (model, one_device)]
+    return out
 
 
 

@@ -1,0 +1,250 @@
+"""A fixed probe: the noise scale measured on held examples, in windows
+bigger than training's.
+
+The windows of training measure the noise scale well while it is near
+their size; once it has outgrown them (7-12x), a window's `|G|^2` is a
+small difference of two large, noisy numbers and the estimate is
+heavy-tailed or unresolved (docs: growing the batch, Precision). Smoothing
+across windows narrows the interval only as `1 / sqrt(windows)`. A probe
+measures the same estimator at the current weights on examples the user
+holds aside, split into `windows` windows of as many samples as the probe
+allows: windows bigger than the noise scale resolve `|G|^2` however small
+training's windows are.
+
+Per probe window of `m` micro-batches of `b` samples (equal sizes; the
+probe's samples past `windows * m * b` are left out), with `S` the mean
+of the micro-batches' `|g_j|^2` and `L` the squared norm of their mean:
+
+    tr(Sigma) ~ (S - L) / (1/b - 1/(m b))    |G|^2 ~ (L/b - S/(m b)) / (1/b - 1/(m b))
+
+the window's estimators of window/noise_scale.py; the windows' sums give
+the estimate and its interval as training's do (`growth.NoiseEstimate`).
+
+It costs a forward and backward pass over the probe at each decision it
+is used at (no update, nothing written: layers' state such as
+BatchNormalization's moving statistics and dropout's seeds is put back).
+The gradients are of the loss training minimises (`compute_loss`, with
+the model's regularisation losses), in training mode.
+
+Example:
+
+```python
+probe = NoiseProbe((x_probe, y_probe), windows=8)
+estimate = probe.measure(model, micro_batch_size=16)
+print(estimate.value, estimate.low, estimate.high)
+```
+"""
+
+import operator
+
+import numpy as np
+import tensorflow as tf
+
+from keras_accum import _internals as internals
+from keras_accum.arguments import NOISE_SCALE
+from keras_accum.auto_micro_batch import StepState
+from keras_accum.growth import NoiseEstimate
+from keras_accum.window import noise_scale
+
+# The probe's windows by default: enough for an interval (growth's
+# MIN_WINDOWS is 3), few enough that each is big.
+DEFAULT_WINDOWS = 8
+
+
+class NoiseProbe:
+    """Held-out examples the noise scale is measured on at the current weights.
+
+    Args:
+        data: `(x, y)` or `(x, y, sample_weight)` of NumPy arrays or
+            tensors (nested structures as `fit` takes them), all with the
+            same number of samples.
+        windows: how many windows the probe is split into (>= 3): each
+            gives one pair of estimates; their spread is the interval.
+
+    Attributes:
+        samples: the probe's number of samples.
+        windows: as given.
+
+    Example:
+
+    ```python
+    probe = NoiseProbe((x[-4096:], y[-4096:]))
+    probe.measure(model, micro_batch_size=16).value
+    ```
+    """
+
+    def __init__(self, data, windows=DEFAULT_WINDOWS):
+        x, y, sample_weight = _unpacked(data)
+        self.samples = _samples(x, y, sample_weight)
+        self.windows = _checked_windows(windows)
+        # Windows take consecutive rows: shuffled once (a fixed order, so
+        # a fixed probe), else a probe sorted by class would put each
+        # class in a window of its own and read too little noise.
+        self.order = np.random.default_rng(0).permutation(self.samples)
+        self.x, self.y, self.sample_weight = tf.nest.map_structure(
+            lambda t: None if t is None else tf.gather(t, self.order), (x, y, sample_weight))
+        self._measuring = None  # (key, traced window function, StepState)
+
+    def forget(self):
+        """Drops the traced function: the next `measure` traces it again
+        (a recompile between fits may have changed the loss)."""
+        self._measuring = None
+
+    def micro_batches_per_window(self, micro_batch_size):
+        """`m`: the micro-batches of `micro_batch_size` in each window."""
+        return self.samples // (self.windows * micro_batch_size)
+
+    def check(self, micro_batch_size):
+        """Refuses a probe too small for `micro_batch_size`: each window
+        needs two micro-batches."""
+        if self.micro_batches_per_window(micro_batch_size) < 2:
+            raise ValueError(
+                f"`probe` has {self.samples} samples: too few for {self.windows} "
+                f"windows of at least 2 micro-batches of {micro_batch_size} samples "
+                "(what one device runs at once: a replica's share of the batch `fit` "
+                "draws, or `micro_batch_size`), which need "
+                f"{2 * self.windows * micro_batch_size}. "
+                "Give a bigger probe (several times the noise scale you expect, "
+                "times `probe_windows`) or fewer `probe_windows`."
+            )
+
+    def measure(self, model, micro_batch_size):
+        """The `NoiseEstimate` at `model`'s current weights, from
+        micro-batches of `micro_batch_size`; nothing of the model changes."""
+        self.check(micro_batch_size)
+        m = self.micro_batches_per_window(micro_batch_size)
+        window = m * micro_batch_size
+        function, written = self._functions_for(model)
+        saved = written.snapshot()
+        sums = np.zeros(6)
+        try:
+            for k in range(self.windows):
+                rows = slice(k * window, (k + 1) * window)
+                part = tf.nest.map_structure(
+                    lambda t: None if t is None else t[rows], (self.x, self.y, self.sample_weight))
+                sums += function(*part, tf.constant(m)).numpy()
+        finally:
+            written.restore(saved)
+        # A 95% interval from the spread of few windows: Student's t.
+        return NoiseEstimate.of(sums, z=_t_quantile(self.windows - 1))
+
+    def _functions_for(self, model):
+        # Traced once per model and set of variables: the window function,
+        # and the snapshot of what a training-mode forward pass and the
+        # loss write (layers' statistics and seeds; the loss's metrics).
+        variables = model.trainable_variables
+        key = (id(model), tuple(map(id, variables)))
+        if self._measuring is None or self._measuring[0] != key:
+            written = StepState(
+                lambda: [*model.non_trainable_variables, *model.metrics_variables],
+                model.distribute_strategy)
+            self._measuring = key, _window_function(model, variables), written
+        return self._measuring[1:]
+
+
+def _window_function(model, variables):
+    """A traced function `(x, y, sample_weight, m) -> estimates`: one
+    window's rows as `m` equal micro-batches, its `tr(Sigma)` and `|G|^2`
+    estimates in `NoiseScale.estimate_sums`' layout (the training window's
+    estimator, `noise_scale.window_estimates`)."""
+
+    def gradient(x, y, sample_weight):
+        with tf.GradientTape() as tape:
+            y_pred = internals.call_for_training(model, x)
+            loss = internals.compute_loss(model, x, y, y_pred, sample_weight)
+            # Scaled as training scales it (a loss-scale optimizer's factor
+            # keeps float16 gradients from underflowing): any constant
+            # factor, Keras's division by the replicas in sync too, scales
+            # tr(Sigma) and |G|^2 alike, and the ratio stays.
+            loss = model.optimizer.scale_loss(loss)
+        return tape.gradient(loss, variables)
+
+    @tf.function
+    def window(x, y, sample_weight, m):
+        b = tf.shape(tf.nest.flatten(x)[0])[0] // m
+        total = [tf.zeros(v.shape, tf.float32) for v in variables]
+        squares = tf.constant(0.0, tf.float64)
+        for j in tf.range(m):
+            rows = tf.nest.map_structure(
+                lambda t: None if t is None else t[j * b:(j + 1) * b], (x, y, sample_weight))
+            grads = gradient(*rows)
+            squares += noise_scale.squared_norm(grads)
+            total = [
+                t if g is None else t + tf.cast(tf.convert_to_tensor(g), tf.float32)
+                for t, g in zip(total, grads)
+            ]
+        count = tf.cast(m, tf.float64)
+        size = tf.cast(b, tf.float64)
+        sums = tf.stack([squares, count / size, count, count * size, 1.0])
+        mean = [t / tf.cast(m, tf.float32) for t in total]
+        return noise_scale.window_estimates(sums, noise_scale.squared_norm(mean))
+
+    return window
+
+
+def probe_argument(schedule, probe, probe_windows):
+    """`AccumScheduler`'s `probe` and `probe_windows`, normalised: a
+    `NoiseProbe`, or None without a probe. Refuses a probe with a schedule
+    other than "noise_scale", and `probe_windows` without a probe."""
+    if probe is not None and schedule != NOISE_SCALE:
+        raise ValueError(
+            '`probe` is for AccumScheduler("noise_scale"): the held examples '
+            "its noise scale is measured on. A dict or callable schedule "
+            f"measures nothing. Received: probe with schedule={schedule!r}."
+        )
+    if probe is None:
+        if probe_windows is not None:
+            raise ValueError(
+                "`probe_windows` splits a `probe`, and none was given: pass "
+                "`probe=(x, y)` too, or drop it. Received: "
+                f"probe_windows={probe_windows!r}, probe=None."
+            )
+        return None
+    return NoiseProbe(probe, DEFAULT_WINDOWS if probe_windows is None else probe_windows)
+
+
+def _unpacked(data):
+    if not isinstance(data, (tuple, list)) or not 1 <= len(data) <= 3:
+        raise ValueError(
+            "`probe` must be `(x,)`, `(x, y)` or `(x, y, sample_weight)`, the held "
+            "examples the noise scale is measured on. Received: "
+            f"probe of type {type(data).__name__}."
+        )
+    x, y, sample_weight = (tuple(data) + (None, None))[:3]
+    convert = lambda t: None if t is None else tf.convert_to_tensor(t)  # noqa: E731
+    return tf.nest.map_structure(convert, x), tf.nest.map_structure(convert, y), convert(
+        sample_weight)
+
+
+def _samples(*parts):
+    counts = {int(t.shape[0]) for t in tf.nest.flatten(parts) if t is not None}
+    if len(counts) != 1:
+        raise ValueError(
+            "`probe`'s arrays must have the same number of samples (their first "
+            f"dimension). Received sizes {sorted(counts)}."
+        )
+    return counts.pop()
+
+
+# Student's t at 97.5% by degrees of freedom (a two-sided 95% interval);
+# between entries the lower one's (wider); from 30 on, 2.0 as training's.
+_T = {2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
+      10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.0}
+
+
+def _t_quantile(dof):
+    return _T[max(k for k in _T if k <= max(dof, 2))]
+
+
+def _checked_windows(windows):
+    given = windows
+    try:
+        windows = operator.index(windows) if not isinstance(windows, bool) else None
+    except TypeError:
+        windows = None
+    if windows is None or windows < 3:
+        raise ValueError(
+            "`probe_windows` must be an int >= 3 (the windows the probe is "
+            f"split into; their spread is the interval). Received: probe_windows={given!r}."
+        )
+    return windows
