@@ -761,6 +761,23 @@ def plot(results, path, extra_paths=()):
     plt.close(fig)
 
 
+def run_record(threads, seconds, quick):
+    """The fields every batch-growth benchmark's JSON starts with: the
+    date, the versions, the threads, the wall seconds and whether a smoke
+    run."""
+    import keras
+    import tensorflow as tf
+
+    return {
+        "date": datetime.date.today().isoformat(),
+        "versions": {"tensorflow": tf.__version__, "keras": keras.__version__,
+                     "python": sys.version.split()[0]},
+        "threads": threads,
+        "wall_seconds": round(seconds, 1),
+        "quick": quick,
+    }
+
+
 def print_summary(results):
     """Prints a run's best points, fit and scheduler outcomes (a results
     dict as `main` writes it; the classifier's too)."""
@@ -819,7 +836,6 @@ def main(argv=None):
     # Before any op runs: the thread pools are fixed at their first use.
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(args.threads)
-    import keras
 
     out = args.out or (None if args.quick else str(Path(__file__).parent / "batch_growth.json"))
     task = make_task(args.task_seed)
@@ -863,12 +879,7 @@ def main(argv=None):
                 probe=(task.x_test, task.y_test_noisy), **every))
     seconds = time.perf_counter() - began + kept_seconds
     results = {
-        "date": datetime.date.today().isoformat(),
-        "versions": {"tensorflow": tf.__version__, "keras": keras.__version__,
-                     "python": sys.version.split()[0]},
-        "threads": args.threads,
-        "wall_seconds": round(seconds, 1),
-        "quick": args.quick,
+        **run_record(args.threads, seconds, args.quick),
         "task": {
             "seed": args.task_seed, "n_train": len(task.x_train), "n_test": len(task.x_test),
             "input_dim": INPUT_DIM, "teacher_hidden": list(TEACHER_HIDDEN),

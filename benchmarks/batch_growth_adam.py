@@ -41,12 +41,10 @@ rounded) and its .md (the report).
 """
 
 import argparse
-import datetime
 import itertools
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -380,7 +378,6 @@ def main(argv=None):
     # Before any op runs: the thread pools are fixed at their first use.
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(args.threads)
-    import keras
 
     out = args.out or (None if args.quick else
                        str(Path(__file__).parent / "batch_growth_adam.json"))
@@ -416,12 +413,7 @@ def main(argv=None):
                                        rules, tuned_256, **every)
     seconds = time.perf_counter() - began
     results = {
-        "date": datetime.date.today().isoformat(),
-        "versions": {"tensorflow": tf.__version__, "keras": keras.__version__,
-                     "python": sys.version.split()[0]},
-        "threads": args.threads,
-        "wall_seconds": round(seconds, 1),
-        "quick": args.quick,
+        **bg.run_record(args.threads, seconds, args.quick),
         "task": {
             "seed": args.task_seed, "n_train": len(task.x_train), "n_test": len(task.x_test),
             "input_dim": task.input_dim, "teacher_hidden": list(TEACHER_HIDDEN),

@@ -35,11 +35,9 @@ Writes benchmarks/noise_probe.json and its .md (`--out`).
 """
 
 import argparse
-import datetime
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -206,7 +204,6 @@ def main(argv=None):
 
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(args.threads)
-    import keras
 
     out = args.out or (None if args.quick else str(Path(__file__).parent / "noise_probe.json"))
     began = time.perf_counter()
@@ -238,11 +235,7 @@ def main(argv=None):
             f"{name} {s['median_ratio']:.2f} ({s['p10_ratio']:.2f}-{s['p90_ratio']:.2f}), "
             f"resolved {s['resolved']:.0%}" for name, s in estimators.items()), flush=True)
     results = {
-        "date": datetime.date.today().isoformat(),
-        "versions": {"tensorflow": tf.__version__, "keras": keras.__version__,
-                     "python": sys.version.split()[0]},
-        "threads": args.threads, "quick": args.quick,
-        "wall_seconds": round(time.perf_counter() - began, 1),
+        **bg.run_record(args.threads, time.perf_counter() - began, args.quick),
         "learning_rate": rate, "repeats": repeats, "window_updates": window_updates,
         "probe_windows": PROBE_WINDOWS, "probe_micro": PROBE_MICRO,
         "checkpoints": points,

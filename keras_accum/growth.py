@@ -23,7 +23,8 @@ Example:
 ```python
 growth = BatchGrowth(max_accum_steps=128)
 growth.begin(noise)                # the window's NoiseScale, as a fit starts
-growth.decide(noise, current=4, samples_per_step=16)  # at each decision
+growth.take_windows(noise)         # at each decision: the windows since
+growth.next_accum_steps(current=4, samples_per_step=16)
 ```
 """
 
@@ -147,7 +148,8 @@ class BatchGrowth:
     ```python
     growth = BatchGrowth(max_accum_steps=64)
     growth.begin(noise)                    # a fit starts
-    growth.decide(noise, current=2, samples_per_step=32)  # e.g. 4
+    growth.take_windows(noise)             # at each decision
+    growth.next_accum_steps(current=2, samples_per_step=32)  # e.g. 4
     ```
     """
 
@@ -165,12 +167,6 @@ class BatchGrowth:
         """A fit starts: nothing smoothed yet, windows counted from now."""
         self.smoothed = None
         self._read = noise.read()
-
-    def decide(self, noise, current, samples_per_step):
-        """Adds the windows since the last decision, and returns the
-        `accum_steps` for the next windows (`next_accum_steps`)."""
-        self.take_windows(noise)
-        return self.next_accum_steps(current, samples_per_step)
 
     def take_windows(self, noise):
         """Adds the windows `noise` measured since the last call."""

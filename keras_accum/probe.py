@@ -83,12 +83,7 @@ class NoiseProbe:
         self.order = np.random.default_rng(0).permutation(self.samples)
         self.x, self.y, self.sample_weight = tf.nest.map_structure(
             lambda t: None if t is None else tf.gather(t, self.order), (x, y, sample_weight))
-        self._measuring = None  # (key, traced window function, StepState)
-
-    def forget(self):
-        """Drops the traced function: the next `measure` traces it again
-        (a recompile between fits may have changed the loss)."""
-        self._measuring = None
+        self._measuring = None  # (captured, traced window function, StepState)
 
     def micro_batches_per_window(self, micro_batch_size):
         """`m`: the micro-batches of `micro_batch_size` in each window."""
@@ -129,16 +124,21 @@ class NoiseProbe:
         return NoiseEstimate.of(sums, z=_t_quantile(self.windows - 1))
 
     def _functions_for(self, model):
-        # Traced once per model and set of variables: the window function,
-        # and the snapshot of what a training-mode forward pass and the
-        # loss write (layers' statistics and seeds; the loss's metrics).
+        # Traced once per compile, as the train functions are
+        # (train_functions._captured): the model, its optimizer, loss
+        # tracker (new at each compile: a recompile may change the loss)
+        # and trainable variables. With the window function, the snapshot
+        # of what a training-mode forward pass and the loss write (layers'
+        # statistics and seeds; the loss's metrics).
         variables = model.trainable_variables
-        key = (id(model), tuple(map(id, variables)))
-        if self._measuring is None or self._measuring[0] != key:
+        captured = (model, model.optimizer, internals.loss_tracker(model), *variables)
+        kept = None if self._measuring is None else self._measuring[0]
+        if kept is None or len(kept) != len(captured) or any(
+                a is not b for a, b in zip(kept, captured)):
             written = StepState(
                 lambda: [*model.non_trainable_variables, *model.metrics_variables],
                 model.distribute_strategy)
-            self._measuring = key, _window_function(model, variables), written
+            self._measuring = captured, _window_function(model, variables), written
         return self._measuring[1:]
 
 

@@ -305,7 +305,6 @@ class AccumScheduler(FitSetting):
                         "multi-worker fit (the windows' estimate is reduced "
                         "across workers)."
                     )
-                self._probe.forget()  # a recompile may have changed the loss
                 self._probe_checked = False
         elif self._table is None:
             # A callable is checked for every epoch before the first step.
@@ -376,8 +375,9 @@ class AccumScheduler(FitSetting):
             # The batch fit draws is known now, before the fit's first step
             # (a resumed fit's too).
             self._probe_checked = True
-            if self._probe_micro_batch():
-                self._probe.check(self._probe_micro_batch())
+            micro_batch = self._probe_micro_batch()
+            if micro_batch:
+                self._probe.check(micro_batch)
         if not (self.schedule == NOISE_SCALE and self._decides_within_epochs()):
             self._decide(epoch)
         if not self._begun:

@@ -89,9 +89,9 @@ def test_each_decision_adds_the_windows_since_the_last_and_halves_the_older():
     growth.begin(noise)
     first, second = _sums([300.0] * 4, [1.0] * 4), _sums([100.0] * 4, [2.0] * 4)
     noise.sums += first
-    growth.decide(noise, current=2, samples_per_step=16)
+    growth.take_windows(noise)
     noise.sums += second
-    growth.decide(noise, current=2, samples_per_step=16)
+    growth.take_windows(noise)
     np.testing.assert_allclose(growth.smoothed, 0.5 * first + second)
     assert growth.estimate == NoiseEstimate.of(0.5 * first + second)
     growth.begin(noise)

@@ -160,3 +160,32 @@ def test_a_probe_too_small_for_the_batch_is_refused_before_training(micro_batch_
 def test_bad_probe_arguments_are_refused_naming_them(kwargs, match):
     with pytest.raises(ValueError, match=match):
         keras_accum.AccumScheduler(**kwargs)
+
+
+@pytest.mark.parametrize("way", ["functional", "wrap_xla"])
+def test_the_scheduler_acts_on_the_probe_of_the_loss_compiled_now(way):
+    # At learning rate 0 the weights stay where they are, so each probed
+    # decision's estimate is the probe's measure now; after a recompile to
+    # another loss (between fits), it is that loss's, not the traced old
+    # one's. Keras's default on one GPU (XLA), through wrap, too.
+    x, y = regression_data(92, noise=3.0)
+    held = regression_data(256, noise=3.0, seed=3)
+    compile_kwargs = dict(jit_compile=True) if way == "wrap_xla" else {}
+    if way == "wrap_xla":
+        model = keras_accum.wrap(keras.Model(*_layers()), accum_steps=2, noise_scale=True)
+    else:
+        model = keras_accum.AccumModel(*_layers(), accum_steps=2, noise_scale=True)
+    fresh = NoiseProbe(held, windows=4)
+    values = []
+    for loss in ("mse", "mae"):
+        model.compile(keras.optimizers.SGD(0.0), loss, **compile_kwargs)
+        scheduler = keras_accum.AccumScheduler(
+            "noise_scale", max_accum_steps=64, every_updates=3, probe=held, probe_windows=4)
+        model.fit(x, y, batch_size=8, verbose=0, callbacks=[scheduler])
+        probed = [d for d in scheduler.path if d.probed]
+        assert probed, scheduler.path
+        now = fresh.measure(model, 8)
+        for d in probed:
+            assert d.estimate.value == pytest.approx(now.value, rel=RTOL)
+        values.append(now.value)
+    assert values[0] != pytest.approx(values[1], rel=0.01)  # the loss matters
