@@ -4,6 +4,7 @@ accumulate beside the built-in, the plain model and the floor, in one process.
     python -m benchmarks.xla                       # 31 rounds, every workload
     python -m benchmarks.xla --rounds 101 --workloads embedding
     python -m benchmarks.xla --quick               # smoke run, not a measurement
+    python -m benchmarks.xla --memory              # also each mode's peak tensor memory
 
 For each workload (benchmarks/workloads.py: mlp, cnn, embedding), compiled
 with `jit_compile=True`, Adam, micro-batch b = 32, N = 4 (PRICE_ACCUM_STEPS):
@@ -19,7 +20,15 @@ with `jit_compile=True`, Adam, micro-batch b = 32, N = 4 (PRICE_ACCUM_STEPS):
   backward pass of N micro-batches of b, their gradients summed, and Adam's
   update: the least any accumulation of N micro-batches can cost; `bare big
   batch` the same function for one batch of N*b (Keras's own step costs
-  what it adds over this).
+  what it adds over this);
+- `floor, one at a time`: the floor with each micro-batch waiting for the
+  sum before it, as `micro_batch_size`'s do (the unordered floor may hold
+  every micro-batch's gradient at once: see `--memory`);
+- `floor in Keras's step`: that function as a `keras.Model`'s `train_step`
+  run by `fit`'s train function (its loss through `compute_loss`, the loss
+  tracker updated): `micro_batch_size / floor in Keras's step` is what
+  keras_accum adds, `floor in Keras's step / floor, one at a time` what
+  Keras's step does.
 
 Each round times one window (N*b samples: N calls of the train function at
 b, or one at N*b) of every mode, in an order rotated by one place per round;
@@ -29,6 +38,8 @@ timings: from each compiled step's optimized HLO
 (`experimental_get_compiler_ir`), the bytes its instructions read and write
 (`hlo_bytes`), per window: N-1 calls that only accumulate and one that also
 updates (each conditional counted by the branch it takes), or one call.
+With `--memory`, each mode's peak tensor memory over one window, read from
+TensorFlow's allocator in a process of its own.
 
 Writes benchmarks/xla.json (`--out`) and prints Markdown tables
 (benchmarks/xla.md holds the committed run's).
@@ -62,6 +73,8 @@ MODES = {
     "plain at b": ("plain", B, N),
     "big batch": ("plain", N * B, 1),
     "floor": ("bare", B, N),
+    "floor, one at a time": ("bare in order", B, N),
+    "floor in Keras's step": ("keras floor", N * B, 1),
     "bare big batch": ("bare", N * B, 1),
 }
 
@@ -72,6 +85,9 @@ RATIOS = [
     ("step mode", "plain at b"),
     ("micro_batch_size", "big batch"),
     ("micro_batch_size", "floor"),
+    ("micro_batch_size", "floor in Keras's step"),
+    ("floor in Keras's step", "floor, one at a time"),
+    ("floor, one at a time", "floor"),
     ("floor", "bare big batch"),
     ("big batch", "bare big batch"),
     ("step mode + noise scale", "step mode"),
@@ -94,6 +110,8 @@ def _keras_model(workload, how):
         )
     elif how == "plain":
         model = keras.Model(inputs, outputs)
+    elif how == "keras floor":
+        model = _keras_floor(inputs, outputs)
     else:
         model = keras_accum.AccumModel(inputs, outputs, **how)
     model.compile(
@@ -109,11 +127,15 @@ class Bare:
     gradients summed (an embedding's occurrences joined, as in the big
     batch's gradient), Adam's update, in one XLA-compiled `tf.function`. It
     takes the window's `micro_batches` batches at once (as `micro_batch_size`
-    does) and means them as the big batch's gradient does."""
+    does) and means them as the big batch's gradient does. `in_order`: each
+    micro-batch waits for the sum before it (`microbatch.after`), as
+    `micro_batch_size`'s do; else XLA may hold them all."""
 
-    def __init__(self, workload, micro_batches):
+    def __init__(self, workload, micro_batches, in_order=False):
         import keras
         import tensorflow as tf
+
+        from keras_accum import microbatch
 
         keras.utils.set_random_seed(workloads.SEED)
         inputs, outputs = workload.build()
@@ -130,6 +152,10 @@ class Bare:
             for xs, ys in zip(
                 tf.split(x, micro_batches), tf.split(y, micro_batches)
             ):
+                if in_order and total is not None:
+                    # Waits for the sum before it, as micro_batch_size's
+                    # micro-batches do: one micro-batch held at a time.
+                    xs, ys = microbatch.after(total, (xs, ys))
                 with tf.GradientTape() as tape:
                     value = loss(ys, self.model(xs, training=True)) / micro_batches
                 grads = tape.gradient(value, variables)
@@ -138,6 +164,37 @@ class Bare:
             return value
 
         self.step = step
+
+
+def _keras_floor(inputs, outputs):
+    """The floor, one at a time, as a `keras.Model`'s `train_step` run by
+    `fit`'s train function: its loss through `compute_loss`, the loss
+    tracker updated. Beside the bare function, it is what Keras's step
+    costs; beside `micro_batch_size`, what keras_accum adds to it."""
+    import keras
+    import tensorflow as tf
+
+    from keras_accum import microbatch
+
+    class KerasFloor(keras.Model):
+        def train_step(self, data):
+            x, y = data
+            total, losses = None, []
+            for xs, ys in zip(tf.split(x, N), tf.split(y, N)):
+                if total is not None:
+                    xs, ys = microbatch.after(total, (xs, ys))
+                with tf.GradientTape() as tape:
+                    loss = self.compute_loss(xs, ys, self(xs, training=True))
+                    scaled = loss / N
+                grads = tape.gradient(scaled, self.trainable_variables)
+                losses.append(loss)
+                total = grads if total is None else [_plus(a, g) for a, g in zip(total, grads)]
+            self.optimizer.apply(total, self.trainable_variables)
+            tracker = self.metrics[0]  # the loss tracker
+            tracker.update_state(tf.add_n(losses) / N, sample_weight=tf.shape(x)[0])
+            return {"loss": tracker.result()}
+
+    return KerasFloor(inputs, outputs)
 
 
 def _plus(a, b):
@@ -160,13 +217,14 @@ def _batches(x, y, batch_size):
     return iter(dataset.batch(batch_size, drop_remainder=True).repeat())
 
 
-def _timer(mode, workload, x, y):
-    """`(time one window, hlo bytes per window)` of `mode` on `x, y`."""
+def _timer(mode, workload, x, y, hlo=True):
+    """`(time one window, hlo bytes per window)` of `mode` on `x, y` (the
+    bytes None when not `hlo`)."""
     import time
 
     how, batch_size, calls = MODES[mode]
-    if how == "bare":
-        bare = Bare(workload, N if calls == N else 1)
+    if how in ("bare", "bare in order"):
+        bare = Bare(workload, N if calls == N else 1, in_order=how == "bare in order")
         batches = _batches(x, y, N * B)
         first = next(batches)
         bare.step(*first)
@@ -177,7 +235,7 @@ def _timer(mode, workload, x, y):
             float(bare.step(*next(batches)))
             return time.perf_counter() - wall
 
-        return one_window, _hlo_bytes(compiled, *first)
+        return one_window, _hlo_bytes(compiled, *first) if hlo else None
     import tensorflow as tf
 
     model = _keras_model(workload, how)
@@ -185,7 +243,10 @@ def _timer(mode, workload, x, y):
     batches = _batches(x, y, batch_size)
     # The step as Keras compiles it (its train function calls `train_step`
     # in a `tf.function(jit_compile=True)`), traced once more to read it.
-    step_bytes = _hlo_bytes(tf.function(model.train_step, jit_compile=True), next(batches))
+    step_bytes = (
+        _hlo_bytes(tf.function(model.train_step, jit_compile=True), next(batches))
+        if hlo else None
+    )
 
     def one_window():
         function = model.train_function
@@ -196,6 +257,36 @@ def _timer(mode, workload, x, y):
         return time.perf_counter() - wall
 
     return one_window, step_bytes
+
+
+def peak_of(name, mode, quick):
+    """The most tensor memory one window of `mode` holds above what is held
+    before it, in bytes, from TensorFlow's allocator (this process must
+    start with TF_CPU_ALLOCATOR_USE_BFC=true: `peaks` starts one per mode)."""
+    import tensorflow as tf
+
+    workload = workloads.timing_workload(name, quick)
+    x, y = workload.data(np.random.default_rng(workloads.SEED))
+    one_window, _ = _timer(mode, workload, x, y, hlo=False)
+    one_window()
+    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    one_window()
+    return tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+
+
+def peaks(name, quick):
+    """`{mode: peak_of(...)}`, each mode in a fresh process."""
+    import subprocess
+
+    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true"}
+    result = {}
+    for mode in MODES:
+        args = [sys.executable, "-m", "benchmarks.xla", "--peak-of", name, mode]
+        done = subprocess.run(args + (["--quick"] if quick else []), env=env,
+                              capture_output=True, text=True, check=True)
+        result[mode] = int(done.stdout.strip().splitlines()[-1])
+    return result
 
 
 def _hlo_bytes(function, *args):
@@ -332,7 +423,7 @@ def hlo_bytes(text):
     return (*cost(entry, min, min), *cost(entry, max, min))
 
 
-def run_workload(name, rounds, quick):
+def run_workload(name, rounds, quick, memory=False):
     workload = workloads.timing_workload(name, quick)
     x, y = workload.data(np.random.default_rng(workloads.SEED))
     timers, hlo = {}, {}
@@ -354,13 +445,14 @@ def run_workload(name, rounds, quick):
         if measured is not None:
             accumulate, accumulate_copies, update, update_copies = measured
             # The floor's function takes a whole window in one call.
-            calls = 1 if MODES[mode][0] == "bare" else MODES[mode][2]
+            calls = 1 if MODES[mode][0] in ("bare", "bare in order") else MODES[mode][2]
             window_bytes[mode] = [
                 (calls - 1) * accumulate + update,
                 (calls - 1) * accumulate_copies + update_copies,
             ]
     return {
         "description": workload.description,
+        "peak_tensor_bytes": peaks(name, quick) if memory else None,
         "median_window_ms": {m: 1000 * statistics.median(s) for m, s in seconds.items()},
         "ratios": ratios,
         "hlo_bytes_per_step": hlo,
@@ -378,12 +470,14 @@ def markdown(results):
                 f"| {r['min']:.2f}-{r['max']:.2f} |"
             )
     lines += ["", "| workload | mode | median window, ms | HLO traffic per window, MB "
-              "| of which copies, MB |", "|---|---|---|---|---|"]
+              "| of which copies, MB | peak tensor memory, MB |", "|---|---|---|---|---|---|"]
     for name, result in results["workloads"].items():
+        held = result.get("peak_tensor_bytes") or {}
         for mode, ms in result["median_window_ms"].items():
             size = result["hlo_bytes_per_window"].get(mode)
             cells = ["-", "-"] if size is None else [f"{v / 1e6:.1f}" for v in size]
-            lines.append(f"| {name} | {mode} | {ms:.1f} | {cells[0]} | {cells[1]} |")
+            peak = f"{held[mode] / 1e6:.1f}" if mode in held else "-"
+            lines.append(f"| {name} | {mode} | {ms:.1f} | {cells[0]} | {cells[1]} | {peak} |")
     return "\n".join(lines)
 
 
@@ -394,7 +488,14 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=31)
     parser.add_argument("--quick", action="store_true", help="tiny models: a smoke run")
     parser.add_argument("--out", default=None, help="JSON path (default: none when --quick)")
+    parser.add_argument("--memory", action="store_true",
+                        help="each mode's peak tensor memory, in a process of its own")
+    parser.add_argument("--peak-of", nargs=2, metavar=("WORKLOAD", "MODE"),
+                        help=argparse.SUPPRESS)  # one mode's peak (`peaks` runs it)
     args = parser.parse_args(argv)
+    if args.peak_of:
+        print(peak_of(*args.peak_of, args.quick))
+        return
     import keras
     import tensorflow as tf
 
@@ -408,7 +509,7 @@ def main(argv=None):
         "workloads": {},
     }
     for name in args.workloads:
-        results["workloads"][name] = run_workload(name, args.rounds, args.quick)
+        results["workloads"][name] = run_workload(name, args.rounds, args.quick, args.memory)
         print(json.dumps({name: results["workloads"][name]["median_window_ms"]}), flush=True)
     print(markdown(results))
     out = args.out or (None if args.quick else "benchmarks/xla.json")

@@ -235,15 +235,20 @@ def after(previous, part):
 
 
 def _zero_after(previous):
-    # 0.0, computed from one element of each tensor of `previous`: a
-    # comparison no float can pass (not even NaN) selects it. XLA folds
-    # what it can prove (a constant zero, `x * 0` of integers, an
-    # optimization barrier is expanded before CSE on CPU), not this.
-    firsts = [tf.cast(tf.reduce_sum(tf.reshape(t, [-1])[:1]), tf.float32)
-              for t in _tensors(previous)]
-    if not firsts:
+    # 0.0, computed from the whole of each tensor of `previous`: a
+    # comparison no float can pass (not even NaN or an overflow to inf)
+    # selects it. XLA folds what it can prove (a constant zero, `x * 0` of
+    # integers, an optimization barrier is expanded before CSE on CPU), not
+    # this. The whole, not an element: XLA copies an elementwise sum into
+    # each reader of a part of it, so waiting on one element of the sum
+    # let it put off every add to the end, holding every micro-batch's
+    # gradient (benchmarks/xla.md's MLP, 1.6M weights, 4 micro-batches of
+    # 32: 34 MB of tensors, now 11, the big batch 13; 8 of 8: 67 MB, now
+    # 11, tests/test_step_graph.py). Read as a product with ones: one pass.
+    tensors = _tensors(previous)
+    if not tensors:
         return tf.constant(0.0)
-    probe = tf.add_n(firsts)
+    probe = tf.add_n([internals.whole_sum(t) for t in tensors])
     return tf.where(probe > float("inf"), probe, tf.zeros_like(probe))
 
 

@@ -160,7 +160,7 @@ def test_xla_benchmark_runs_and_reads_each_steps_traffic(tmp_path):
     out = tmp_path / "xla.json"
     result = run_python(
         "-m", "benchmarks.xla", "--quick", "--rounds", "1", "--workloads", "mlp",
-        "--out", str(out), timeout=600,
+        "--memory", "--out", str(out), timeout=900,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     import json
@@ -174,6 +174,9 @@ def test_xla_benchmark_runs_and_reads_each_steps_traffic(tmp_path):
     assert 0 < accumulate < update
     assert traffic["step mode"][0] < traffic["built-in"][0]
     assert "| mlp | step mode / built-in |" in result.stdout
+    # Every mode's peak read in a process of its own.
+    assert set(workload["peak_tensor_bytes"]) == set(workload["median_window_ms"])
+    assert all(held > 0 for held in workload["peak_tensor_bytes"].values())
 
 
 @pytest.mark.release

@@ -8,6 +8,8 @@ is a plain `keras.Model` on the big batch with Keras's own sparse update.
 """
 
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -157,6 +159,41 @@ def test_synthesised_occurrences_have_the_windows_sums_and_fit_a_capacity():
             np.testing.assert_allclose(got[0], sums, rtol=1e-5, atol=1e-5)
             if capacity != 7:  # room for all: the statistic too
                 np.testing.assert_allclose(got[1], stats, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.unit
+def test_under_xla_synthesised_occurrences_need_no_slot_by_row_table():
+    # Each extra occurrence's row was found by `searchsorted`, which XLA
+    # compiles into a comparison of every slot with every row: 3.3 GB for a
+    # 200,000-row table at 4,096 slots, allocated by every sparse step under
+    # XLA (its fallback branch) whether it ran or not (the embedding
+    # model's step mode held 3.4 GB of tensors against the built-in's 67
+    # MB, benchmarks/xla.md). Rows are counted through a histogram now.
+    rows, capacity, width = 200_000, 4096, 4
+    synthesise = tf.function(
+        lambda s, q, c: sparse.synthesised(s, q, c, sparse.SQUARE, capacity), jit_compile=True
+    )
+    table = tf.zeros((rows, width))
+    hlo = synthesise.experimental_get_compiler_ir(
+        table, table, tf.zeros((rows,), tf.int32)
+    )(stage="optimized_hlo")
+    largest = max(
+        int(np.prod([int(d) for d in dims.split(",") if d]))
+        for dims in re.findall(r"\b(?:f32|s32|u32|pred|s64)\[([0-9,]*)\]", hlo)
+    )
+    assert largest <= (rows + capacity) * width, largest
+    # ... and the same occurrences under XLA as without it.
+    rng = np.random.default_rng(2)
+    idx, values = _occurrences(rng, 5, n=60)
+    moments = [tf.constant(t) for t in _moments(idx, values, 5, sparse.SQUARE)]
+    for capacity in (200, 7):
+        eager = sparse.synthesised(*moments, sparse.SQUARE, capacity)
+        compiled = tf.function(
+            lambda s, q, c: sparse.synthesised(s, q, c, sparse.SQUARE, capacity),
+            jit_compile=True,
+        )(*moments)
+        for a, b in zip(eager, compiled):
+            np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-6, atol=1e-6)
 
 
 # -- fit: the big batch's training --------------------------------------------------

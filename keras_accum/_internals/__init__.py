@@ -73,6 +73,7 @@ from keras_accum._internals.distribute import (  # noqa: E402
     replica_component,
     replicated,
     tracing_inside,
+    whole_sum,
 )
 from keras_accum._internals.fingerprints import MIRRORED_SOURCES, mirrored  # noqa: E402
 from keras_accum._internals.layers import (  # noqa: E402
@@ -203,6 +204,7 @@ __all__ = [
     "replica_component",
     "replicated",
     "tracing_inside",
+    "whole_sum",
     # model hooks
     "BuildFromFirstBatch",
     "FunctionalVariants",
