@@ -284,7 +284,9 @@ def peaks(name, quick):
     for mode in MODES:
         args = [sys.executable, "-m", "benchmarks.xla", "--peak-of", name, mode]
         done = subprocess.run(args + (["--quick"] if quick else []), env=env,
-                              capture_output=True, text=True, check=True)
+                              capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{name}, {mode}: {done.stderr[-3000:]}")
         result[mode] = int(done.stdout.strip().splitlines()[-1])
     return result
 

@@ -243,13 +243,23 @@ def _zero_after(previous):
     # each reader of a part of it, so waiting on one element of the sum
     # let it put off every add to the end, holding every micro-batch's
     # gradient (benchmarks/xla.md's MLP, 1.6M weights, 4 micro-batches of
-    # 32: 34 MB of tensors, now 11, the big batch 13; 8 of 8: 67 MB, now
-    # 11, tests/test_step_graph.py). Read as a product with ones: one pass.
-    tensors = _tensors(previous)
-    if not tensors:
+    # 32: 34 MB of tensors, now 11, the big batch 13; tests/test_step_graph.py:
+    # as much at 16 micro-batches as at 4). Read as a product with ones.
+    reads = [_read_for_waiting(g) for g in previous if g is not None]
+    if not reads:
         return tf.constant(0.0)
-    probe = tf.add_n([internals.whole_sum(t) for t in tensors])
+    probe = tf.add_n(reads)
     return tf.where(probe > float("inf"), probe, tf.zeros_like(probe))
+
+
+def _read_for_waiting(t):
+    # A sparse gradient's rows are joined, not added (`add_gradients`):
+    # nothing to put off, and the whole would be read again at every
+    # micro-batch (N^2 / 2 micro-batches' rows a step). Its newest row ends
+    # the values: waiting on it waits on the newest micro-batch.
+    if isinstance(t, tf.IndexedSlices):
+        return tf.cast(tf.reduce_sum(tf.reshape(t.values, [-1])[-1:]), tf.float32)
+    return internals.whole_sum(t)
 
 
 def _waiting(t, zero):

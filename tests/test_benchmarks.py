@@ -156,6 +156,7 @@ def test_contrastive_benchmark_runs_and_writes_its_report(tmp_path):
 
 
 @pytest.mark.release
+@pytest.mark.timeout(960)  # a process per mode for its memory
 def test_xla_benchmark_runs_and_reads_each_steps_traffic(tmp_path):
     out = tmp_path / "xla.json"
     result = run_python(

@@ -161,7 +161,6 @@ def test_synthesised_occurrences_have_the_windows_sums_and_fit_a_capacity():
                 np.testing.assert_allclose(got[1], stats, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.unit
 def test_under_xla_synthesised_occurrences_need_no_slot_by_row_table():
     # Each extra occurrence's row was found by `searchsorted`, which XLA
     # compiles into a comparison of every slot with every row: 3.3 GB for a
@@ -186,10 +185,10 @@ def test_under_xla_synthesised_occurrences_need_no_slot_by_row_table():
     rng = np.random.default_rng(2)
     idx, values = _occurrences(rng, 5, n=60)
     moments = [tf.constant(t) for t in _moments(idx, values, 5, sparse.SQUARE)]
-    for capacity in (200, 7):
-        eager = sparse.synthesised(*moments, sparse.SQUARE, capacity)
+    for slots in (200, 7):
+        eager = sparse.synthesised(*moments, sparse.SQUARE, slots)
         compiled = tf.function(
-            lambda s, q, c: sparse.synthesised(s, q, c, sparse.SQUARE, capacity),
+            lambda s, q, c: sparse.synthesised(s, q, c, sparse.SQUARE, slots),
             jit_compile=True,
         )(*moments)
         for a, b in zip(eager, compiled):

@@ -12,6 +12,7 @@ import re
 
 import keras
 import numpy as np
+import pytest
 import tensorflow as tf
 from helpers.internals import graphs_as_run
 from helpers.data import make_data
@@ -136,6 +137,7 @@ def test_under_xla_the_update_runs_once_per_window_not_at_every_micro_batch():
     assert " conditional(" in entry
 
 
+@pytest.mark.slow  # two fresh processes
 def test_under_xla_micro_batches_do_not_each_hold_a_gradient():
     # Each micro-batch waited on one element of the sum before it; XLA
     # copies an elementwise add into each reader of a part of it, so it put

@@ -87,12 +87,14 @@ def branch_keeping_zero(probe):
 
 
 def whole_sum(t):
-    """The sum of every element of `t` (float32), written for XLA on a CPU.
+    """The sum of every element of `t` (float32), written for XLA.
 
-    XLA's CPU reduction to a scalar runs on one thread, a float at a time
-    (1.4 ms for an MLP's 1.6M weights); a product with ones of the tensor
-    cut into up to 1024 rows runs on every core (0.3 ms) and reads `t` once,
-    the elementwise work producing `t` fused into it (benchmarks/xla.md).
+    Public TensorFlow, kept here beside `branch_keeping_zero`: both work
+    around how XLA compiles, not Keras. XLA's CPU reduction to a scalar
+    runs on one thread, a float at a time (1.4 ms for an MLP's 1.6M
+    weights); a product with ones of the tensor cut into up to 1024 rows
+    runs on every core (0.3 ms) and reads `t` once, the elementwise work
+    producing `t` fused into it (benchmarks/xla.md). Not measured on a GPU.
     """
     flat = tf.reshape(tf.cast(t, tf.float32), [-1])
     size = flat.shape[0]
