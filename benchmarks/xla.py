@@ -58,10 +58,13 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # quiet TensorFlow start-up
 
 import numpy as np  # noqa: E402
 
-from benchmarks import workloads  # noqa: E402
+from benchmarks import memory, workloads  # noqa: E402
 from benchmarks.noise_scale_cost import median_interval, rotated_rounds  # noqa: E402
 
 N, B = workloads.PRICE_ACCUM_STEPS, workloads.MICRO_BATCH
+
+# How the floors are made: a bare XLA-compiled function (`Bare`).
+BARE = ("bare", "bare in order")
 
 # mode: (how it is made, batch size, train-function calls per window)
 MODES = {
@@ -135,8 +138,6 @@ class Bare:
         import keras
         import tensorflow as tf
 
-        from keras_accum import microbatch
-
         keras.utils.set_random_seed(workloads.SEED)
         inputs, outputs = workload.build()
         self.model = keras.Model(inputs, outputs)
@@ -148,22 +149,36 @@ class Bare:
 
         @tf.function(jit_compile=True)
         def step(x, y):
-            total = None
-            for xs, ys in zip(
-                tf.split(x, micro_batches), tf.split(y, micro_batches)
-            ):
-                if in_order and total is not None:
-                    # Waits for the sum before it, as micro_batch_size's
-                    # micro-batches do: one micro-batch held at a time.
-                    xs, ys = microbatch.after(total, (xs, ys))
-                with tf.GradientTape() as tape:
-                    value = loss(ys, self.model(xs, training=True)) / micro_batches
-                grads = tape.gradient(value, variables)
-                total = grads if total is None else [_plus(a, g) for a, g in zip(total, grads)]
+            total, losses = summed_gradients(
+                x, y, micro_batches, in_order,
+                lambda xs, ys: loss(ys, self.model(xs, training=True)), variables,
+            )
             self.optimizer.apply(total, variables)
-            return value
+            return losses[-1]
 
         self.step = step
+
+
+def summed_gradients(x, y, micro_batches, in_order, loss_of, variables):
+    """`(gradients summed, losses)` of `micro_batches` equal cuts of `x, y`,
+    each loss (`loss_of(xs, ys)`) divided by `micro_batches` as the big
+    batch's mean is. `in_order`: each micro-batch waits for the sum before
+    it (`microbatch.after`), as `micro_batch_size`'s do: one held at a time."""
+    import tensorflow as tf
+
+    from keras_accum import microbatch
+
+    total, losses = None, []
+    for xs, ys in zip(tf.split(x, micro_batches), tf.split(y, micro_batches)):
+        if in_order and total is not None:
+            xs, ys = microbatch.after(total, (xs, ys))
+        with tf.GradientTape() as tape:
+            value = loss_of(xs, ys)
+            scaled = value / micro_batches
+        grads = tape.gradient(scaled, variables)
+        losses.append(value)
+        total = grads if total is None else [_plus(a, g) for a, g in zip(total, grads)]
+    return total, losses
 
 
 def _keras_floor(inputs, outputs):
@@ -174,21 +189,14 @@ def _keras_floor(inputs, outputs):
     import keras
     import tensorflow as tf
 
-    from keras_accum import microbatch
-
     class KerasFloor(keras.Model):
         def train_step(self, data):
             x, y = data
-            total, losses = None, []
-            for xs, ys in zip(tf.split(x, N), tf.split(y, N)):
-                if total is not None:
-                    xs, ys = microbatch.after(total, (xs, ys))
-                with tf.GradientTape() as tape:
-                    loss = self.compute_loss(xs, ys, self(xs, training=True))
-                    scaled = loss / N
-                grads = tape.gradient(scaled, self.trainable_variables)
-                losses.append(loss)
-                total = grads if total is None else [_plus(a, g) for a, g in zip(total, grads)]
+            total, losses = summed_gradients(
+                x, y, N, True,
+                lambda xs, ys: self.compute_loss(xs, ys, self(xs, training=True)),
+                self.trainable_variables,
+            )
             self.optimizer.apply(total, self.trainable_variables)
             tracker = self.metrics[0]  # the loss tracker
             tracker.update_state(tf.add_n(losses) / N, sample_weight=tf.shape(x)[0])
@@ -223,7 +231,7 @@ def _timer(mode, workload, x, y, hlo=True):
     import time
 
     how, batch_size, calls = MODES[mode]
-    if how in ("bare", "bare in order"):
+    if how in BARE:
         bare = Bare(workload, N if calls == N else 1, in_order=how == "bare in order")
         batches = _batches(x, y, N * B)
         first = next(batches)
@@ -263,16 +271,11 @@ def peak_of(name, mode, quick):
     """The most tensor memory one window of `mode` holds above what is held
     before it, in bytes, from TensorFlow's allocator (this process must
     start with TF_CPU_ALLOCATOR_USE_BFC=true: `peaks` starts one per mode)."""
-    import tensorflow as tf
-
     workload = workloads.timing_workload(name, quick)
     x, y = workload.data(np.random.default_rng(workloads.SEED))
     one_window, _ = _timer(mode, workload, x, y, hlo=False)
     one_window()
-    before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    one_window()
-    return tf.config.experimental.get_memory_info("CPU:0")["peak"] - before
+    return round(memory.tensor_peak(one_window)["growth_mib"] * memory.MIB)
 
 
 def peaks(name, quick):
@@ -447,7 +450,7 @@ def run_workload(name, rounds, quick, memory=False):
         if measured is not None:
             accumulate, accumulate_copies, update, update_copies = measured
             # The floor's function takes a whole window in one call.
-            calls = 1 if MODES[mode][0] in ("bare", "bare in order") else MODES[mode][2]
+            calls = 1 if MODES[mode][0] in BARE else MODES[mode][2]
             window_bytes[mode] = [
                 (calls - 1) * accumulate + update,
                 (calls - 1) * accumulate_copies + update_copies,

@@ -41,6 +41,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_accum import _internals as internals
+from keras_accum import train_functions
 from keras_accum.arguments import NOISE_SCALE
 from keras_accum.auto_micro_batch import StepState
 from keras_accum.growth import NoiseEstimate
@@ -83,7 +84,7 @@ class NoiseProbe:
         self.order = np.random.default_rng(0).permutation(self.samples)
         self.x, self.y, self.sample_weight = tf.nest.map_structure(
             lambda t: None if t is None else tf.gather(t, self.order), (x, y, sample_weight))
-        self._measuring = None  # (captured, traced window function, StepState)
+        self._measuring = None  # ((model, Captured), traced window function, StepState)
 
     def micro_batches_per_window(self, micro_batch_size):
         """`m`: the micro-batches of `micro_batch_size` in each window."""
@@ -124,21 +125,17 @@ class NoiseProbe:
         return NoiseEstimate.of(sums, z=_t_quantile(self.windows - 1))
 
     def _functions_for(self, model):
-        # Traced once per compile, as the train functions are
-        # (train_functions._captured): the model, its optimizer, loss
-        # tracker (new at each compile: a recompile may change the loss)
-        # and trainable variables. With the window function, the snapshot
-        # of what a training-mode forward pass and the loss write (layers'
-        # statistics and seeds; the loss's metrics).
-        variables = model.trainable_variables
-        captured = (model, model.optimizer, internals.loss_tracker(model), *variables)
+        # Traced once per model and compile, as the train functions are
+        # (`train_functions.compiled`). With the window function, the
+        # snapshot of what a training-mode forward pass and the loss write
+        # (layers' statistics and seeds; the loss's metrics).
+        now = (model, train_functions.compiled(model))
         kept = None if self._measuring is None else self._measuring[0]
-        if kept is None or len(kept) != len(captured) or any(
-                a is not b for a, b in zip(kept, captured)):
+        if kept is None or kept[0] is not model or not kept[1].same(now[1]):
             written = StepState(
                 lambda: [*model.non_trainable_variables, *model.metrics_variables],
                 model.distribute_strategy)
-            self._measuring = captured, _window_function(model, variables), written
+            self._measuring = now, _window_function(model, model.trainable_variables), written
         return self._measuring[1:]
 
 

@@ -113,7 +113,7 @@ class TrainFunctions:
             function = self._new(model, plan, state, auto, plan_of)
             # Entries of an earlier compile or of replaced buffers would
             # never be used again, yet hold on to their traced graphs.
-            current = _Captured(tuple(state.buffers.acc_grads))
+            current = Captured(tuple(state.buffers.acc_grads))
             self._cache = {
                 key: kept
                 for key, kept in self._cache.items()
@@ -196,7 +196,7 @@ class TrainFunctions:
         """The traced function that applies `model`'s open window (of `state`):
         one per optimizer and window variables, each called about once an
         epoch."""
-        captured = _Captured(
+        captured = Captured(
             (model.optimizer, *state.buffers.acc_grads, *state.moments.variables)
         )
         kept, function = self._flush
@@ -231,7 +231,7 @@ def _replica_step(model, state, plan_of):
     return replica_step, after_step
 
 
-class _Captured(NamedTuple):
+class Captured(NamedTuple):
     """Objects a trace captured, compared by identity (and kept alive
     here, so ids are not reused), and plain settings, compared by value."""
 
@@ -249,25 +249,31 @@ class _Captured(NamedTuple):
 class _Entry(NamedTuple):
     """A cached train function and what its trace captured (`_captured`)."""
 
-    compiled: _Captured
-    buffers: _Captured
+    compiled: Captured
+    buffers: Captured
     function: object
 
 
-def _captured(model, plan, state):
-    """What a traced step captured: `(compiled, buffers)`, two `_Captured`.
-
-    `compiled`: the optimizer, the loss tracker and the trainable variables
-    with the plain settings: a new compile makes every entry stale.
-    `buffers`: the window's buffers, only where the step adds into them
-    (the first window's buffers leave Keras's own step as it was).
-    """
-    compiled = _Captured(
+def compiled(model):
+    """What any trace over `model`'s compile captures, as a `Captured`: the
+    optimizer, the loss tracker (new at each compile: a recompile may change
+    the loss) and the trainable variables, with the plain settings. A new
+    compile makes it stale; the probe's traced function keys on it too."""
+    return Captured(
         (model.optimizer, internals.loss_tracker(model), *model.trainable_variables),
         (model.jit_compile, model.run_eagerly, model.steps_per_execution),
     )
-    buffers = _Captured(tuple(state.buffers.acc_grads) if plan.uses_buffers else ())
-    return compiled, buffers
+
+
+def _captured(model, plan, state):
+    """What a traced step captured: `(compiled, buffers)`, two `Captured`.
+
+    `compiled`: `compiled(model)`: a new compile makes every entry stale.
+    `buffers`: the window's buffers, only where the step adds into them
+    (the first window's buffers leave Keras's own step as it was).
+    """
+    buffers = Captured(tuple(state.buffers.acc_grads) if plan.uses_buffers else ())
+    return compiled(model), buffers
 
 
 def fast_forward(model, batches):
