@@ -55,8 +55,9 @@ class FitControl(NamedTuple):
     # `restore(settings)`: the settings back without applying the open
     # window; the next step is made for them.
     restore: Callable
-    # Ends a resumed epoch's fast-forward left by an interrupted fit.
-    stop_fast_forward: Callable
+    # Ends what a fit left awaiting in its train functions (a resumed
+    # epoch's fast-forward, the first batch to see) when interrupted.
+    end_fit: Callable
     # The settings the user assigns during the fit (`FitChanges`).
     changes: "FitChanges"
     # The batch size the step splits (None until a training batch is seen).
@@ -329,6 +330,38 @@ def check_schedule_agrees(callbacks, accum_steps, initial_epoch):
             )
 
 
+def _first_accum_steps(callbacks, accum_steps, settings, initial_epoch):
+    # The accum_steps this fit starts with: a schedule's for its first
+    # epoch, else fit's own, else the model's.
+    for callback in callbacks:
+        if isinstance(callback, FitSetting):
+            value = callback.value_at_start(initial_epoch)
+            if value is not None:
+                return value
+    return accum_steps or settings.accum_steps
+
+
+def warn_if_epochs_end_mid_window(steps_per_epoch, accum_steps):
+    """Warns when `steps_per_epoch`, which counts the batches `fit` draws
+    (micro-batches of a window), is not a multiple of `accum_steps`: every
+    epoch then ends with a short window, applied at its end as a smaller
+    update than the others. A plain recipe's `steps_per_epoch` counts
+    updates: with accumulation, it is that times `accum_steps`."""
+    if not isinstance(steps_per_epoch, int) or steps_per_epoch % accum_steps == 0:
+        return
+    left = steps_per_epoch % accum_steps
+    warnings.warn(
+        f"steps_per_epoch={steps_per_epoch} counts micro-batches (the batches "
+        f"fit draws) and is not a multiple of accum_steps={accum_steps}: "
+        f"each epoch ends with a window of {left} micro-batch"
+        f"{'es' if left > 1 else ''}, applied at the epoch's end as a smaller "
+        "update than the others. For U updates an epoch, pass "
+        f"steps_per_epoch=U*{accum_steps} (a plain recipe's steps_per_epoch "
+        f"times accum_steps).",
+        stacklevel=4,
+    )
+
+
 # The keyword arguments of Keras's fit, which AccumModel.fit passes on.
 _KERAS_FIT_ARGUMENTS = frozenset(inspect.signature(keras.Model.fit).parameters)
 
@@ -358,7 +391,12 @@ def one_fit(model, control, callbacks, accum_steps=None, micro_batch_size=None,
         accum_steps = check_accum_steps(accum_steps)
     if micro_batch_size is not None:
         micro_batch_size = check_micro_batch_size(micro_batch_size)
-    check_schedule_agrees(given, accum_steps, fit_kwargs.get("initial_epoch", 0))
+    initial_epoch = fit_kwargs.get("initial_epoch", 0)
+    check_schedule_agrees(given, accum_steps, initial_epoch)
+    warn_if_epochs_end_mid_window(
+        fit_kwargs.get("steps_per_epoch"),
+        _first_accum_steps(given, accum_steps, control.settings(), initial_epoch),
+    )
     previous = control.settings()
     if accum_steps is not None:
         control.set_accum_steps(accum_steps)
@@ -386,7 +424,7 @@ def one_fit(model, control, callbacks, accum_steps=None, micro_batch_size=None,
             callbacks.callbacks.remove(flush)
         # Not through the setters: the open window stays open.
         control.restore(previous._replace(**control.changes.stop()))
-        control.stop_fast_forward()
+        control.end_fit()
         control.setting_states.stop()
         for callback in settings_callbacks:
             callback.bind_fit(None)

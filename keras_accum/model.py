@@ -483,7 +483,7 @@ class AccumModel(
             set_accum_steps=self._set_accum_steps,
             set_micro_batch_size=lambda value: self._change(micro_batch_size=value),
             restore=self._restore_settings,
-            stop_fast_forward=self._functions().stop_fast_forward,
+            end_fit=self._functions().end_fit,
             changes=self._fit_changes,
             setting_states=self._setting_states,
             batch_size_seen=lambda: self._batch_size_seen,
@@ -500,13 +500,24 @@ class AccumModel(
             self._settings = settings
             self._functions().invalidate()
 
-    def _see_batch(self, data_batch):
-        # The first training batch of a fit or train_on_batch, in Python
-        # (internals.BuildFromFirstBatch). The step splits a batch whose
-        # size the trace may not know (fit's batch dimension is None): the
-        # size is taken from here, and a new size gets its own train
-        # function.
-        size = None if data_batch is None else static_batch_size(data_batch)
+    def _see_batch(self, data_batch, size=None):
+        # The first training batch of a fit or train_on_batch, in Python,
+        # or the spec of fit's batches (internals.BuildFromFirstBatch);
+        # `size`: the first batch's size where Keras knows it from arrays.
+        # The step splits a batch whose size the trace may not know (fit's
+        # batch dimension is None): the size is taken from here, or, where
+        # neither a batch nor the spec tells it, from the batch the first
+        # step trains (TrainFunctions.see_first).
+        if data_batch is None:
+            return  # no data: nothing will train
+        size = size or static_batch_size(data_batch)
+        if size is None:
+            self._functions().see_first(self, self._seen_batch_size)
+            return
+        self._seen_batch_size(size)
+
+    def _seen_batch_size(self, size):
+        # A new size gets its own train function where the step splits.
         if size is None or size == self._batch_size_seen:
             return
         self._batch_size_seen = size

@@ -182,6 +182,9 @@ class AccumOptimizer(keras.optimizers.Optimizer):
 
     @internals.no_automatic_dependency_tracking
     def build(self, var_list):
+        # Before any update: what this Keras moved of an optimizer's
+        # bookkeeping, apply and flush read (internals.optimizer).
+        internals.check_optimizer(self)
         self.inner_optimizer.build(var_list)
         self._accumulator.bind(var_list, accum_steps=self._accum_steps)
         super().build(var_list)

@@ -28,6 +28,8 @@ owner.current()                  # what fit calls: the fast-forward, then the st
 ```
 """
 
+import itertools
+import warnings
 from typing import NamedTuple
 
 import keras
@@ -36,6 +38,7 @@ import tensorflow as tf
 from keras_accum import _internals as internals
 from keras_accum import auto_replicas, step, window
 from keras_accum.auto_micro_batch import StepState, written_before_gradients
+from keras_accum.microbatch import static_batch_size
 
 
 class TrainFunctions:
@@ -57,6 +60,9 @@ class TrainFunctions:
         self._check_optimizer = check_optimizer
         self.function = None
         self._fast_forward = None
+        self._first_batch = None
+        # (batch size, micro_batch_size) pairs warned about (see make).
+        self._warned_unsplit = set()
         self._cache = {}
         self._flush = (None, None)
 
@@ -64,7 +70,11 @@ class TrainFunctions:
 
     def current(self):
         """The function `fit` calls next (None: none made yet)."""
-        return self.function if self._fast_forward is None else self._fast_forward
+        if self._fast_forward is not None:
+            return self._fast_forward
+        if self._first_batch is not None:
+            return self._first_batch
+        return self.function
 
     def assign(self, value):
         """`model.train_function = value`: the step, not the fast-forward."""
@@ -92,6 +102,8 @@ class TrainFunctions:
         if self.function is not None and not force:
             return self.function
         plan = plan_of()
+        internals.check_fit(model)
+        self._warn_if_nothing_is_split(plan)
         if model.optimizer is not None:
             self._check_optimizer(model.optimizer, plan.accum_steps)
         if plan.uses_buffers and model.built:
@@ -124,6 +136,24 @@ class TrainFunctions:
         self.function = function
         return function
 
+    def _warn_if_nothing_is_split(self, plan):
+        # A micro-batch bigger than the batch: one micro-batch of the whole
+        # batch, no memory saved. Once per batch size and setting.
+        micro, batch = plan.micro_batch_size, plan.batch_size_seen
+        if not isinstance(micro, int) or batch is None or micro <= batch:
+            return
+        if (batch, micro) in self._warned_unsplit:
+            return
+        self._warned_unsplit.add((batch, micro))
+        warnings.warn(
+            f"micro_batch_size={micro} is larger than the batch fit draws "
+            f"({batch} samples per replica): each batch is trained whole, and "
+            "splitting saves no memory. micro_batch_size splits the batch you "
+            f"give fit: for batches of {micro * 4} in micro-batches of {micro}, "
+            f"pass batch_size={micro * 4} (the batch your recipe calls for).",
+            stacklevel=4,
+        )
+
     def _new(self, model, plan, state, auto, plan_of):
         strategy = model.distribute_strategy
         if plan.micro_batch_size == "auto":
@@ -139,9 +169,11 @@ class TrainFunctions:
                 return auto_replicas.train_function(
                     auto, model, halves, after_step, written
                 )
-            return auto.train_function(
+            function = auto.train_function(
                 model, lambda: self._step_on_data(model, state, plan_of), written
             )
+            function.draws_batches = True  # takes each batch in Python (see_first)
+            return function
         if plan.uses_buffers:
             if internals.replicated(strategy):
                 return internals.make_replicated_function(
@@ -185,10 +217,60 @@ class TrainFunctions:
             if self.function is None:
                 model.make_train_function()
 
-        self._fast_forward = _fast_forwarding(model, batches, done) if batches else None
+        def seen(batch):
+            # The first batch awaited (see_first) is this one.
+            if self._first_batch is not None:
+                self._first_batch = None
+                self._see(static_batch_size(internals.optionals_to_none(batch)))
+
+        self._fast_forward = _fast_forwarding(model, batches, done, seen) if batches else None
 
     def stop_fast_forward(self):
         self._fast_forward = None
+
+    def end_fit(self):
+        """A fit ended: neither a fast-forward nor a first batch awaited
+        (`see_first`) is left for the next one."""
+        self._fast_forward = None
+        self._first_batch = None
+
+    # -- the first batch, when only the step can see its size --------------
+
+    def see_first(self, model, see):
+        """Makes the next call of the train function take its first batch
+        from `fit`'s iterator itself and hand its size to `see(size)`
+        before a step is made for it.
+
+        For data whose batch size no spec tells before drawing (a `tf.data`
+        pipeline batched without `drop_remainder`, a generator): the model
+        is built from the spec, and the size the step splits by (and a
+        window's sparse capacity, and the schedule's sample count) is the
+        first batch's, read from the batch the first step trains, not from
+        one drawn apart (which a seeded shuffle would then reorder). That
+        call's batches are trained eagerly, by the model's own step (the
+        train function the plan needs is traced from the second call on,
+        with the size known): no trace is spent on them alone. A train
+        function that draws its batches in Python ("auto") takes them as
+        they come. A fast-forward's first batch is seen as it is skipped.
+        """
+        def seeing_first(iterator):
+            self._first_batch = None
+            try:
+                first = next(iterator)
+            except (StopIteration, tf.errors.OutOfRangeError):
+                raise StopIteration from None  # no data: how fit learns it
+            see(static_batch_size(internals.optionals_to_none(first)))
+            function = model.make_train_function()
+            batches = itertools.chain([first], iterator)
+            if getattr(function, "draws_batches", False):
+                return function(batches)
+            step = internals.make_step_on_data(model, model.train_step, eager=True)
+            return internals.each_batch(
+                model, batches, lambda data: step(internals.optionals_to_none(data))
+            )
+
+        self._first_batch = seeing_first
+        self._see = see
 
     # -- flushing ----------------------------------------------------------
 
@@ -297,16 +379,19 @@ def fast_forward(model, batches):
     model.train_function = forward
 
 
-def _fast_forwarding(model, batches, done):
+def _fast_forwarding(model, batches, done, seen=None):
     """A train function that takes `fit`'s next `batches` batches without
     training (up to `steps_per_execution` a call, logging nothing), and
-    calls `done()` once the last is taken."""
+    calls `done()` once the last is taken; `seen(batch)`, if given, with
+    the first."""
     remaining = batches
 
     def fast_forwarding(iterator):
         nonlocal remaining
         for _ in range(min(model.steps_per_execution, remaining)):
-            next(iterator)
+            batch = next(iterator)
+            if seen is not None and remaining == batches:
+                seen(batch)
             remaining -= 1
         if not remaining:
             done()

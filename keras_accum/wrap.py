@@ -10,8 +10,46 @@ from keras_accum.model import AccumModel
 from keras_accum.saving import check_config_is_faithful
 
 
+class _CompiledAsItsModel:
+    """`compile()` of a wrapper: as the model it wraps compiles, where that
+    model's class has a `compile` of its own.
+
+    A KerasHub task fills in its own defaults (`GPT2CausalLM`: Adam at
+    2e-5, its loss, weighted accuracy) and takes arguments of its own (a
+    causal LM's `sampler`); Keras's `compile` would give the wrapper
+    RMSprop and no loss. So the wrapped model compiles itself with the
+    same arguments (its defaults read from its own attributes, such as a
+    classifier's `activation`; a sampler set on it, whose `generate` uses
+    it), and the wrapper is compiled with exactly what that handed to
+    Keras: the same optimizer, loss and metric objects.
+    """
+
+    def _model_compiled_as(self):
+        raise NotImplementedError
+
+    def compile(self, *args, **kwargs):
+        model = self._model_compiled_as()
+        if type(model).compile is keras.Model.compile:
+            return super().compile(*args, **kwargs)
+        model.compile(*args, **kwargs)
+        arguments = internals.compile_arguments(model)
+        if "auto_scale_loss" in kwargs:  # not among what Keras keeps
+            arguments["auto_scale_loss"] = kwargs["auto_scale_loss"]
+        return super().compile(**arguments)
+
+    def compile_from_config(self, config):
+        # A file's compile config is what Keras's `compile` received: it is
+        # given to it again (Keras's own skips, with a warning, a class with
+        # a `compile` of its own), and the optimizer built for the loaded
+        # weights, as Keras's does.
+        config = keras.saving.deserialize_keras_object(config)
+        super().compile(**config)
+        if self.built:
+            self.optimizer.build(self.trainable_variables)
+
+
 @keras.saving.register_keras_serializable(package="keras_accum")
-class WrappedModel(AccumModel):
+class WrappedModel(_CompiledAsItsModel, AccumModel):
     """An `AccumModel` around a subclassed model; made by `keras_accum.wrap`.
 
     Its only layer is the wrapped model, so its weights are that model's
@@ -53,6 +91,9 @@ class WrappedModel(AccumModel):
     def call(self, inputs, training=None):
         return self.wrapped(inputs, training=training)
 
+    def _model_compiled_as(self):
+        return self.wrapped
+
     def _model_to_split(self):
         return self.wrapped
 
@@ -67,7 +108,7 @@ class WrappedModel(AccumModel):
 
 
 @keras.saving.register_keras_serializable(package="keras_accum")
-class RebuiltModel(AccumModel):
+class RebuiltModel(_CompiledAsItsModel, AccumModel):
     """A functional `AccumModel` over the layers of a model whose class has a
     config of its own (a KerasHub task, a registered functional subclass);
     made by `keras_accum.wrap`.
@@ -106,6 +147,9 @@ class RebuiltModel(AccumModel):
         # Held outside Keras's tracking: its layers are this model's layers
         # already, and a second path to them would be saved twice.
         self._source = types.SimpleNamespace(model=model)
+
+    def _model_compiled_as(self):
+        return self._source.model
 
     def _check_config_is_faithful(self):
         source = self._source.model

@@ -349,3 +349,53 @@ def test_serialisation_round_trip(make):
     assert isinstance(clone, AccumModel) and clone.accum_steps == 3
     clone.set_weights(model.get_weights())
     np.testing.assert_array_equal(clone.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
+# -- settings that silently do less than a user expects: one warning each ----
+
+
+def _warnings_of(fit):
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fit()
+    return [str(w.message) for w in seen if "keras_accum" in w.filename or "fit" in str(w.message)]
+
+
+def test_steps_per_epoch_that_ends_each_epoch_mid_window_warns():
+    x, y = make_data(96)
+    model = AccumModel(*_graph(), accum_steps=4)
+    model.compile("sgd", loss())
+
+    def fit(steps):
+        return lambda: model.fit(x, y, batch_size=8, steps_per_epoch=steps, verbose=0)
+
+    told = [m for m in _warnings_of(fit(6)) if "steps_per_epoch=6" in m]
+    assert len(told) == 1 and "not a multiple of accum_steps=4" in told[0]
+    assert "window of 2 micro-batches" in told[0]
+    assert not [m for m in _warnings_of(fit(8)) if "steps_per_epoch" in m]
+    model.accum_steps = 1
+    told = [m for m in _warnings_of(
+        lambda: model.fit(x, y, batch_size=8, steps_per_epoch=6, accum_steps=3, verbose=0)
+    ) if "steps_per_epoch" in m]
+    assert not told  # fit's own accum_steps: 6 is a multiple of 3
+
+
+def test_a_micro_batch_larger_than_the_batch_warns_once():
+    x, y = make_data(64)
+    model = AccumModel(*_graph(), micro_batch_size=64)
+    model.compile("sgd", loss())
+
+    def fit():
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+    told = [m for m in _warnings_of(fit) + _warnings_of(fit) if "micro_batch_size=64" in m]
+    assert len(told) == 1 and "larger than the batch fit draws (16 samples" in told[0]
+    model.micro_batch_size = 8
+    assert not [m for m in _warnings_of(fit) if "micro_batch_size" in m]
+
+
+def _graph():
+    inputs = keras.Input((6,))
+    return inputs, keras.layers.Dense(3)(inputs)

@@ -15,6 +15,7 @@ from helpers.assertions import (
 )
 from helpers.data import CLASSES, FEATURES, make_data
 from helpers.models import OPTIMIZERS, functional, loss, subclassed
+from helpers.training import build_plain_optimizer
 
 from keras_accum import AccumModel
 
@@ -37,6 +38,7 @@ def train_both(
     plain = build()
     initial = plain.get_weights()
     plain.compile(optimizer=make_optimizer(), **compile_kwargs)
+    build_plain_optimizer(plain, x)
     h_plain = plain.fit(x, y, batch_size=micro * accum_steps, **fit_kwargs)
     acc = build(AccumModel, accum_steps=accum_steps)
     acc.compile(optimizer=make_optimizer(), **compile_kwargs)
@@ -46,7 +48,9 @@ def train_both(
 
 
 @pytest.mark.parametrize(
-    "name", wide(sorted(OPTIMIZERS), ["adam", "sgd_momentum", "adam_exponential_decay"])
+    "name",
+    wide(sorted(OPTIMIZERS), ["adam", "sgd_momentum", "adam_exponential_decay",
+                              "schedule_free_adamw"]),
 )
 def test_matches_big_batch_with_uneven_last_window(name):
     # 76 samples, b=8, N=4: windows of 32, 32 and 12 (8 + 4) samples each

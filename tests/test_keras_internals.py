@@ -368,7 +368,8 @@ PRIVATE_NAMES = {
     "_call_has_training_arg", "_compute_loss", "_loss_tracker", "_compile_loss",
     "_flat_losses", "_symbolic_build", "_maybe_symbolic_build", "_make_function",
     "_distribute_strategy", "_initial_epoch", "_build_shapes_dict", "_flatten_layers",
-    "_obj_type", "_collective_all_reduce_multi_worker",
+    "_obj_type", "_collective_all_reduce_multi_worker", "_compile_config",
+    "_distributed_dataset",
     # Layers
     "_moments", "_inbound_nodes",
     # Optimizer
@@ -483,3 +484,495 @@ def test_every_private_name_the_internals_package_uses_is_listed():
         "a private Keras or TensorFlow name used in keras_accum/_internals/ "
         "is not in PRIVATE_NAMES: list it, with a test that it still exists"
     )
+
+
+# -- every reach taken away: a clear error before training ---------------------
+#
+# Each private name keras_accum reads is taken away from the Keras (or
+# TensorFlow) object that has it, as a release that moved it would, and the
+# use that reads it must raise KerasInternalsChanged naming the release and
+# the name, before anything trains: never a bare AttributeError, never a
+# fallback that trains differently.
+
+
+def _small_fit(model, **fit_kwargs):
+    """A short fit of `model` on 16 samples (4 steps of 4)."""
+    from helpers.data import make_data
+
+    x, y = make_data(16)
+    fit_kwargs = {"epochs": 1, **fit_kwargs}
+    return model.fit(x, y, batch_size=4, shuffle=False, verbose=0, **fit_kwargs)
+
+
+def _accumulating(**kwargs):
+    from helpers.models import functional, loss
+
+    import keras_accum
+
+    model = functional(keras_accum.AccumModel, **{"accum_steps": 2, **kwargs})
+    model.compile(keras.optimizers.Adam(0.01), loss())
+    return model
+
+
+def _take_away(monkeypatch, obj, name):
+    """`obj.<name>` gone: from the instance and every class of its MRO that
+    holds it (undone by `monkeypatch`)."""
+    holders = [] if isinstance(obj, type) else [obj]
+    holders += list((obj if isinstance(obj, type) else type(obj)).__mro__)
+    holders = [h for h in holders if name in getattr(h, "__dict__", {})]
+    assert holders, f"{name} is not on {obj!r}"
+    for holder in holders:
+        monkeypatch.delattr(holder, name)
+    assert not hasattr(obj, name)
+
+
+def _moved_error(name, library="Keras"):
+    import tensorflow as tf
+
+    version = keras.__version__ if library == "Keras" else tf.__version__
+    return pytest.raises(
+        versions.KerasInternalsChanged, match=rf"{library} {re.escape(version)} changed.*{name}"
+    )
+
+
+def _assert_nothing_trained(model, before):
+    assert int(model.optimizer.iterations.numpy()) == 0
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+# What a fit reads of the model, its compiled loss and its optimizer: taken
+# from the object that holds it (the instance, or its class). Keras's own
+# fit reads some of them too, and would fail first without them: what a
+# release that renamed one would break is our read, checked by
+# `check_fit` before any step is made (and a fit calls it: below).
+FIT_READS = {
+    "_call_has_training_arg": lambda m: m,
+    "_compute_loss": lambda m: m,
+    "_loss_tracker": lambda m: m,
+    "_compile_loss": lambda m: m,
+    "_symbolic_build": lambda m: m,
+    "_distribute_strategy": lambda m: m,
+    "_flatten_layers": lambda m: m,
+    "_flat_losses": lambda m: test_internals.compiled_loss(m),
+    "_trainable_variables": lambda m: m.optimizer,
+    "_trainable_variables_indices": lambda m: m.optimizer,
+    "_var_key": lambda m: m.optimizer,
+    "_get_variable_index": lambda m: m.optimizer,
+    "_variables": lambda m: m.optimizer,
+    "_learning_rate": lambda m: m.optimizer,
+    "_maybe_symbolic_build": lambda m: internals.TensorFlowTrainer,
+    "_obj_type": lambda m: internals.KerasSaveable,
+}
+
+
+@pytest.mark.parametrize("name", sorted(FIT_READS))
+def test_a_fit_whose_keras_moved_a_name_it_reads_is_refused_by_the_check(name, monkeypatch):
+    model = _accumulating()
+    _small_fit(model)  # built, compiled loss and optimizer too
+    _take_away(monkeypatch, FIT_READS[name](model), name)
+    with _moved_error(name):
+        internals.check_fit(model)
+
+
+def test_a_fit_checks_every_name_before_its_first_step(monkeypatch):
+    import keras_accum._internals as package
+
+    model = _accumulating()
+    model.build((None, 6))
+    before = model.get_weights()
+    moved = versions.moved("`Something._moved`", "gone")
+
+    def check_fit(checked):
+        assert checked is model
+        raise moved
+
+    monkeypatch.setattr(package, "check_fit", check_fit)
+    with pytest.raises(versions.KerasInternalsChanged, match="Something._moved"):
+        _small_fit(model)
+    monkeypatch.undo()
+    _assert_nothing_trained(model, before)
+
+
+def test_a_compiled_loss_computed_without_its_terms_fails_before_training(monkeypatch):
+    # `_flat_losses` kept, but no longer what the compiled loss calls (a
+    # copy kept elsewhere): the micro-batches' weights would silently
+    # become their sample counts.
+    from helpers.data import make_data
+
+    model = _accumulating()
+    x, y = make_data(4)
+    model.evaluate(x, y, verbose=0)  # builds the compiled loss
+    before = model.get_weights()
+    kept_elsewhere = list(test_internals.compiled_loss_terms(model))
+    compile_loss = type(test_internals.compiled_loss(model))
+    call = compile_loss.call
+
+    def from_the_copy(self, *args, **kwargs):
+        terms, self._flat_losses = self._flat_losses, kept_elsewhere
+        try:
+            return call(self, *args, **kwargs)
+        finally:
+            self._flat_losses = terms
+
+    monkeypatch.setattr(compile_loss, "call", from_the_copy)
+    with _moved_error("CompileLoss.call"):
+        _small_fit(model)
+    monkeypatch.undo()
+    _assert_nothing_trained(model, before)
+
+
+def test_a_model_without_a_compiled_loss_weighs_by_samples_as_documented():
+    # compile(loss=None) with the model's own `compute_loss`: no terms to
+    # read, and no error (the one legitimate "nothing recorded").
+    from helpers.models import FEATURES
+
+    import keras_accum
+
+    class OwnLoss(keras_accum.AccumModel):
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+            return keras.ops.mean(keras.ops.square(y_pred))
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((FEATURES,))
+    model = OwnLoss(inputs, keras.layers.Dense(2)(inputs), accum_steps=2)
+    model.compile(keras.optimizers.SGD(0.1))
+    _small_fit(model)
+    assert int(model.optimizer.iterations.numpy()) == 2
+
+
+@pytest.mark.parametrize("name", ["_distributed_dataset", "data_adapter"])
+def test_a_fit_on_an_epoch_iterator_that_moved_its_data_fails_before_training(name, monkeypatch):
+    trainer = __import__("keras.src.backend.tensorflow.trainer", fromlist=["TFEpochIterator"])
+    init = trainer.TFEpochIterator.__init__
+
+    def without(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.__dict__.pop(name)
+
+    model = _accumulating()
+    model.build((None, 6))
+    before = model.get_weights()
+    monkeypatch.setattr(trainer.TFEpochIterator, "__init__", without)
+    with _moved_error(name):
+        _small_fit(model)
+    monkeypatch.undo()
+    _assert_nothing_trained(model, before)
+
+
+def test_a_batchnorm_model_whose_keras_moved_the_moments_fails_before_training(monkeypatch):
+    from helpers.models import bn_net
+
+    import keras_accum
+
+    model = bn_net(keras_accum.AccumModel, accum_steps=2)
+    model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
+    before = model.get_weights()
+    _take_away(monkeypatch, internals.BatchNormalization, "_moments")
+    with _moved_error("_moments"):
+        _small_fit(model)
+    monkeypatch.undo()
+    _assert_nothing_trained(model, before)
+
+
+def test_a_renormalising_layer_whose_flag_moved_fails_before_training(monkeypatch):
+    if "renorm" not in inspect.signature(keras.layers.BatchNormalization.__init__).parameters:
+        pytest.skip("this Keras has no batch renormalisation: nothing to read")
+    from helpers.models import bn_net, bn_of
+
+    import keras_accum
+
+    model = bn_net(keras_accum.AccumModel, accum_steps=2)
+    model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
+    before = model.get_weights()
+    monkeypatch.delattr(bn_of(model), "renorm")
+    with _moved_error("renorm"):
+        _small_fit(model)
+    monkeypatch.undo()
+    _assert_nothing_trained(model, before)
+
+
+# BackupAndRestore's bookkeeping, read from its first batch on: checked as
+# the fit starts.
+BACKUP_READS = {
+    "_should_save_on_batch": lambda b: b,
+    "_last_batch_seen": lambda b: b,
+    "_batches_seen_since_last_saving": lambda b: b,
+    "_save_model": lambda b: keras.callbacks.BackupAndRestore,
+}
+
+
+@pytest.mark.parametrize("name", sorted(BACKUP_READS))
+def test_a_backup_whose_keras_moved_its_bookkeeping_fails_before_training(
+    name, monkeypatch, tmp_path
+):
+    import keras_accum
+
+    model = _accumulating()
+    model.build((None, 6))
+    before = model.get_weights()
+    backup = keras_accum.BackupAndRestore(str(tmp_path), save_freq=1)
+    _take_away(monkeypatch, BACKUP_READS[name](backup), name)
+    with _moved_error(name):
+        _small_fit(model, callbacks=[backup])
+    monkeypatch.undo()
+    _assert_nothing_trained(model, before)
+
+
+def test_a_resume_whose_keras_moved_the_initial_epoch_fails_before_training(
+    monkeypatch, tmp_path
+):
+    import keras_accum
+
+    model = _accumulating()
+    _small_fit(model, callbacks=[keras_accum.BackupAndRestore(str(tmp_path), save_freq=1,
+                                                              delete_checkpoint=False)])
+    resumed = _accumulating()
+    resumed.build((None, 6))
+    before = resumed.get_weights()
+    monkeypatch.delattr(resumed, "_initial_epoch")
+    with _moved_error("_initial_epoch"):
+        _small_fit(resumed, epochs=2, callbacks=[keras_accum.BackupAndRestore(str(tmp_path))])
+    monkeypatch.undo()
+    _assert_nothing_trained(resumed, before)  # not even restored
+
+
+@pytest.mark.parametrize("name", ["_inbound_nodes"])
+def test_coupling_whose_keras_moved_a_layers_calls_fails_before_training(name, monkeypatch):
+    from helpers.coupled import TOWERS, InBatchSoftmax, data, two_tower
+
+    import keras_accum
+
+    model = two_tower(keras_accum.AccumModel, micro_batch_size=8, coupled_from=TOWERS)
+    model.compile(keras.optimizers.Adam(0.01), InBatchSoftmax())
+    before = model.get_weights()
+    for layer in model.layers:
+        if layer.name in TOWERS:
+            monkeypatch.delattr(layer, name)
+    x, y = data()
+    with _moved_error(name):
+        model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    monkeypatch.undo()
+    _assert_nothing_trained(model, before)
+
+
+def test_wrapping_whose_keras_moved_the_training_argument_fails_at_wrap(monkeypatch):
+    from helpers.models import subclassed
+
+    import keras_accum
+
+    built = subclassed()
+    monkeypatch.delattr(built, "_call_has_training_arg")
+    with _moved_error("_call_has_training_arg"):
+        keras_accum.wrap(built, accum_steps=2)
+
+
+def test_wrapping_a_built_model_whose_keras_moved_its_build_shapes_fails_at_wrap(monkeypatch):
+    from helpers.models import subclassed
+
+    import keras_accum
+
+    built = subclassed()
+    _take_away(monkeypatch, built, "_build_shapes_dict")
+    with _moved_error("_build_shapes_dict"):
+        keras_accum.wrap(built, accum_steps=2)
+
+
+def test_a_wrapper_of_a_model_with_its_own_compile_fails_if_keras_moved_what_compile_got(
+    monkeypatch,
+):
+    from helpers.models import FEATURES
+
+    import keras_accum
+
+    class OwnCompile(keras.Model):
+        def compile(self, optimizer="sgd", **kwargs):
+            super().compile(optimizer=optimizer, loss="mse", **kwargs)
+
+    inputs = keras.Input((FEATURES,))
+    source = OwnCompile(inputs, keras.layers.Dense(1)(inputs))
+    model = keras_accum.wrap(source, accum_steps=2)
+    original = keras.Model.compile
+
+    def compile_then_move(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if self is source:
+            del self._compile_config
+
+    monkeypatch.setattr(keras.Model, "compile", compile_then_move)
+    with _moved_error("_compile_config"):
+        model.compile()
+
+
+# Module-level reaches (`reach`): the name as a release that lacks it leaves
+# it, a stand-in, in the module of ours that holds it; then the fit that
+# uses it. name: (our module, its attribute, library, the fit).
+def _fit_arrays(settings):
+    return _accumulating(**settings), lambda model: _small_fit(model)
+
+
+def _fit_pipeline(settings):
+    # A dynamic batch dimension: the first call's step runs on the batch
+    # in hand (reduced as Keras reduces a step's logs).
+    import tensorflow as tf
+    from helpers.data import make_data
+
+    x, y = make_data(16)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
+    return _accumulating(**settings), lambda model: model.fit(data, verbose=0)
+
+
+def _fit_weighted(settings):
+    # A loss divided by its sample weights: the divisor through Keras's mask
+    # and rank helpers.
+    from helpers.data import make_data
+    from helpers.models import functional, token_loss
+
+    import keras_accum
+
+    model = functional(keras_accum.AccumModel, accum_steps=2, **settings)
+    model.compile(keras.optimizers.Adam(0.01), token_loss(reduction="mean_with_sample_weight"))
+    x, y = make_data(16)
+    weights = np.linspace(0.5, 1.5, 16).astype("float32")
+    return model, lambda m: m.fit(x, y, sample_weight=weights, batch_size=4, verbose=0)
+
+
+def _fit_masked_split(settings):
+    # Predictions with a mask, cut into micro-batches past a short batch.
+    import tensorflow as tf
+    from helpers.data import sequences
+    from helpers.models import tagger, token_loss
+
+    import keras_accum
+
+    model = tagger(keras_accum.AccumModel, micro_batch_size=3, **settings)
+    model.compile(keras.optimizers.Adam(0.01), token_loss())
+    x, y = sequences(14)
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    return model, lambda m: m.fit(data, verbose=0)
+
+
+MODULE_REACHES = {
+    "_get_default_strategy": ("distribute", "_default_strategy", "TensorFlow", _fit_arrays, {}),
+    "GraphOrParentsInXlaContext": ("distribute", "_in_xla", "TensorFlow", _fit_arrays, {}),
+    "FuncGraph": ("distribute", "_FuncGraph", "TensorFlow", _fit_arrays, {}),
+    "_collective_all_reduce_multi_worker": (
+        "distribute", "_collective_all_reduce_multi_worker", "Keras", _fit_arrays,
+        {"accum_steps": 1, "micro_batch_size": 2},
+    ),
+    "ArrayDataAdapter": ("trainer", "_ArrayDataAdapter", "Keras", _fit_arrays, {}),
+    "TensorFlowTrainer": ("model_hooks", "trainer.TensorFlowTrainer", "Keras", _fit_arrays, {}),
+    "reduce_per_replica": ("trainer", "reduce_per_replica", "Keras", _fit_pipeline, {}),
+    "BatchNormalization": ("layers", "BatchNormalization", "Keras", _fit_arrays, {}),
+    "KerasSaveable": ("saving", "KerasSaveable", "Keras", _fit_arrays, {}),
+    "unscale_loss_for_distribution": (
+        "losses", "unscale_loss_for_distribution", "Keras", _fit_arrays, {}
+    ),
+    "get_keras_mask": ("losses", "get_keras_mask", "Keras", _fit_arrays, {}),
+    "apply_mask": ("losses", "apply_mask", "Keras", _fit_weighted, {}),
+    "squeeze_or_expand_to_same_rank": (
+        "losses", "squeeze_or_expand_to_same_rank", "Keras", _fit_weighted, {}
+    ),
+    "set_keras_mask": ("losses", "set_keras_mask", "Keras", _fit_masked_split, {}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODULE_REACHES))
+def test_a_fit_whose_release_moved_a_module_name_fails_before_training(name, monkeypatch):
+    import importlib
+
+    module_name, attribute, library, make_fit, settings = MODULE_REACHES[name]
+    model, fit = make_fit(settings)
+    model.build(model.inputs[0].shape if model.inputs else (None, 6))
+    before = model.get_weights()
+    stand_in = versions.missing(f"`{name}`", f"has no `{name}`", library)
+    versions.MOVED.pop(f"`{name}`")
+    holder = importlib.import_module(f"keras_accum._internals.{module_name}")
+    *path, attribute = attribute.split(".")
+    for part in path:
+        holder = getattr(holder, part)
+    monkeypatch.setattr(holder, attribute, stand_in)
+    package = importlib.import_module("keras_accum._internals")
+    if attribute in package.__all__:  # re-exported: read as `internals.<name>`
+        monkeypatch.setattr(package, attribute, stand_in)
+    with _moved_error(name, library):
+        fit(model)
+    monkeypatch.undo()
+    _assert_nothing_trained(model, before)
+
+
+def test_a_functional_model_whose_keras_moved_functional_models_fails_at_construction(
+    monkeypatch,
+):
+    from helpers.models import functional
+
+    import keras_accum
+    from keras_accum._internals import layers, model_hooks
+
+    for name in ("Functional", "functional_init_arguments"):
+        stand_in = versions.missing(f"`{name}`", f"has no `{name}`")
+        versions.MOVED.pop(f"`{name}`")
+        with monkeypatch.context() as patch:
+            patch.setattr(layers, name, stand_in)
+            patch.setattr(model_hooks.layers, name, stand_in)
+            with _moved_error(name):
+                functional(keras_accum.AccumModel, accum_steps=2)
+
+
+@pytest.mark.parametrize("name", ["_get_on_device_or_primary"])
+def test_a_per_replica_variable_whose_tensorflow_moved_its_parts_fails_loudly(
+    name, monkeypatch
+):
+    import tensorflow as tf
+    from helpers.replicas import mirrored
+
+    with mirrored(1).scope():
+        variable = tf.Variable(
+            0.0, synchronization=tf.VariableSynchronization.ON_READ,
+            aggregation=tf.VariableAggregation.SUM,
+        )
+    _take_away(monkeypatch, variable, name)
+    with _moved_error(name, "TensorFlow"):
+        mirrored(1).run(lambda: internals.replica_component(variable))
+    # A variable that is not distributed is its own component.
+    plain = tf.Variable(0.0)
+    assert internals.replica_component(plain) is plain
+
+
+def test_a_graph_whose_tensorflow_moved_its_outer_graph_fails_loudly():
+    # TensorFlow's own tracing reads `outer_graph` too: it is taken away
+    # from a branch's graph for the read of ours only.
+    import tensorflow as tf
+
+    assert internals.current_graph() is None  # eagerly, none
+    seen, outer = [], []
+
+    def branch():
+        seen.append(internals.tracing_inside(outer[0]))
+        with pytest.MonkeyPatch.context() as patch:
+            _take_away(patch, tf.compat.v1.get_default_graph(), "outer_graph")
+            try:
+                internals.tracing_inside(outer[0])
+            except versions.KerasInternalsChanged as error:
+                seen.append(str(error))
+        return tf.constant(0)
+
+    @tf.function
+    def traced():
+        outer.append(internals.current_graph())
+        return tf.cond(tf.constant(True), branch, lambda: tf.constant(1))
+
+    traced()
+    assert seen[0] is True
+    assert re.search(rf"TensorFlow {re.escape(tf.__version__)} changed.*outer_graph", seen[1])
+
+
+def test_an_import_on_a_keras_that_moved_a_mirrored_method_still_works(monkeypatch):
+    # A mirrored method gone: listed as moved (import warns), a stand-in.
+    _take_away(monkeypatch, internals.BatchNormalization, "_moments")
+    try:
+        found = internals.mirrored()["BatchNormalization._moments"]
+        assert versions.is_missing(found)
+        assert "BatchNormalization._moments" in " ".join(versions.MOVED)
+    finally:
+        versions.MOVED.clear()

@@ -19,6 +19,7 @@ if os.environ.get("KERAS_ACCUM_REQUIRE_KERAS_HUB"):
 else:
     pytest.importorskip("keras_hub")
 
+from helpers import internals  # noqa: E402
 from helpers import kerashub as hub  # noqa: E402
 from helpers.assertions import assert_history_close, assert_trained, assert_weights_close  # noqa: E402
 from helpers.oom import LimitedLoss  # noqa: E402
@@ -93,6 +94,76 @@ def test_kerashub_model_trains_as_its_big_batch(name, way):
         assert_history_close(h_plain, h_model)
     else:
         assert model.chosen_micro_batch_size == 16
+
+
+# A wrapper compiles as the task it wraps: the task's defaults for what is
+# not given. GPT-2: a causal LM's Adam at 2e-5, its loss, weighted
+# accuracy; BERT: a classifier's Adam at 5e-5 and accuracy, its loss's
+# `from_logits` read from the task's `activation`; Gemma: a causal LM that
+# samples greedily. Each way a user calls `compile`.
+COMPILED = {
+    "gpt2": (hub.gpt2, hub.gpt2_data),
+    "bert": (hub.bert, hub.bert_data),
+    "bert_softmax": (lambda: hub.bert(activation="softmax"), hub.bert_data),
+    "gemma": (hub.gemma, hub.gpt2_data),
+}
+CALLS = {
+    "defaults": lambda: {},
+    "loss": lambda: {"loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True)},
+    "optimizer": lambda: {"optimizer": keras.optimizers.SGD(0.5)},
+    "everything": lambda: {
+        "optimizer": keras.optimizers.SGD(0.5, momentum=0.9),
+        "loss": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        "metrics": [keras.metrics.SparseCategoricalAccuracy(name="acc")],
+        "weighted_metrics": [],
+    },
+}
+
+
+def _described(model):
+    optimizer = model.optimizer
+    loss = model.loss
+    plain, weighted = internals.compiled_metrics(model)
+    metrics = [(type(m).__name__, m.name) for m in [*plain, *weighted]]
+    return (
+        type(optimizer).__name__, float(optimizer.learning_rate),
+        type(loss).__name__, getattr(loss, "from_logits", None), metrics,
+    )
+
+
+@pytest.mark.parametrize("call", sorted(CALLS))
+@pytest.mark.parametrize("name", sorted(COMPILED))
+def test_a_wrapped_task_compiles_and_trains_as_the_task(name, call):
+    make, make_data = COMPILED[name]
+    data = make_data()
+    plain = make()
+    plain.compile(**CALLS[call]())
+    h_plain = _fit(plain, data, 32)
+    task = make()
+    model = keras_accum.wrap(task, accum_steps=4)
+    model.compile(**CALLS[call]())
+    assert _described(model) == _described(plain)
+    if name == "gemma":
+        assert type(task.sampler).__name__ == "GreedySampler"
+    h_model = _fit(model, data, 8)
+    assert_weights_close(plain, model)
+    assert_history_close(h_plain, h_model)
+    moved = max(np.abs(a - b).max() for a, b in zip(plain.get_weights(), make().get_weights()))
+    assert moved > 0  # even at the defaults' small rates, something trained
+
+
+def test_a_wrapped_task_compiled_with_its_defaults_loads_compiled(tmp_path):
+    model = keras_accum.wrap(hub.gpt2(), accum_steps=4)
+    model.compile()
+    x, y, weights = hub.gpt2_data(n=16)
+    model.fit(x, y, sample_weight=weights, batch_size=4, verbose=0)
+    model.save(tmp_path / "lm.keras")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        loaded = keras.saving.load_model(tmp_path / "lm.keras")
+    assert _described(loaded) == _described(model)
+    assert int(loaded.optimizer.iterations) == int(model.optimizer.iterations)
+    loaded.fit(x, y, sample_weight=weights, batch_size=4, verbose=0)
 
 
 def _train_on_batches(model, data, start, stop):

@@ -47,7 +47,11 @@ from keras_accum._internals.versions import (
     KerasInternalsChanged,
     check_versions,
     is_missing,
+    missing,
+    moved,
     reach,
+    require,
+    required,
     warn_if_unreviewed,
 )
 
@@ -102,6 +106,7 @@ from keras_accum._internals.losses import (  # noqa: E402
 )
 from keras_accum._internals.model_hooks import (  # noqa: E402
     BuildFromFirstBatch,
+    check_fit,
     FunctionalVariants,
     HeldAttribute,
     holder_of,
@@ -111,6 +116,8 @@ from keras_accum._internals.model_hooks import (  # noqa: E402
 from keras_accum._internals.optimizer import (  # noqa: E402
     build_position,
     built_variables,
+    check_optimizer,
+    innermost,
     learning_rate_schedule,
     own_variables,
     unknown_variables,
@@ -119,12 +126,16 @@ from keras_accum._internals.saving import (  # noqa: E402
     KerasSaveable,
     SavedState,
     building_optimizer_on_load,
+    check_saving,
     copy_build_shapes,
     legacy_keras_hint,
     no_automatic_dependency_tracking,
 )
 from keras_accum._internals.trainer import (  # noqa: E402
     TensorFlowTrainer,
+    array_batch_size,
+    batch_spec,
+    compile_arguments,
     call_for_training,
     called_like,
     each_batch,
@@ -149,13 +160,20 @@ __all__ = [
     "KerasInternalsChanged",
     "check_versions",
     "is_missing",
+    "missing",
+    "moved",
     "reach",
+    "require",
+    "required",
     "warn_if_unreviewed",
     # fingerprints
     "MIRRORED_SOURCES",
     "mirrored",
     # trainer
     "TensorFlowTrainer",
+    "array_batch_size",
+    "batch_spec",
+    "compile_arguments",
     "call_for_training",
     "called_like",
     "each_batch",
@@ -192,6 +210,7 @@ __all__ = [
     "KerasSaveable",
     "SavedState",
     "building_optimizer_on_load",
+    "check_saving",
     "copy_build_shapes",
     "legacy_keras_hint",
     "no_automatic_dependency_tracking",
@@ -207,6 +226,7 @@ __all__ = [
     "whole_sum",
     # model hooks
     "BuildFromFirstBatch",
+    "check_fit",
     "FunctionalVariants",
     "HeldAttribute",
     "holder_of",
@@ -215,6 +235,8 @@ __all__ = [
     # optimizer
     "build_position",
     "built_variables",
+    "check_optimizer",
+    "innermost",
     "learning_rate_schedule",
     "own_variables",
     "unknown_variables",

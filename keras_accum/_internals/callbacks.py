@@ -7,16 +7,34 @@ from `_last_batch_seen` (reset at each epoch's end) and
 `_batches_seen_since_last_saving`.
 """
 
+import keras
 import numpy as np
+
+from keras_accum._internals.versions import require, required
 
 
 def set_initial_epoch(model, epoch):
     """Makes the coming `fit` start at `epoch`, as Keras's BackupAndRestore does."""
+    required(model, "_initial_epoch")  # set anywhere else, fit would not read it
     model._initial_epoch = epoch
 
 
 def backup_counts_from_zero(callback):
-    """A `BackupAndRestore` counts batches anew (at `fit`'s start)."""
+    """A `BackupAndRestore` counts batches anew (at `fit`'s start).
+
+    First, before any batch trains: Keras's backup bookkeeping is where
+    every reviewed Keras keeps it (the counters these functions write and
+    `_should_save_on_batch` reads; `_save_model`, which its backups go
+    through, `backups_made_by`; the model's `_initial_epoch`, where `fit`
+    reads the epoch a resume starts at), else `KerasInternalsChanged`:
+    written elsewhere, backups would come at other batches, or be Keras's
+    own, or a resume would train its epochs again.
+    """
+    require(callback, "_batches_seen_since_last_saving", "_last_batch_seen",
+            "_should_save_on_batch")
+    required(keras.callbacks.BackupAndRestore, "_save_model")
+    if callback.model is not None:
+        required(callback.model, "_initial_epoch")  # where a resume starts
     callback._batches_seen_since_last_saving = 0
     callback._last_batch_seen = 0
 
@@ -33,7 +51,7 @@ def backup_batch_seen(callback, batch):
 
 def backup_due_after_batch(callback, batch):
     """Counts `batch`; whether a batch-level backup is due after it."""
-    return callback._should_save_on_batch(batch)
+    return required(callback, "_should_save_on_batch")(batch)
 
 
 def backups_made_by(method_name):

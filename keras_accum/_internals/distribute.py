@@ -7,7 +7,7 @@ import weakref
 import keras
 import tensorflow as tf
 
-from keras_accum._internals.versions import reach
+from keras_accum._internals.versions import reach, required
 
 _collective_all_reduce_multi_worker = reach(
     "keras.src.backend.tensorflow.trainer", "_collective_all_reduce_multi_worker"
@@ -16,6 +16,9 @@ _collective_all_reduce_multi_worker = reach(
 _default_strategy = reach(
     "tensorflow.python.distribute.distribute_lib", "_get_default_strategy"
 )
+# Nor for "traced for XLA" (see `in_xla_context`).
+_in_xla = reach("tensorflow.python.ops.control_flow_util", "GraphOrParentsInXlaContext")
+_FuncGraph = reach("tensorflow.python.framework.func_graph", "FuncGraph")
 
 
 def metrics_summed_over_replicas():
@@ -56,13 +59,9 @@ def in_xla_context():
     optimizer padded to its buffer (window/slices.py). TensorFlow exposes no public
     test for this.
     """
-    from tensorflow.python.ops import control_flow_util
-
     if tf.executing_eagerly():
         return False
-    return control_flow_util.GraphOrParentsInXlaContext(
-        tf.compat.v1.get_default_graph()
-    )
+    return _in_xla(tf.compat.v1.get_default_graph())
 
 
 def branch_keeping_zero(probe):
@@ -119,10 +118,12 @@ def replica_component(variable):
 
     Sync-on-read variables refuse scatter updates (TensorFlow leaves them
     unimplemented, even in a replica context); a window kept as slices
-    appends with scatter updates, on the replica's own component.
+    appends with scatter updates, on the replica's own component. A
+    variable that is not distributed is its own component.
     """
-    component = getattr(variable, "_get_on_device_or_primary", None)
-    return variable if component is None else component()
+    if not isinstance(variable, tf.distribute.DistributedValues):
+        return variable
+    return required(variable, "_get_on_device_or_primary", "TensorFlow")()
 
 
 def current_graph():
@@ -139,9 +140,10 @@ def tracing_inside(graph):
     if traced is None or tf.executing_eagerly():
         return False
     inner = tf.compat.v1.get_default_graph()
-    while inner is not None:
+    while isinstance(inner, _FuncGraph):
         if inner is traced:
             return True
-        # TensorFlow's FuncGraph keeps the graph it is traced in here.
-        inner = getattr(inner, "outer_graph", None)
-    return False
+        # A FuncGraph keeps the graph it is traced in here (a plain Graph,
+        # the outermost, keeps none).
+        inner = required(inner, "outer_graph", "TensorFlow")
+    return inner is traced

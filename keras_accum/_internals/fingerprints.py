@@ -4,7 +4,7 @@ per reviewed Keras release (`MIRRORED_SOURCES`, `mirrored()`)."""
 from keras_accum._internals.layers import BatchNormalization
 from keras_accum._internals.losses import apply_mask
 from keras_accum._internals.trainer import TensorFlowTrainer, reduce_per_replica
-from keras_accum._internals.versions import is_missing, reach
+from keras_accum._internals.versions import is_missing, missing, reach
 
 # Keras code that keras_accum mirrors rather than calls, by the SHA-256 of
 # its source, with the Keras versions that have that source: every one
@@ -103,7 +103,13 @@ def mirrored():
     reduce_values = reach("keras.src.losses.loss", "reduce_values")
 
     def method(owner, name):
-        return getattr(owner, name) if not is_missing(owner) else owner
+        # A method this Keras lacks: a stand-in, listed as moved (import
+        # warns, a use raises), never an error at import.
+        if is_missing(owner):
+            return owner
+        if not hasattr(owner, name):
+            return missing(f"`{owner.__name__}.{name}`", f"{owner.__name__} has no `{name}`")
+        return getattr(owner, name)
 
     return {
         "TensorFlowTrainer.train_step": method(TensorFlowTrainer, "train_step"),

@@ -7,11 +7,12 @@ momentum)` from what `_moments` returns; see fingerprints.py.
 """
 
 import contextlib
+import inspect
 import threading
 
 import keras
 
-from keras_accum._internals.versions import reach
+from keras_accum._internals.versions import reach, required
 
 BatchNormalization = reach(
     "keras.src.layers.normalization.batch_normalization", "BatchNormalization"
@@ -27,7 +28,7 @@ def output_of_its_call(layer):
     Not `layer.output`: a nested functional model's (a KerasHub encoder's)
     is its own inner graph's output, not its call's in the outer graph.
     """
-    if len(layer._inbound_nodes) != 1:
+    if len(required(layer, "_inbound_nodes")) != 1:
         return None
     return keras.layers.Layer.output.fget(layer)
 
@@ -37,15 +38,24 @@ def batch_normalization_layers(model):
     a fixed order, and whether keras_accum may pool its statistics: a layer
     whose class overrides `call` or `_moments`, or that uses batch
     renormalisation, updates its statistics in ways we do not mirror."""
-    for layer in model._flatten_layers(include_self=False, recursive=True):
+    for layer in required(model, "_flatten_layers")(include_self=False, recursive=True):
         if isinstance(layer, BatchNormalization):
             cls = type(layer)
             plain = (
                 cls.call is BatchNormalization.call
-                and cls._moments is BatchNormalization._moments
-                and not getattr(layer, "renorm", False)  # not in Keras <= 3.13
+                and required(cls, "_moments") is required(BatchNormalization, "_moments")
+                and not _renormalises(layer)
             )
             yield layer, plain
+
+
+def _renormalises(layer):
+    # Batch renormalisation is new after Keras 3.13 (a `renorm` argument):
+    # before, no layer renormalises. Where Keras takes the argument, the
+    # layer keeps it as `renorm`; read elsewhere, it would be missed.
+    if "renorm" not in inspect.signature(BatchNormalization.__init__).parameters:
+        return False
+    return bool(required(layer, "renorm"))
 
 
 @contextlib.contextmanager
@@ -57,7 +67,7 @@ def recording_moments(layer, record):
     `self._moments(inputs, mask)`; an instance attribute shadows the method
     for the block (a trace, or one eager step).
     """
-    original = layer._moments
+    original = required(layer, "_moments")
 
     def moments(inputs, mask):
         mean, variance = original(inputs, mask)
@@ -84,7 +94,7 @@ def layers_shared_across_nesting(model):
     owners = {}
     shared = []
     for top in model.layers:
-        for layer in top._flatten_layers(include_self=True, recursive=True):
+        for layer in required(top, "_flatten_layers")(include_self=True, recursive=True):
             if not layer.variables:
                 # Inputs a nested model shares with the outer graph, and any
                 # stateless layer: made twice, they still compute the same.

@@ -11,7 +11,7 @@ import contextlib
 import tensorflow as tf
 from keras import tree
 
-from keras_accum._internals.versions import reach
+from keras_accum._internals.versions import moved, reach, required
 
 _LOSS = "keras.src.losses.loss"
 apply_mask = reach(_LOSS, "apply_mask")
@@ -23,7 +23,7 @@ set_keras_mask = reach("keras.src.backend.common.masking", "set_keras_mask")
 
 def compute_loss(model, x, y, y_pred, sample_weight):
     """`model.compute_loss`, also for overrides without a `training` arg."""
-    return model._compute_loss(
+    return required(model, "_compute_loss")(
         x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
     )
 
@@ -35,7 +35,7 @@ def batch_size(x):
 
 def track_loss(model, loss, n):
     """Updates the model's logged `loss` exactly as Keras's train_step does."""
-    model._loss_tracker.update_state(
+    loss_tracker(model).update_state(
         unscale_loss_for_distribution(loss), sample_weight=n
     )
 
@@ -45,7 +45,7 @@ def loss_tracker(model):
 
     `compile()` makes a new one; a step traced before it updates the old one.
     """
-    return getattr(model, "_loss_tracker", None)
+    return required(model, "_loss_tracker")
 
 
 @contextlib.contextmanager
@@ -55,20 +55,33 @@ def recording_loss_calls(model, record):
 
     Keras's `CompileLoss` keeps its terms in `_flat_losses` as
     `(path, loss_fn, loss_weight, name)`; each term is swapped for a wrapper
-    for the duration of the block (a trace), then put back. Models without a
-    compiled loss record nothing.
+    for the duration of the block (a trace), then put back. A model compiled
+    without a loss (`loss=None`: its own `compute_loss`) records nothing,
+    which `normaliser.micro_batch_weight` reads as "weigh by samples".
+
+    Raises:
+        KerasInternalsChanged: the compiled loss keeps no terms where every
+            reviewed Keras keeps them, or is not built when its terms are
+            needed, or the block computed the compiled loss without calling
+            any of them: each would leave the micro-batches weighted by
+            their samples, not by what Keras divides the loss by.
     """
-    compile_loss = getattr(model, "_compile_loss", None)
-    terms = getattr(compile_loss, "_flat_losses", None)
-    if not terms:
-        # Unbuilt: without a distribution strategy Keras builds the compiled
-        # loss lazily, in the first traced step, after the point where we
-        # must wrap its terms; see build_compiled_loss.
+    compile_loss = required(model, "_compile_loss")
+    if compile_loss is None:
         yield
         return
+    terms = required(compile_loss, "_flat_losses")
+    if not compile_loss.built or terms is None:
+        # `build_compiled_loss` ran before: the build moved elsewhere.
+        raise moved(
+            "`CompileLoss.build`",
+            "the compiled loss was not built by `Trainer._symbolic_build`",
+        )
+    calls = []
 
     def recording(loss_fn):
         def call(y_true, y_pred, sample_weight=None):
+            calls.append(loss_fn)
             record(loss_fn, y_true, y_pred, sample_weight)
             return loss_fn(y_true, y_pred, sample_weight)
 
@@ -81,6 +94,18 @@ def recording_loss_calls(model, record):
         yield
     finally:
         compile_loss._flat_losses = terms
+    if terms and not calls and _computes_compiled_loss(model):
+        raise moved(
+            "`CompileLoss.call`",
+            "the compiled loss was computed without calling its terms from `_flat_losses`",
+        )
+
+
+def _computes_compiled_loss(model):
+    # Keras's own `compute_loss` adds the compiled loss; an override may not.
+    import keras
+
+    return type(model).compute_loss is keras.Model.compute_loss
 
 
 def build_compiled_loss(model, data):
@@ -90,6 +115,6 @@ def build_compiled_loss(model, data):
     distribution strategy; `_symbolic_build` is what it runs otherwise, and
     works on symbolic copies of the batch, adding nothing to the trace.
     """
-    compile_loss = getattr(model, "_compile_loss", None)
+    compile_loss = required(model, "_compile_loss")
     if compile_loss is not None and not compile_loss.built:
-        model._symbolic_build(data_batch=data)
+        required(model, "_symbolic_build")(data_batch=data)

@@ -3,9 +3,10 @@
 - `FunctionalVariants.__new__`: Keras makes a `Model` subclass functional by
   rewriting the class's `__bases__` in place, for every instance that
   follows; a functional call gets a subclass of its own instead.
-- `BuildFromFirstBatch._maybe_symbolic_build`: the model is built from the
-  first batch's shapes before any step is traced (as Keras does under a
-  strategy), and the first training batch's size is handed to
+- `BuildFromFirstBatch._maybe_symbolic_build`: the model is built before
+  any step is traced (as Keras does under a strategy): from the data's
+  element spec without a strategy, so nothing is drawn that a plain model
+  would not draw; the first training batch, or its spec, is handed to
   `_see_batch`.
 - `make_test_function` across workers, where Keras's own fails.
 - `train_function`, which Keras assigns and `fit` reads, held by an object
@@ -23,7 +24,38 @@ import contextlib
 
 import keras
 
-from keras_accum._internals import distribute, layers, trainer
+from keras_accum._internals import distribute, layers, optimizer, saving, trainer
+from keras_accum._internals.versions import require, required
+
+# What a fit of an AccumModel reads of the model: checked, with the rest of
+# `check_fit`, before its first step.
+_MODEL_READS = (
+    "_call_has_training_arg", "_compute_loss", "_loss_tracker", "_compile_loss",
+    "_symbolic_build", "_distribute_strategy", "_flatten_layers",
+)
+
+
+def check_fit(model):
+    """Raises `KerasInternalsChanged`, before a step is made, if this Keras
+    moved anything a fit of `model` reaches for: the model's private
+    attributes, its compiled loss's terms, its optimizer's bookkeeping, the
+    Keras hook `BuildFromFirstBatch` overrides (a renamed one would never
+    be called) and saving's kind hook (a checkpoint mid-fit).
+
+    Example:
+
+    ```python
+    check_fit(model)  # TrainFunctions.make, before tracing a step
+    ```
+    """
+    require(model, *_MODEL_READS)
+    compile_loss = model._compile_loss
+    if compile_loss is not None:
+        required(compile_loss, "_flat_losses")
+    if model.optimizer is not None:
+        optimizer.check_optimizer(model.optimizer)
+    required(trainer.TensorFlowTrainer, "_maybe_symbolic_build")
+    saving.check_saving()
 
 
 class FunctionalVariants:
@@ -50,14 +82,16 @@ class BuildFromFirstBatch:
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # Keras builds a model without a strategy in its first traced step;
         # a window needs the variables before that (and a cached train
-        # function the variables it was traced with). Keras's own version
-        # also fails across workers (tensorflow/tensorflow#72388).
+        # function the variables it was traced with): built here from the
+        # data's spec, drawing nothing. Keras's own version also fails
+        # across workers (tensorflow/tensorflow#72388).
         data_batch = trainer.symbolic_build(
             self, iterator=iterator, data_batch=data_batch, without_strategy=True
         )
         if self._training_build:
             self._training_build = False
-            self._see_batch(data_batch)
+            size = None if iterator is None else trainer.array_batch_size(iterator)
+            self._see_batch(data_batch, size)
 
     def train_on_batch(self, *args, **kwargs):
         with training_build(self):

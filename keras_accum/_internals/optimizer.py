@@ -10,20 +10,51 @@ evaluates it).
 
 import keras
 
+from keras_accum._internals.versions import require, required
+
+
+# What the functions below read of an optimizer, every one set by
+# `BaseOptimizer.__init__` in every reviewed Keras: checked before training
+# (`check_optimizer`), so that a Keras that moved one fails before the
+# first step, not at an epoch's end (a flush) or a checkpoint (a save).
+_BOOKKEEPING = (
+    "_trainable_variables", "_trainable_variables_indices", "_var_key",
+    "_get_variable_index", "_variables", "_learning_rate",
+)
+
+
+def innermost(optimizer):
+    """The optimizer that does the updates: `optimizer`, or the one a wrapper
+    (`LossScaleOptimizer`, `AccumOptimizer`) holds as `inner_optimizer`, as
+    deep as they nest. Public Keras: a plain optimizer has no
+    `inner_optimizer` by design."""
+    while hasattr(optimizer, "inner_optimizer"):
+        optimizer = optimizer.inner_optimizer
+    return optimizer
+
+
+def check_optimizer(optimizer):
+    """Raises `KerasInternalsChanged` if `optimizer` (and the one it wraps)
+    lacks any bookkeeping attribute the functions here read."""
+    require(optimizer, *_BOOKKEEPING)
+    inner = innermost(optimizer)
+    if inner is not optimizer:
+        require(inner, *_BOOKKEEPING)
+
 
 def unknown_variables(optimizer, variables):
     """Those of `variables` a built `optimizer` was not built for."""
     # A wrapper (LossScaleOptimizer) builds its inner optimizer for the same
     # variables; before Keras 3.13 it records none of them itself.
-    while hasattr(optimizer, "inner_optimizer"):
-        optimizer = optimizer.inner_optimizer
-    known = optimizer._trainable_variables_indices
-    return [v for v in variables if optimizer._var_key(v) not in known]
+    optimizer = innermost(optimizer)
+    known = required(optimizer, "_trainable_variables_indices")
+    key = required(optimizer, "_var_key")
+    return [v for v in variables if key(v) not in known]
 
 
 def built_variables(optimizer):
     """The variables a built `optimizer` was built for, in build order."""
-    return optimizer._trainable_variables
+    return required(optimizer, "_trainable_variables")
 
 
 def build_position(optimizer, variable):
@@ -32,13 +63,13 @@ def build_position(optimizer, variable):
     The position of its slot variables too, and of its gradient in the
     lists Keras's `apply` passes to `update_step`.
     """
-    return optimizer._get_variable_index(variable)
+    return required(optimizer, "_get_variable_index")(variable)
 
 
 def own_variables(optimizer):
     """The variables `optimizer` made itself (`iterations`, its slots), not
     those of an optimizer it wraps: what `BaseOptimizer.variables` lists."""
-    return optimizer._variables
+    return required(optimizer, "_variables")
 
 
 def learning_rate_schedule(optimizer):
@@ -48,9 +79,7 @@ def learning_rate_schedule(optimizer):
     Public Keras gives the schedule's value (`optimizer.learning_rate`)
     and its config, not the object, whose state a `SampleSchedule` keeps.
     """
-    while hasattr(optimizer, "inner_optimizer"):
-        optimizer = optimizer.inner_optimizer
-    rate = optimizer._learning_rate
+    rate = required(innermost(optimizer), "_learning_rate")
     if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
         return rate
     return None

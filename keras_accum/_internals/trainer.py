@@ -13,9 +13,12 @@ import tensorflow as tf
 from keras import tree
 
 from keras_accum._internals.distribute import multi_worker
-from keras_accum._internals.versions import reach
+from keras_accum._internals.versions import moved, reach, required
 
 _TRAINER = "keras.src.backend.tensorflow.trainer"
+_ArrayDataAdapter = reach(
+    "keras.src.trainers.data_adapters.array_data_adapter", "ArrayDataAdapter"
+)
 # Keras 3.16 renamed the TF trainer `TensorFlowTrainer` -> `Trainer`.
 TensorFlowTrainer = reach(_TRAINER, "Trainer", "TensorFlowTrainer")
 reduce_per_replica = reach(_TRAINER, "reduce_per_replica")
@@ -23,7 +26,7 @@ reduce_per_replica = reach(_TRAINER, "reduce_per_replica")
 
 def call_for_training(model, x):
     """The forward pass exactly as Keras's train_step makes it."""
-    if model._call_has_training_arg:
+    if required(model, "_call_has_training_arg"):
         return model(x, training=True)
     return model(x)
 
@@ -40,7 +43,8 @@ def called_like(wrapper, model):
     `training=True`, it would hand that to every layer of `model` through
     Keras's call context.
     """
-    wrapper._call_has_training_arg = model._call_has_training_arg
+    required(wrapper, "_call_has_training_arg")
+    wrapper._call_has_training_arg = required(model, "_call_has_training_arg")
 
 
 def symbolic_build(model, iterator=None, data_batch=None, without_strategy=False):
@@ -51,17 +55,29 @@ def symbolic_build(model, iterator=None, data_batch=None, without_strategy=False
     distributed iterator it reduces the `PerReplica` batch across replicas,
     eagerly, which fails under `MultiWorkerMirroredStrategy`
     (tensorflow/tensorflow#72388). Only shapes and dtypes are read, so one
-    local replica's batch does as well, and no collective runs.
+    local replica's batch does as well, and no collective runs. Under a
+    strategy the batch is drawn as Keras draws it (one batch, from a pass
+    over the data of its own).
 
-    Without a strategy Keras waits for the first traced step instead; with
-    `without_strategy=True` the build happens here all the same.
+    Without a strategy Keras waits for the first traced step instead, and
+    draws nothing before it; with `without_strategy=True` the build
+    happens here all the same, from the data's element spec (`batch_spec`):
+    nothing is drawn, so the first epoch reads the data in the order, and
+    as many times, as a plain model's (a seeded `shuffle` reshuffles at
+    every pass).
 
     Returns:
-        The batch built from (one replica's share of it), or None.
+        The batch built from (one replica's share of it, or the element
+        spec), or None.
     """
-    if model._distribute_strategy is None and not without_strategy:
-        # As Keras: without a strategy, building waits for the first trace.
-        return
+    if required(model, "_distribute_strategy") is None:
+        if not without_strategy:
+            # As Keras: without a strategy, building waits for the first trace.
+            return None
+        if data_batch is None and iterator is not None:
+            data_batch = batch_spec(iterator)
+        required(model, "_symbolic_build")(data_batch=data_batch)
+        return data_batch
     strategy = model.distribute_strategy
 
     def local(value):
@@ -79,8 +95,61 @@ def symbolic_build(model, iterator=None, data_batch=None, without_strategy=False
                 return None  # no data: nothing will train
             break
     with strategy.scope():
-        model._symbolic_build(data_batch=data_batch)
+        required(model, "_symbolic_build")(data_batch=data_batch)
     return data_batch
+
+
+def batch_spec(iterator):
+    """The spec of the batches `fit`'s (or `evaluate`'s) epoch iterator
+    yields, as a batch structure Keras's `_symbolic_build` reads shapes and
+    dtypes from (`tf.TensorSpec` leaves; a `tf.experimental.Optional`'s,
+    Keras >= 3.13's stand-in for an absent entry, made None).
+
+    Read from the data set the iterator draws from (`_distributed_dataset`,
+    the same attribute in every supported Keras), never by drawing a batch.
+
+    Raises:
+        KerasInternalsChanged: the epoch iterator no longer has its data set
+            where every reviewed Keras kept it.
+    """
+    dataset = required(iterator, "_distributed_dataset")
+    return tree.map_structure(
+        lambda spec: None if isinstance(spec, tf.OptionalSpec) else spec,
+        dataset.element_spec,
+    )
+
+
+def array_batch_size(iterator):
+    """The size of the first batch an epoch iterator over arrays yields
+    (Keras's array adapter: `batch_size` samples, or all of them when
+    fewer), known before drawing it; None for any other data (a `tf.data`
+    pipeline, a generator, a `PyDataset`), whose spec alone may tell it."""
+    adapter = required(iterator, "data_adapter")
+    if not isinstance(adapter, _ArrayDataAdapter):
+        return None
+    if adapter.num_batches == 1 and adapter.has_partial_batch:
+        return adapter.partial_batch_size
+    return adapter.batch_size
+
+
+def compile_arguments(model):
+    """What `keras.Model.compile` last received for `model` (a dict: the
+    optimizer, loss, metrics, ... objects themselves, as given).
+
+    A model whose class has its own `compile` (a KerasHub task) fills in its
+    defaults and hands them to Keras's; Keras keeps them as given in
+    `_compile_config` (every reviewed Keras). `auto_scale_loss` is not kept.
+
+    Raises:
+        KerasInternalsChanged: this Keras keeps them elsewhere.
+    """
+    config = getattr(required(model, "_compile_config"), "config", None)
+    if not isinstance(config, dict):
+        raise moved(
+            "`Trainer._compile_config`",
+            f"a compiled {type(model).__name__}'s holds no `config` dict",
+        )
+    return dict(config)
 
 
 def reduce_outputs(outputs, strategy):
@@ -98,13 +167,14 @@ def reduce_outputs(outputs, strategy):
     return reduce_per_replica(outputs, strategy, reduction="auto")
 
 
-def make_step_on_data(model, replica_step, after_step=None, reduce_retracing=True):
+def make_step_on_data(model, replica_step, after_step=None, reduce_retracing=True,
+                      eager=False):
     """One training step on a batch in hand, as Keras's `one_step_on_data`.
 
     `strategy.run(replica_step)` on the batch, then `after_step()` (if given)
     in cross-replica context, outputs reduced by `reduce_outputs`; traced
-    (with the model's `jit_compile`) unless the model runs eagerly; with
-    `reduce_retracing=False`, once per batch shape.
+    (with the model's `jit_compile`) unless the model runs eagerly or
+    `eager` is given; with `reduce_retracing=False`, once per batch shape.
     """
     strategy = model.distribute_strategy
 
@@ -115,7 +185,7 @@ def make_step_on_data(model, replica_step, after_step=None, reduce_retracing=Tru
             after_step()
         return reduce_outputs(outputs, strategy)
 
-    if model.run_eagerly:
+    if model.run_eagerly or eager:
         return one_step_on_data
     return tf.function(
         one_step_on_data,

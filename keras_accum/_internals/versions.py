@@ -86,8 +86,30 @@ def _keras_version():
     return keras.__version__
 
 
-def changed_message(what, detail):
-    """The sentence users get when `what` has moved in the installed Keras."""
+# TensorFlow releases keras_accum is tested on (noxfile.py's pairs); its
+# reaches into TensorFlow (`tensorflow.python`, private attributes of
+# distributed variables and graphs) were read against these.
+REVIEWED_TENSORFLOW = ("2.18.1", "2.20.0", "2.21.0", "2.23.0.dev20261026")
+
+
+def _tensorflow_version():
+    import tensorflow as tf
+
+    return tf.__version__
+
+
+def changed_message(what, detail, library="Keras"):
+    """The sentence users get when `what` has moved in the installed Keras
+    (or, `library="TensorFlow"`, TensorFlow)."""
+    if library == "TensorFlow":
+        newest = next(v for v in reversed(REVIEWED_TENSORFLOW) if "dev" not in v)
+        return (
+            f"TensorFlow {_tensorflow_version()} changed what keras_accum relies "
+            f"on: {what} ({detail}). keras_accum was reviewed against TensorFlow "
+            f"{', '.join(REVIEWED_TENSORFLOW)}. Install `pip install "
+            f"'tensorflow=={newest}'` or a keras_accum release that supports "
+            f"TensorFlow {_tensorflow_version()}."
+        )
     newest = newest_reviewed()
     return (
         f"Keras {_keras_version()} changed what keras_accum relies on: "
@@ -96,6 +118,44 @@ def changed_message(what, detail):
         f"Install `pip install 'keras=={newest_reviewed_release()}'` or a keras_accum "
         f"release that supports Keras {_keras_version()}."
     )
+
+
+def moved(what, detail, library="Keras"):
+    """The `KerasInternalsChanged` to raise for `what`, which the installed
+    Keras (or TensorFlow) moved: `detail` says how it was found missing."""
+    return KerasInternalsChanged(changed_message(what, detail, library))
+
+
+def required(obj, name, library="Keras"):
+    """`obj.<name>`, a private attribute of a Keras (or TensorFlow) object
+    that every reviewed release has; `KerasInternalsChanged` naming it if
+    this one has not, never a bare `AttributeError`.
+
+    Example:
+
+    ```python
+    terms = required(model._compile_loss, "_flat_losses")
+    ```
+    """
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        owner = obj.__name__ if isinstance(obj, type) else type(obj).__name__
+        raise moved(f"`{owner}.{name}`", f"this {owner} has no `{name}`", library) from None
+
+
+def require(obj, *names, library="Keras"):
+    """Raises `KerasInternalsChanged` unless `obj` has every one of `names`:
+    a check before training of attributes a `fit` reads later on.
+
+    Example:
+
+    ```python
+    require(optimizer, "_var_key", "_trainable_variables_indices")
+    ```
+    """
+    for name in names:
+        required(obj, name, library)
 
 
 # What `reach` could not find in the installed Keras: {what: message}.
@@ -128,8 +188,10 @@ def is_missing(obj):
     return isinstance(obj, _StandIn)
 
 
-def _missing(what, detail):
-    message = changed_message(what, detail)
+def missing(what, detail, library="Keras"):
+    """A stand-in for `what`, which this Keras lacks (listed in `MOVED`):
+    it raises `KerasInternalsChanged` when used."""
+    message = changed_message(what, detail, library)
     MOVED[what] = message
     return _StandIn(what, (), {"__doc__": message, "_message": message})
 
@@ -153,15 +215,16 @@ def reach(module, *names):
     ```
     """
     what = f"`{module}.{names[0]}`"
+    library = "TensorFlow" if module.split(".")[0] == "tensorflow" else "Keras"
     try:
         found = importlib.import_module(module)
     except ImportError as error:
-        return _missing(what, f"module not importable: {error}")
+        return missing(what, f"module not importable: {error}", library)
     for name in names:
         if hasattr(found, name):
             return getattr(found, name)
     tried = " or ".join(f"`{name}`" for name in names)
-    return _missing(what, f"`{module}` has no {tried}")
+    return missing(what, f"`{module}` has no {tried}", library)
 
 
 def fingerprint(function):

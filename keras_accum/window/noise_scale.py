@@ -98,6 +98,8 @@ class NoiseScale:
     def __init__(self):
         self.window_sums = None
         self.estimate_sums = None
+        # The strategy the variables were made under (None: none).
+        self._strategy = None
         # `estimate_sums` at this epoch's start, read eagerly.
         self._epoch_start = None
 
@@ -110,6 +112,7 @@ class NoiseScale:
         a strategy, as the window's); once."""
         if self.built:
             return
+        self._strategy = strategy
         with tf.init_scope(), replicas.scope_of(strategy):
             self.window_sums = tf.Variable(
                 tf.zeros([5], tf.float64),
@@ -177,8 +180,12 @@ class NoiseScale:
         several replicas (each holds its own share: the resumed window is
         then left out of the estimate, as a file's)."""
         # Eagerly, outside the strategy's scope: `get_strategy()` would be
-        # the default one here, so the variable says how many shares it has.
-        shares = getattr(self.window_sums, "values", (self.window_sums,))
+        # the default one here; the variable's own strategy says how many
+        # shares of it this worker holds.
+        shares = (
+            (self.window_sums,) if self._strategy is None
+            else self._strategy.experimental_local_results(self.window_sums)
+        )
         if not self.built or len(shares) > 1:
             return None
         return self.window_sums.numpy().tolist()

@@ -112,6 +112,11 @@ def break_after_the_skip_count(path, skipped):
         f["_batchnorm/vars/count_9"] = f["_batchnorm/vars/count_0"][()]
 
 
+def batch_size_seen(model):
+    """The batch size `model`'s step splits by (learnt from a first batch)."""
+    return model._batch_size_seen
+
+
 def settings(model):
     """The AccumModel's checked arguments (`AccumSettings`)."""
     return model._settings
@@ -129,6 +134,19 @@ def scheduled_value(scheduler, epoch):
     handed its model's fit control as `fit` hands it."""
     scheduler.bind_fit(scheduler.model._fit_control())
     return scheduler._value(epoch)
+
+
+def compiled_loss(model):
+    """Keras's `CompileLoss` of a compiled `model` (None: compiled without a loss)."""
+    return model._compile_loss
+
+
+def compiled_metrics(model):
+    """The metrics and weighted metrics `model` was compiled with, as given."""
+    metrics = model._compile_metrics
+    if metrics is None:
+        return [], []
+    return list(metrics._user_metrics or []), list(metrics._user_weighted_metrics or [])
 
 
 def compiled_loss_terms(model):

@@ -33,7 +33,8 @@ def gpt2_data(n=N, seed=0):
     return x, y, mask.astype("float32")
 
 
-def bert(seed=0):
+def bert(seed=0, **kwargs):
+    """`kwargs` (`activation=...`) go to the classifier."""
     import keras_hub
 
     keras.utils.set_random_seed(seed)
@@ -42,8 +43,20 @@ def bert(seed=0):
         intermediate_dim=16, max_sequence_length=LENGTH, dropout=0.0,
     )
     return keras_hub.models.BertTextClassifier(
-        backbone=backbone, num_classes=3, preprocessor=None, dropout=0.0
+        backbone=backbone, num_classes=3, preprocessor=None, dropout=0.0, **kwargs
     )
+
+
+def gemma(seed=0):
+    """A Gemma causal LM: its `compile` samples greedily unless told."""
+    import keras_hub
+
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=VOCAB, num_layers=1, num_query_heads=2, num_key_value_heads=1,
+        hidden_dim=8, intermediate_dim=16, head_dim=4, dropout=0.0,
+    )
+    return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
 
 
 def bert_data(n=N, seed=0):

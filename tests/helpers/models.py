@@ -24,8 +24,36 @@ from helpers.data import (
     TEXT_VOCAB,
 )
 
+def _keras_optimizer(name, **kwargs):
+    """`keras.optimizers.<name>(**kwargs)`, made fresh per call; the test
+    skips on a Keras without it."""
+    import pytest
+
+    def make():
+        cls = getattr(keras.optimizers, name, None)
+        if cls is None:
+            pytest.skip(f"keras.optimizers.{name} is not in Keras {keras.__version__}")
+        return cls(**kwargs)
+
+    return make
+
+
+def built_before_fit(optimizer):
+    """Whether a plain reference must build `optimizer` before `fit`.
+
+    Keras's own `fit` without a strategy builds the optimizer inside the
+    first traced step; `ScheduleFreeAdamW.build` copies the weights into its
+    momentum there, and the copy is lost (momentum starts at zero and the
+    weights collapse towards it). keras_accum builds it eagerly, as the
+    algorithm says; the fair plain reference builds it before `fit` too
+    (docs/schedules-and-skipping.md).
+    """
+    return type(optimizer).__name__ == "ScheduleFreeAdamW"
+
+
 # The optimizers the reference tests run, each made fresh per model.
 OPTIMIZERS = {
+    "schedule_free_adamw": _keras_optimizer("ScheduleFreeAdamW", learning_rate=0.01),
     "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
     "sgd_nesterov": lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True),
     "adam": lambda: keras.optimizers.Adam(0.01),

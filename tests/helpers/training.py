@@ -2,7 +2,7 @@
 
 import keras
 
-from helpers.models import OPTIMIZERS, functional, loss
+from helpers.models import OPTIMIZERS, built_before_fit, functional, loss
 
 
 def plain_on_batches(x, y, batches, epochs=1, optimizer="adam", make=functional):
@@ -46,5 +46,16 @@ def fit_alone(make_model, x, y, make_optimizer, batch_size, epochs=2, **compile_
     """One model of `fit_pair`, trained as `fit_pair` trains it."""
     model = make_model()
     model.compile(make_optimizer(), loss(), **compile_kwargs)
+    build_plain_optimizer(model, x)
     model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
     return model
+
+
+def build_plain_optimizer(model, x):
+    """A plain reference's optimizer built before `fit`, where Keras's own
+    lazy build would lose its state (`models.built_before_fit`)."""
+    import keras_accum
+
+    if not isinstance(model, keras_accum.AccumModel) and built_before_fit(model.optimizer):
+        model(x[:1])
+        model.optimizer.build(model.trainable_variables)
