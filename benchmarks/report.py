@@ -51,6 +51,13 @@ def summarise_timing(result):
             row["ratio"] = statistics.median(ratios) if ratios else None
             row["ratio_min"] = min(ratios) if ratios else None
             row["ratio_max"] = max(ratios) if ratios else None
+            cpu = result.get("cpu_seconds")  # results before CPU time have none
+            cpu_ratios = [
+                cpu["AccumModel"][r] / cpu[name][r]
+                for r in measured
+                if cpu and cpu["AccumModel"][r] is not None and cpu[name][r] is not None
+            ]
+            row["cpu_ratio"] = statistics.median(cpu_ratios) if cpu_ratios else None
         summary[name] = row
     return summary
 
@@ -198,7 +205,7 @@ def summarise_multi_worker(result):
 
 def memory_by_config(memory_results):
     """The memory workers' results keyed by configuration name."""
-    return {result["config"]: result for result in memory_results}
+    return {result["config"]: result for result in memory_results or ()}
 
 
 def targets(results):
@@ -226,6 +233,8 @@ def targets(results):
                 f"epochs take {reading} (target <= {SPEED_TARGET:.2f})",
             ))
     memory = memory_by_config(results["memory"])
+    if not memory:  # a timing-only run
+        return lines + price_targets(results)
     accum = memory["AccumModel b x N"]
     plain_b = memory["plain b"]
     big = memory["plain N*b"]
@@ -265,6 +274,8 @@ def targets(results):
                 f"{MEMORY_TARGET:.2f}: training at the micro-batch's memory)",
             ))
     lines += price_targets(results)
+    if not results.get("multi_worker"):
+        return lines
     summary = summarise_multi_worker(results["multi_worker"])
     lines.append((
         summary["ratio"] < WELL_UNDER_HALF,
@@ -312,6 +323,8 @@ def markdown(results):
     ]
     out += [f"- `{name}`: {workloads.IMPLEMENTATION_NOTES[name]}" for name in IMPLEMENTATIONS]
     rounds = results["timing"][0]["rounds"]
+    # Results from before CPU time was recorded have no CPU column.
+    with_cpu = any(r.get("cpu_seconds") for r in results["timing"])
     out += [
         "",
         f"Method: one fresh Python process per workload builds every "
@@ -327,8 +340,9 @@ def markdown(results):
         "alike; lower than 1.00 means AccumModel is faster.",
         "",
         "| workload | implementation | median epoch (s) | vs plain | "
-        "AccumModel / this: median paired ratio (min-max) |",
-        "| --- | --- | ---: | ---: | ---: |",
+        "AccumModel / this: median paired ratio (min-max) |"
+        + (" by CPU time: median |" if with_cpu else ""),
+        "| --- | --- | ---: | ---: | ---: |" + (" ---: |" if with_cpu else ""),
     ]
     for result in results["timing"]:
         summary = summarise_timing(result)
@@ -337,16 +351,20 @@ def markdown(results):
             row = summary[name]
             if row["median"] is None:
                 reason = result["unavailable"].get(name, "did not run")
-                out.append(f"| {result['workload']} | {name} | unavailable: {reason} | | |")
+                out.append(f"| {result['workload']} | {name} | unavailable: {reason} | | |"
+                           + (" |" if with_cpu else ""))
                 continue
             ratio = (
                 "-"
                 if name == "AccumModel"
                 else f"**{_fmt(row['ratio'])}** ({_fmt(row['ratio_min'])}-{_fmt(row['ratio_max'])})"
             )
+            cpu = "" if not with_cpu else (
+                " - |" if name == "AccumModel" else f" {_fmt(row.get('cpu_ratio'))} |"
+            )
             out.append(
                 f"| {result['workload']} | {name} | {row['median']:.3f} | "
-                f"{row['median'] / plain:.2f} | {ratio} |"
+                f"{row['median'] / plain:.2f} | {ratio} |{cpu}"
             )
     out += ["", "Workloads (samples are a multiple of N*b: every window is full):", ""]
     for result in results["timing"]:
@@ -361,6 +379,8 @@ def markdown(results):
             f"AccumModel after the run: {differences or 'n/a'}."
         )
     memory = memory_by_config(results["memory"])
+    if not memory:  # a timing-only run (`--timing-only`)
+        return _end(out, results)
     first = next(iter(memory.values()))
     big, plain_b = memory["plain N*b"], memory["plain b"]
     out += [
@@ -405,8 +425,14 @@ def markdown(results):
             f"{row['growth_mib'] / plain_b['growth_mib']:.2f} | "
             f"{row['growth_mib'] / big['growth_mib']:.2f} |"
         )
+    return _end(out, results)
+
+
+def _end(out, results):
+    """The price, two-worker and targets sections after the tables above."""
     out += price_markdown(results)
-    out += multi_worker_markdown(results["multi_worker"])
+    if results.get("multi_worker"):
+        out += multi_worker_markdown(results["multi_worker"])
     out += ["", "## Targets", ""]
     marks = {True: "met", False: "**missed**", None: "not measured"}
     out += [f"- {marks[met]}: {sentence}" for met, sentence in targets(results)]
@@ -453,9 +479,13 @@ def plot(results, path):
     matplotlib.use("Agg")  # no display; must precede pyplot
     import matplotlib.pyplot as plt
 
-    fig, (speed, memory_axis, workers_axis) = plt.subplots(
-        1, 3, figsize=(15, 4.6), gridspec_kw={"width_ratios": [2.2, 1, 0.8]}
-    )
+    timing_only = not results["memory"] or not results.get("multi_worker")
+    if timing_only:  # `--timing-only`: the speed panel alone
+        fig, speed = plt.subplots(1, 1, figsize=(7, 4.6))
+    else:
+        fig, (speed, memory_axis, workers_axis) = plt.subplots(
+            1, 3, figsize=(15, 4.6), gridspec_kw={"width_ratios": [2.2, 1, 0.8]}
+        )
     timing = results["timing"]
     width = 0.8 / len(IMPLEMENTATIONS)
     for i, name in enumerate(IMPLEMENTATIONS):
@@ -480,8 +510,19 @@ def plot(results, path):
     speed.set_title(f"Epoch time, micro-batch {b}, N = {n}")
     top = max(bar.get_height() for bar in speed.patches)
     speed.set_ylim(0, top * 1.22)  # headroom for the legend above the bars
-    speed.legend(fontsize=8, ncols=len(IMPLEMENTATIONS), loc="upper center")
+    speed.legend(fontsize=8, ncols=len(IMPLEMENTATIONS) // (2 if timing_only else 1),
+                 loc="upper center")
+    if not timing_only:
+        _plot_memory_and_workers(results, memory_axis, workers_axis)
+    title = "keras_accum benchmarks" + (" (quick mode: tiny, not meaningful)" if results["quick"] else "")
+    fig.suptitle(f"{title} - {results['machine']['cpu']}, {results['machine']['cores']} cores", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
+
+def _plot_memory_and_workers(results, memory_axis, workers_axis):
+    n, b = workloads.ACCUM_STEPS, workloads.MICRO_BATCH
     memory = memory_by_config(results["memory"])
     configs = [c for c in workloads.MEMORY_CONFIGS if c in memory]
     values = [memory[c]["growth_mib"] for c in configs]
@@ -518,8 +559,3 @@ def plot(results, path):
     workers_axis.set_xticks(range(2), labels, fontsize=8)
     workers_axis.set_ylabel("median epoch time (s)")
     workers_axis.set_title(f"Two workers: {summary['ratio']:.2f}x the time", fontsize=10)
-    title = "keras_accum benchmarks" + (" (quick mode: tiny, not meaningful)" if results["quick"] else "")
-    fig.suptitle(f"{title} - {results['machine']['cpu']}, {results['machine']['cores']} cores", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

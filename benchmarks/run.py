@@ -3,13 +3,17 @@
     python -m benchmarks.run                  # full run (about 15 minutes on 2 cores)
     python -m benchmarks.run --quick --out DIR  # tiny smoke run (under 2 minutes)
     python -m benchmarks.run --quick --workloads mlp --out DIR  # one timing workload
+    python -m benchmarks.run --timing-only --workloads transformer --rounds 31 --out benchmarks/transformer_eager
 
 Run from the repository root. The driver itself never imports TensorFlow:
 each workload's timing and each memory configuration runs in a fresh Python
 (`benchmarks.timing`, `benchmarks.memory`), so no measurement inherits
 another's traced functions, thread pools or allocator state. Outputs go to
 `--out` (default: this directory): results.md, results.png and results.json
-(the raw per-epoch times and memory readings behind them).
+(the raw per-epoch times and memory readings behind them). `--timing-only`
+runs the timing workloads alone (no memory configurations, no two-worker
+run): a workload's rows beside the committed run, into a directory of their
+own.
 """
 
 import argparse
@@ -148,10 +152,16 @@ def main(argv=None):
     parser.add_argument(
         "--workloads",
         nargs="+",
-        choices=workloads.TIMING_WORKLOADS,
+        choices=workloads.ALL_WORKLOADS,
         default=list(workloads.TIMING_WORKLOADS),
-        help="the timing workloads, each in a fresh process (default: all); "
-        "the memory configurations and the two-worker run are the same whichever",
+        help="the timing workloads, each in a fresh process (default: %(default)s; "
+        "`transformer` on request); the memory configurations and the "
+        "two-worker run are the same whichever",
+    )
+    parser.add_argument(
+        "--timing-only",
+        action="store_true",
+        help="only the timing workloads: no memory configurations, no two-worker run",
     )
     args = parser.parse_args(argv)
     rounds = args.rounds or (3 if args.quick else 15)
@@ -190,7 +200,7 @@ def main(argv=None):
         )
 
     memory = []
-    for config in workloads.MEMORY_CONFIGS:
+    for config in () if args.timing_only else workloads.MEMORY_CONFIGS:
         print(f"memory {config} (fresh process)", flush=True)
         result = run_worker(
             "benchmarks.memory",
@@ -203,10 +213,12 @@ def main(argv=None):
         print(f"  {config}: +{result['growth_mib']:.0f} MiB", flush=True)
         memory.append(result)
 
-    print("timing two workers, accum_steps 1 and N (two fresh processes)", flush=True)
-    multi_worker = run_worker(
-        "benchmarks.multi_worker", ["--rounds", str(rounds), *quick], timeout, workers=2
-    )
+    multi_worker = None
+    if not args.timing_only:
+        print("timing two workers, accum_steps 1 and N (two fresh processes)", flush=True)
+        multi_worker = run_worker(
+            "benchmarks.multi_worker", ["--rounds", str(rounds), *quick], timeout, workers=2
+        )
 
     machine["load_end"] = load_average()
     results = {

@@ -27,7 +27,9 @@ from benchmarks import workloads  # noqa: E402
 
 
 def _epoch_timer():
-    """A callback recording the wall-clock time of each epoch.
+    """A callback recording the wall-clock time of each epoch (`seconds`),
+    and this process's CPU time (`cpu_seconds`, all its threads: another
+    process's load delays the wall clock, not our CPU time).
 
     It is appended after the model's own callbacks, so its `on_epoch_end`
     runs after AccumModel's window flush: everything an epoch costs is timed,
@@ -39,18 +41,22 @@ def _epoch_timer():
         def __init__(self):
             super().__init__()
             self.seconds = []
+            self.cpu_seconds = []
 
         def on_epoch_begin(self, epoch, logs=None):
-            self._start = time.perf_counter()
+            self._start = time.perf_counter(), time.process_time()
 
         def on_epoch_end(self, epoch, logs=None):
-            self.seconds.append(time.perf_counter() - self._start)
+            wall, cpu = self._start
+            self.seconds.append(time.perf_counter() - wall)
+            self.cpu_seconds.append(time.process_time() - cpu)
 
     return EpochTimer()
 
 
-def train_one_epoch(model, x, y, batch_size=workloads.MICRO_BATCH):
-    """Trains `model` for one epoch of `batch_size`; returns its seconds."""
+def train_one_epoch(model, x, y, batch_size=workloads.MICRO_BATCH, cpu=None):
+    """Trains `model` for one epoch of `batch_size`; returns its seconds
+    (and appends its CPU seconds to the list `cpu`, when given)."""
     timer = _epoch_timer()
     model.fit(
         x,
@@ -61,6 +67,8 @@ def train_one_epoch(model, x, y, batch_size=workloads.MICRO_BATCH):
         verbose=0,
         callbacks=[timer],
     )
+    if cpu is not None:
+        cpu.append(timer.cpu_seconds[0])
     return timer.seconds[0]
 
 
@@ -132,14 +140,17 @@ def run(workload_name, rounds, quick):
 
     names_timed = (*workloads.IMPLEMENTATIONS, *workloads.PRICE_MODES)
     seconds = {name: [None] * rounds for name in names_timed}
+    cpu_seconds = {name: [None] * rounds for name in names_timed}
     for round_index in range(rounds):
         names = list(models)
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
             try:
+                cpu = []
                 seconds[name][round_index] = train_one_epoch(
-                    models[name], x, y, batch_sizes[name]
+                    models[name], x, y, batch_sizes[name], cpu
                 )
+                cpu_seconds[name][round_index] = cpu[0]
             except Exception as error:
                 if name in workloads.REQUIRED:
                     raise
@@ -176,6 +187,7 @@ def run(workload_name, rounds, quick):
         "parameters": int(models["plain"].count_params()),
         "rounds": rounds,
         "seconds": seconds,
+        "cpu_seconds": cpu_seconds,
         "unavailable": unavailable,
         "max_weight_difference_vs_AccumModel": weight_difference,
         "price_accum_steps": workloads.PRICE_ACCUM_STEPS,
@@ -211,7 +223,7 @@ def _versions(tf, keras):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", required=True, choices=workloads.TIMING_WORKLOADS)
+    parser.add_argument("--workload", required=True, choices=workloads.ALL_WORKLOADS)
     parser.add_argument("--rounds", type=int, required=True)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json", required=True, help="where to write the result")

@@ -28,6 +28,10 @@ IMPLEMENTATION_NOTES = {
 REQUIRED = ("plain", "AccumModel")
 
 TIMING_WORKLOADS = ("mlp", "cnn", "embedding")
+# Selectable in every timing benchmark (`--workloads transformer`), not in
+# their defaults: the committed runs of the three above are reproduced by
+# the commands that made them.
+ALL_WORKLOADS = (*TIMING_WORKLOADS, "transformer")
 MEMORY_CONFIGS = (
     "plain N*b",
     "plain b",
@@ -215,8 +219,104 @@ def memory_cnn(quick=False):
     )
 
 
+# The transformer's shape, full and quick: (vocabulary, length, width,
+# heads, blocks). 8 blocks of 16 variables each, the two embeddings, a final
+# LayerNormalization and the output layer: 134 trainable variables.
+TRANSFORMER_SIZES = {"full": (1_000, 32, 64, 4, 8), "quick": (64, 8, 16, 2, 2)}
+
+
+def transformer_layers():
+    """`(TokenAndPosition, DecoderBlock)`: plain-Keras layers of a GPT-style
+    decoder (no keras_hub), defined when Keras is imported."""
+    import keras
+
+    class TokenAndPosition(keras.layers.Layer):
+        """A token embedding (a sparse gradient) plus a learned position
+        table, sliced to the sequence's length as KerasHub's
+        `PositionEmbedding` does (a dense gradient). Not read through an
+        `Embedding` of `arange(length)` (keras.io's miniature GPT): that
+        table's gradient is an `IndexedSlices` of the same rows in every
+        micro-batch, which keras_accum (as of this benchmark) joins as N
+        occurrences each where the big batch has one (summed over its
+        batch), so Adam's step on it differs from the big batch's (a full
+        extra step of the learning rate on the first update); the built-in
+        sums it densely and matches."""
+
+        def __init__(self, vocabulary, length, width, **kwargs):
+            super().__init__(**kwargs)
+            self.tokens = keras.layers.Embedding(vocabulary, width)
+            self.positions = self.add_weight(
+                shape=(length, width), initializer="uniform", name="positions"
+            )
+
+        def call(self, inputs):
+            length = keras.ops.shape(inputs)[-1]
+            positions = keras.ops.slice(self.positions, (0, 0), (length, self.positions.shape[1]))
+            return self.tokens(inputs) + keras.ops.expand_dims(positions, 0)
+
+    class DecoderBlock(keras.layers.Layer):
+        """Pre-norm: x + attention(norm x), causal; then x + MLP(norm x),
+        the MLP 4x wider. 16 variables."""
+
+        def __init__(self, width, heads, **kwargs):
+            super().__init__(**kwargs)
+            self.norm1 = keras.layers.LayerNormalization(epsilon=1e-5)
+            self.attention = keras.layers.MultiHeadAttention(heads, width // heads)
+            self.norm2 = keras.layers.LayerNormalization(epsilon=1e-5)
+            self.up = keras.layers.Dense(4 * width, activation="gelu")
+            self.down = keras.layers.Dense(width)
+
+        def call(self, x):
+            h = self.norm1(x)
+            x = x + self.attention(h, h, use_causal_mask=True)
+            return x + self.down(self.up(self.norm2(x)))
+
+    return TokenAndPosition, DecoderBlock
+
+
+def transformer(quick=False, samples=None):
+    """Many variables: a GPT-style decoder (token + position embedding, 8
+    causal self-attention blocks, a token loss over every position), 134
+    trainable variables of all shapes, so any per-variable work of an
+    accumulation is paid 134 times a step; the 1,000-row token table's
+    gradient is sparse. `samples` (sequences) overrides the default two
+    windows of N*b."""
+    vocabulary, length, width, heads, blocks = TRANSFORMER_SIZES["quick" if quick else "full"]
+    samples = samples or _samples(2)
+
+    def build():
+        import keras
+
+        token_and_position, decoder_block = transformer_layers()
+        inputs = keras.Input((length,), dtype="int32")
+        x = token_and_position(vocabulary, length, width)(inputs)
+        for _ in range(blocks):
+            x = decoder_block(width, heads)(x)
+        x = keras.layers.LayerNormalization(epsilon=1e-5)(x)
+        return inputs, keras.layers.Dense(vocabulary)(x)  # next-token logits
+
+    def data(rng):
+        # Random token sequences; the target of each position is the next
+        # token (the loss is the mean cross-entropy over every position).
+        tokens = rng.integers(0, vocabulary, size=(samples, length + 1)).astype("int32")
+        return tokens[:, :-1], tokens[:, 1:]
+
+    return Workload(
+        "transformer",
+        f"decoder of {blocks} blocks (width {width}, {heads} heads, MLP {4 * width}, "
+        f"causal self-attention) on sequences of {length} tokens, "
+        f"Embedding({vocabulary:,}, {width}) + positions, next-token loss, Adam, "
+        f"{samples} sequences",
+        build,
+        data,
+        samples,
+    )
+
+
 def timing_workload(name, quick=False):
-    return {"mlp": mlp, "cnn": cnn, "embedding": embedding}[name](quick)
+    return {
+        "mlp": mlp, "cnn": cnn, "embedding": embedding, "transformer": transformer,
+    }[name](quick)
 
 
 def make_price_model(mode, workload, seed=SEED):

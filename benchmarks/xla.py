@@ -5,8 +5,10 @@ accumulate beside the built-in, the plain model and the floor, in one process.
     python -m benchmarks.xla --rounds 101 --workloads embedding
     python -m benchmarks.xla --quick               # smoke run, not a measurement
     python -m benchmarks.xla --memory              # also each mode's peak tensor memory
+    python -m benchmarks.xla --workloads transformer --out benchmarks/xla_transformer.json
 
-For each workload (benchmarks/workloads.py: mlp, cnn, embedding), compiled
+For each workload (benchmarks/workloads.py: mlp, cnn, embedding by
+default; `--workloads transformer` for the 134-variable decoder), compiled
 with `jit_compile=True`, Adam, micro-batch b = 32, N = 4 (PRICE_ACCUM_STEPS):
 
 - `built-in`: `keras.Model`, `Adam(gradient_accumulation_steps=N)`, batches of b;
@@ -33,7 +35,9 @@ with `jit_compile=True`, Adam, micro-batch b = 32, N = 4 (PRICE_ACCUM_STEPS):
 Each round times one window (N*b samples: N calls of the train function at
 b, or one at N*b) of every mode, in an order rotated by one place per round;
 only ratios within a round are used (paired): the median over rounds, with
-a 95% confidence interval of the median. Machine-independent beside the
+a 95% confidence interval of the median, by wall clock (`ratios`) and by
+this process's CPU time (`cpu_ratios`: another process's load delays the
+wall clock, not our CPU time). Machine-independent beside the
 timings: from each compiled step's optimized HLO
 (`experimental_get_compiler_ir`), the bytes its instructions read and write
 (`hlo_bytes`), per window: N-1 calls that only accumulate and one that also
@@ -98,7 +102,7 @@ RATIOS = [
 ]
 
 
-def _keras_model(workload, how):
+def _keras_model(workload, how, jit_compile=True):
     import keras
 
     import keras_accum
@@ -106,7 +110,11 @@ def _keras_model(workload, how):
     keras.utils.set_random_seed(workloads.SEED)
     inputs, outputs = workload.build()
     optimizer = keras.optimizers.Adam(workloads.LEARNING_RATE)
-    if how == "builtin":
+    if how == "gradient-accumulator":  # PyPI gradient-accumulator, if installed
+        from gradient_accumulator import GradientAccumulateModel
+
+        model = GradientAccumulateModel(accum_steps=N, inputs=inputs, outputs=outputs)
+    elif how == "builtin":
         model = keras.Model(inputs, outputs)
         optimizer = keras.optimizers.Adam(
             workloads.LEARNING_RATE, gradient_accumulation_steps=N
@@ -120,7 +128,7 @@ def _keras_model(workload, how):
     model.compile(
         optimizer=optimizer,
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        jit_compile=True,
+        jit_compile=jit_compile,
     )
     return model
 
@@ -132,9 +140,10 @@ class Bare:
     takes the window's `micro_batches` batches at once (as `micro_batch_size`
     does) and means them as the big batch's gradient does. `in_order`: each
     micro-batch waits for the sum before it (`microbatch.after`), as
-    `micro_batch_size`'s do; else XLA may hold them all."""
+    `micro_batch_size`'s do; else XLA may hold them all. `jit_compile=False`:
+    the same `tf.function` as a TensorFlow graph."""
 
-    def __init__(self, workload, micro_batches, in_order=False):
+    def __init__(self, workload, micro_batches, in_order=False, jit_compile=True):
         import keras
         import tensorflow as tf
 
@@ -147,7 +156,7 @@ class Bare:
         loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
         variables = self.model.trainable_variables
 
-        @tf.function(jit_compile=True)
+        @tf.function(jit_compile=jit_compile)
         def step(x, y):
             total, losses = summed_gradients(
                 x, y, micro_batches, in_order,
@@ -225,29 +234,39 @@ def _batches(x, y, batch_size):
     return iter(dataset.batch(batch_size, drop_remainder=True).repeat())
 
 
-def _timer(mode, workload, x, y, hlo=True):
+def _timer(mode, workload, x, y, hlo=True, jit_compile=True, model_out=None):
     """`(time one window, hlo bytes per window)` of `mode` on `x, y` (the
-    bytes None when not `hlo`)."""
+    bytes None when not `hlo` or not `jit_compile`); timing one window
+    returns `(wall seconds, process CPU seconds)`. `mode` is a `MODES` name
+    or a `(how, batch size, calls per window)` of its own. The model (or
+    the floor's `Bare`) is appended to `model_out` when given, after one
+    epoch of `fit` (the floor: one call)."""
     import time
 
-    how, batch_size, calls = MODES[mode]
+    how, batch_size, calls = MODES[mode] if isinstance(mode, str) else mode
+    hlo = hlo and jit_compile
     if how in BARE:
-        bare = Bare(workload, N if calls == N else 1, in_order=how == "bare in order")
+        bare = Bare(workload, N if calls == N else 1, in_order=how == "bare in order",
+                    jit_compile=jit_compile)
         batches = _batches(x, y, N * B)
         first = next(batches)
         bare.step(*first)
         compiled = bare.step
+        if model_out is not None:
+            model_out.append(bare)
 
         def one_window():
-            wall = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             float(bare.step(*next(batches)))
-            return time.perf_counter() - wall
+            return time.perf_counter() - wall, time.process_time() - cpu
 
         return one_window, _hlo_bytes(compiled, *first) if hlo else None
     import tensorflow as tf
 
-    model = _keras_model(workload, how)
+    model = _keras_model(workload, how, jit_compile)
     model.fit(x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+    if model_out is not None:
+        model_out.append(model)
     batches = _batches(x, y, batch_size)
     # The step as Keras compiles it (its train function calls `train_step`
     # in a `tf.function(jit_compile=True)`), traced once more to read it.
@@ -258,11 +277,11 @@ def _timer(mode, workload, x, y, hlo=True):
 
     def one_window():
         function = model.train_function
-        wall = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         for _ in range(calls):
             logs = function(batches)
         float(logs["loss"])  # as fit reads its logs
-        return time.perf_counter() - wall
+        return time.perf_counter() - wall, time.process_time() - cpu
 
     return one_window, step_bytes
 
@@ -434,17 +453,11 @@ def run_workload(name, rounds, quick, memory=False):
     timers, hlo = {}, {}
     for mode in MODES:
         timers[mode], hlo[mode] = _timer(mode, workload, x, y)
-    seconds = rotated_rounds(timers, rounds)
-    ratios = {}
-    for a, b in RATIOS:
-        values = [p / q for p, q in zip(seconds[a], seconds[b])]
-        ratios[f"{a} / {b}"] = {
-            "median": statistics.median(values),
-            "median_ci95": median_interval(values),
-            "min": min(values),
-            "max": max(values),
-            "rounds": len(values),
-        }
+    measured = rotated_rounds(timers, rounds)
+    seconds = {mode: [wall for wall, _ in values] for mode, values in measured.items()}
+    cpu_seconds = {mode: [cpu for _, cpu in values] for mode, values in measured.items()}
+    ratios = paired_ratios(seconds, RATIOS)
+    cpu_ratios = paired_ratios(cpu_seconds, RATIOS)
     window_bytes = {}
     for mode, measured in hlo.items():
         if measured is not None:
@@ -459,20 +472,44 @@ def run_workload(name, rounds, quick, memory=False):
         "description": workload.description,
         "peak_tensor_bytes": peaks(name, quick) if memory else None,
         "median_window_ms": {m: 1000 * statistics.median(s) for m, s in seconds.items()},
+        "median_window_cpu_ms": {m: 1000 * statistics.median(s) for m, s in cpu_seconds.items()},
         "ratios": ratios,
+        "cpu_ratios": cpu_ratios,
         "hlo_bytes_per_step": hlo,
         "hlo_bytes_per_window": window_bytes,
     }
 
 
+def paired_ratios(seconds, pairs):
+    """`{"a / b": summary}` of each `(a, b)` in `pairs` whose both are in
+    `seconds` (`{mode: [seconds per round]}`): the ratios within a round,
+    their median with its 95% confidence interval, min-max."""
+    ratios = {}
+    for a, b in pairs:
+        if a not in seconds or b not in seconds:
+            continue
+        values = [p / q for p, q in zip(seconds[a], seconds[b])]
+        ratios[f"{a} / {b}"] = {
+            "median": statistics.median(values),
+            "median_ci95": median_interval(values),
+            "min": min(values),
+            "max": max(values),
+            "rounds": len(values),
+        }
+    return ratios
+
+
 def markdown(results):
-    lines = ["| workload | ratio | median | 95% CI of the median | min-max |", "|---|---|---|---|---|"]
+    lines = ["| workload | ratio | median | 95% CI of the median | min-max | CPU time: median (95% CI) |",
+             "|---|---|---|---|---|---|"]
     for name, result in results["workloads"].items():
         for label, r in result["ratios"].items():
             low, high = r["median_ci95"]
+            c = result.get("cpu_ratios", {}).get(label)
+            cpu = "-" if c is None else f"{c['median']:.3f} ({c['median_ci95'][0]:.3f}-{c['median_ci95'][1]:.3f})"
             lines.append(
                 f"| {name} | {label} | {r['median']:.3f} | {low:.3f}-{high:.3f} "
-                f"| {r['min']:.2f}-{r['max']:.2f} |"
+                f"| {r['min']:.2f}-{r['max']:.2f} | {cpu} |"
             )
     lines += ["", "| workload | mode | median window, ms | HLO traffic per window, MB "
               "| of which copies, MB | peak tensor memory, MB |", "|---|---|---|---|---|---|"]
@@ -489,7 +526,7 @@ def markdown(results):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", nargs="+", default=list(workloads.TIMING_WORKLOADS),
-                        choices=workloads.TIMING_WORKLOADS)
+                        choices=workloads.ALL_WORKLOADS)
     parser.add_argument("--rounds", type=int, default=31)
     parser.add_argument("--quick", action="store_true", help="tiny models: a smoke run")
     parser.add_argument("--out", default=None, help="JSON path (default: none when --quick)")

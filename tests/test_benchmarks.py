@@ -10,9 +10,10 @@ from helpers.processes import run_python
 # Each runs a benchmark in a process of its own.
 pytestmark = pytest.mark.slow
 
-# CI runs the quick benchmark (the README's figures); the other benchmarks'
-# smoke runs are `release` tests (`python -m nox`, before a release): about
-# 130 CPU-seconds of fresh processes that check the benchmark scripts. What
+# CI runs the quick benchmark and the quick memory curve (the README's
+# figures); the other benchmarks' smoke runs are `release` tests (`python -m
+# nox`, before a release): about 130 CPU-seconds of fresh processes that
+# check the benchmark scripts, plus the transformer's. What
 # they check of the library is tested directly too: bit identity with and
 # without measuring and the sparse rows' norm (test_noise_scale), remat
 # against the big batch (test_remat).
@@ -52,6 +53,96 @@ def test_quick_benchmark_writes_its_report(tmp_path):
     assert "## Two workers" in report
 
     assert (tmp_path / "results.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_quick_memory_curve_writes_its_report_and_plot(tmp_path):
+    # The README's memory picture: every way at two effective batches and
+    # both pipelines (each in a process of its own for its memory), one
+    # timed round.
+    result = run_python(
+        "-m", "benchmarks.memory_curve", "--quick", "--batches", "2", "4",
+        "--micro-batch", "2", "--rounds", "1", "--out", str(tmp_path), timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    import json
+
+    measured = json.loads((tmp_path / "memory_curve.json").read_text())
+    # Both pipelines: a batch size the step knows, and one it learns from the
+    # first batch (keras_accum trains that batch eagerly).
+    assert {(m["way"], m["batch"], m["pipeline"]) for m in measured["memory"]} == {
+        (way, batch, pipeline)
+        for way in ("plain", "accum_steps", "micro_batch_size")
+        for batch in (2, 4)
+        for pipeline in ("known", "unknown")
+    }
+    assert all(m["peak_bytes"] > 0 and m["updates"] == 2 for m in measured["memory"])
+    # The accumulating ways trained as plain at the same effective batch.
+    assert max(measured["weight_difference_vs_plain"].values()) < 1e-4
+    report = (tmp_path / "memory_curve.md").read_text()
+    for way in ("plain", "accum_steps", "micro_batch_size"):
+        assert f"| 4 | {way} |" in report, way
+    assert "## What must hold" in report and "(plain at m + weights)" in report
+    assert (tmp_path / "memory_curve.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+@pytest.mark.release
+def test_transformer_benchmark_times_every_mode_eagerly_and_under_xla(tmp_path):
+    result = run_python(
+        "-m", "benchmarks.transformer", "--quick", "--rounds", "1", "--out", str(tmp_path),
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    import json
+
+    measured = json.loads((tmp_path / "transformer.json").read_text())["transformer"]
+    assert measured["variables"] == 38  # 2 blocks of 16, 2 embeddings, a norm, the output
+    for compile_name in ("eager", "XLA"):
+        compiled = measured["compiles"][compile_name]
+        for key in ("ratios", "cpu_ratios"):
+            for pair in ("step mode / built-in", "micro_batch_size / built-in"):
+                assert compiled[key][pair]["rounds"] == 1, (compile_name, key, pair)
+        # keras_accum's two ways train as the big batch (the built-in and
+        # gradient-accumulator sum the token table's gradient densely: the
+        # sparse Adam gap, docs/sparse.md).
+        differences = compiled["max_weight_difference_vs_big_batch"]
+        assert differences["step mode"] < 1e-4 and differences["micro_batch_size"] < 1e-4
+    report = (tmp_path / "transformer.md").read_text()
+    assert "| XLA | step mode / built-in |" in report and "## What must hold" in report
+
+
+@pytest.mark.release
+def test_timing_only_run_times_the_transformer(tmp_path):
+    # The transformer beside the committed timing run: its rows alone, with
+    # CPU time, and no memory or two-worker sections.
+    result = run_python(
+        "-m", "benchmarks.run", "--quick", "--timing-only", "--rounds", "2",
+        "--workloads", "transformer", "--out", str(tmp_path), timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = (tmp_path / "results.md").read_text()
+    assert "| transformer | builtin |" in report and "by CPU time" in report
+    assert "## Memory" not in report and "## Two workers" not in report
+    import json
+
+    (timing,) = json.loads((tmp_path / "results.json").read_text())["timing"]
+    assert timing["cpu_seconds"]["AccumModel"][1] > 0
+    assert (tmp_path / "results.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+@pytest.mark.release
+def test_xla_benchmark_runs_the_transformer_and_its_floors(tmp_path):
+    out = tmp_path / "xla.json"
+    result = run_python(
+        "-m", "benchmarks.xla", "--quick", "--rounds", "1", "--workloads", "transformer",
+        "--out", str(out), timeout=900,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    import json
+
+    workload = json.loads(out.read_text())["workloads"]["transformer"]
+    # The floors' summed gradients join the token table's slices.
+    assert workload["median_window_ms"]["floor in Keras's step"] > 0
+    assert set(workload["cpu_ratios"]) == set(workload["ratios"])
 
 
 @pytest.mark.release

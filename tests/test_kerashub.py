@@ -24,7 +24,7 @@ from helpers import kerashub as hub  # noqa: E402
 from helpers.assertions import assert_history_close, assert_trained, assert_weights_close  # noqa: E402
 from helpers.oom import LimitedLoss  # noqa: E402
 from helpers.processes import run_python, script  # noqa: E402
-from helpers.project import PAGES, blocks  # noqa: E402
+from helpers.project import PAGES, ROOT, blocks  # noqa: E402
 
 import keras_accum  # noqa: E402
 
@@ -353,3 +353,253 @@ def test_siglip_loss_on_a_wrapped_siglip_backbone_coupled_at_its_encoders_is_the
     ))
     assert_weights_close(plain, model)
     assert_history_close(h_plain, history)
+
+
+# -- fine-tuning with LoRA: which checkpoint resumes (docs/fine-tuning.md) ------
+#
+# Keras writes a LoRA layer's kernel with its adapters merged in to weights
+# and .keras files, and sets the adapters to zero when it loads one into a
+# layer with LoRA on; tf.train.Checkpoint holds the adapters apart.
+
+
+def _lora_wrapped(dropout=0.0, rank=2, optimizer=_optimizer):
+    model = keras_accum.wrap(hub.gpt2_lora(dropout=dropout, rank=rank), accum_steps=4)
+    _compile(model, optimizer())
+    return model
+
+
+def _lora_big_batch(data, rank=2, optimizer=_optimizer):
+    """The plain task, LoRA on (`rank` None: off), on the big batch (32): 2
+    epochs, 6 updates."""
+    plain = hub.gpt2_lora(rank=rank)
+    initial = plain.get_weights()
+    _compile(plain, optimizer())
+    _fit(plain, data, 32)
+    assert_trained(plain, initial)
+    return plain
+
+
+def _momentum():
+    # The window's sum reaches the weights in proportion (Adam's steps
+    # hardly tell a window from half of it).
+    return keras.optimizers.SGD(0.1, momentum=0.9)
+
+
+def test_lora_task_resumes_mid_window_from_a_tf_train_checkpoint(tmp_path):
+    data = hub.gpt2_data()
+    plain = _lora_big_batch(data, optimizer=_momentum)
+    model = _lora_wrapped(optimizer=_momentum)
+    _train_on_batches(model, data, 0, hub.N)  # epoch 1: windows of 4, 4 and 4 micro-batches
+    _train_on_batches(model, data, 0, 80)     # epoch 2: 4, 4 and 2 of the next 4
+    assert int(model.optimizer.iterations) == 5
+    path = hub.lora_checkpoint(model).save(str(tmp_path / "ckpt"))
+
+    resumed = _lora_wrapped(optimizer=_momentum)  # as a new process builds it: nothing trained
+    hub.lora_checkpoint(resumed).restore(path).assert_existing_objects_matched()
+    _train_on_batches(resumed, data, 80, hub.N)  # the window's last 2 micro-batches
+    assert int(resumed.optimizer.iterations) == 6
+    assert all(np.any(v.numpy()) for v in hub.adapters(resumed))
+    assert_weights_close(plain, resumed)
+
+
+def test_lora_task_resumes_from_epoch_checkpoints_of_a_repeating_stream(tmp_path):
+    # The guide's way to checkpoint a LoRA run within fit: epochs of
+    # steps_per_epoch batches of a stream repeating in a fixed order, a
+    # tf.train.Checkpoint at each epoch's end, and the resumed fit given the
+    # stream with the batches already trained skipped.
+    import tensorflow as tf
+
+    x, y, weights = hub.gpt2_data()
+
+    def stream(batch_size):  # made anew each time, as a new process makes it
+        dataset = tf.data.Dataset.from_tensor_slices((x, y, weights))
+        return dataset.shuffle(hub.N, seed=0).repeat().batch(batch_size)
+
+    class Checkpoints(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.manager = tf.train.CheckpointManager(
+                hub.lora_checkpoint(self.model), str(tmp_path), max_to_keep=5
+            )
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.manager.save(checkpoint_number=epoch + 1)
+
+    plain = hub.gpt2_lora()
+    _compile(plain, _optimizer())
+    plain.fit(stream(32), steps_per_epoch=2, epochs=4, shuffle=False, verbose=0)  # 8 updates
+    model = _lora_wrapped()
+    model.fit(stream(8), steps_per_epoch=8, epochs=4, shuffle=False, verbose=0, callbacks=[Checkpoints()])
+    assert_weights_close(plain, model)
+
+    resumed = _lora_wrapped()
+    hub.lora_checkpoint(resumed).restore(str(tmp_path / "ckpt-2")).assert_existing_objects_matched()
+    resumed.fit(stream(8).skip(2 * 8), steps_per_epoch=8, epochs=4, initial_epoch=2,
+                shuffle=False, verbose=0)
+    assert int(resumed.optimizer.iterations) == 8
+    assert_weights_close(plain, resumed)
+
+
+def test_dropout_resumes_the_same_masks_only_with_the_seeds_in_the_checkpoint(tmp_path):
+    # Dropout's random state (its seed generators' variables) reaches a
+    # tf.train.Checkpoint only when listed (weights files never hold it:
+    # test_backup_and_restore_of_a_kerashub_task[dropout]).
+    data = hub.gpt2_data()
+
+    def first_pass_and(stop, model):
+        _train_on_batches(model, data, 0, hub.N)
+        _train_on_batches(model, data, 0, stop)
+        return model
+
+    uninterrupted = first_pass_and(hub.N, _lora_wrapped(dropout=0.1))
+    model = first_pass_and(80, _lora_wrapped(dropout=0.1))
+    differences = {}
+    for seeds in (True, False):
+        path = hub.lora_checkpoint(model, seeds=seeds).save(str(tmp_path / f"seeds-{seeds}"))
+        resumed = _lora_wrapped(dropout=0.1)
+        hub.lora_checkpoint(resumed, seeds=seeds).restore(path).assert_existing_objects_matched()
+        _train_on_batches(resumed, data, 80, hub.N)
+        assert int(resumed.optimizer.iterations) == 6
+        if seeds:
+            assert_weights_close(uninterrupted, resumed)
+        differences[seeds] = max(
+            float(np.abs(a - b).max()) for a, b in zip(uninterrupted.get_weights(), resumed.get_weights())
+        )
+    assert differences[False] > 1e-4, differences  # other masks after the resume
+
+
+def test_weights_files_of_a_lora_task_hold_the_adapters_merged(tmp_path):
+    data = hub.gpt2_data()
+    x, y, weights = data
+    model = _lora_wrapped()
+    _train_on_batches(model, data, 0, 80)  # 2 updates, a window of 2 micro-batches open
+    assert all(np.any(v.numpy()) for v in hub.adapters(model))
+    model.save_weights(tmp_path / "lora.weights.h5")
+
+    reloaded = _lora_wrapped()
+    reloaded.load_weights(tmp_path / "lora.weights.h5")
+    # The adapters are zero; the kernels they adapt are the merged ones, so
+    # the predictions are the saved model's. Optimizer state and window are back.
+    assert len(hub.adapters(reloaded)) == 4
+    assert not any(np.any(v.numpy()) for v in hub.adapters(reloaded))
+    np.testing.assert_allclose(
+        reloaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6
+    )
+    assert int(reloaded.optimizer.iterations) == 2
+    reloaded.flush()  # the open window, applied
+    assert int(reloaded.optimizer.iterations) == 3
+
+    # Not a resume: from zero adapters, training goes elsewhere.
+    model.flush()
+    _train_on_batches(model, data, 80, hub.N)
+    _train_on_batches(reloaded, data, 80, hub.N)
+    moved_apart = max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), reloaded.get_weights()))
+    assert moved_apart > 1e-2, moved_apart
+
+
+@pytest.mark.parametrize(
+    "lora, dropout", [(False, 0.0), (True, 0.0), (False, 0.1)], ids=["full", "lora", "dropout"]
+)
+def test_backup_and_restore_of_a_kerashub_task(lora, dropout, tmp_path):
+    # keras_accum.BackupAndRestore writes weights files: a full fine-tune
+    # resumes mid-window exactly; with LoRA the adapters restart at zero;
+    # with dropout the resumed run draws other masks.
+    from helpers.training import InterruptAt
+
+    x, y, weights = data = hub.gpt2_data()
+    rank = 2 if lora else None
+
+    class Adapters(keras.callbacks.Callback):  # after the backup's restore
+        def on_train_begin(self, logs=None):
+            self.restored = [v.numpy() for v in hub.adapters(self.model)]
+
+    def fitted(*callbacks):
+        model = keras_accum.wrap(hub.gpt2_lora(dropout=dropout, rank=rank), accum_steps=4)
+        _compile(model, _optimizer())
+        model.fit(x, y, sample_weight=weights, batch_size=8, epochs=2, shuffle=False,
+                  verbose=0, callbacks=list(callbacks))
+        return model
+
+    def backup():
+        return keras_accum.BackupAndRestore(str(tmp_path / "backup"), save_freq=3, double_checkpoint=True)
+
+    uninterrupted = fitted()
+    with pytest.raises(KeyboardInterrupt):
+        fitted(backup(), InterruptAt(epoch=1, batch=7))  # the newest backup 6 micro-batches in
+    assert any("batch" in p.name for p in (tmp_path / "backup").iterdir())
+    adapters = Adapters()
+    resumed = fitted(backup(), adapters)
+    difference = max(
+        float(np.abs(a - b).max()) for a, b in zip(uninterrupted.get_weights(), resumed.get_weights())
+    )
+    if lora:
+        assert len(adapters.restored) == 4 and not any(np.any(a) for a in adapters.restored)
+        assert difference > 1e-2, difference
+    elif dropout:
+        assert difference > 1e-4, difference
+    else:
+        assert_weights_close(_lora_big_batch(data, rank=None), resumed)
+
+
+def test_keras_file_of_a_lora_task_loads_without_lora(tmp_path):
+    data = hub.gpt2_data()
+    x, y, weights = data
+    task = hub.gpt2_lora()
+    model = keras_accum.wrap(task, accum_steps=4)
+    _compile(model, _optimizer())
+    _train_on_batches(model, data, 0, 64)  # 2 updates, no window open
+    without_lora = hub.gpt2()
+
+    model.save(tmp_path / "wrapped.keras")
+    with pytest.warns(UserWarning, match="Skipping variable loading for optimizer"):
+        loaded = keras.saving.load_model(tmp_path / "wrapped.keras")
+    task.save(tmp_path / "task.keras")  # the task itself: the same
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        loaded_task = keras.saving.load_model(tmp_path / "task.keras")
+    for reloaded in (loaded, loaded_task):
+        # The task without LoRA: its weights, all trainable, the adapters
+        # merged into the kernels.
+        assert len(reloaded.weights) == len(reloaded.trainable_weights) == len(without_lora.weights)
+        assert not hub.adapters(reloaded)
+        np.testing.assert_allclose(
+            reloaded.predict(x, verbose=0), model.predict(x, verbose=0), rtol=1e-5, atol=1e-6
+        )
+    assert int(loaded.optimizer.iterations) == 0  # the adapters' optimizer state was skipped
+
+    # Saved mid-window: the window's buffers are the adapters', which the
+    # loaded model has not; training refuses until the window is dropped.
+    _train_on_batches(model, data, 64, 80)
+    model.save(tmp_path / "open.keras")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        reopened = keras.saving.load_model(tmp_path / "open.keras")
+    with pytest.raises(ValueError, match="do not fit its trainable variables"):
+        _train_on_batches(reopened, data, 80, hub.N)
+    reopened.reset_window()
+    _train_on_batches(reopened, data, 0, 32)  # a window of 4: one update
+    assert int(reopened.optimizer.iterations) == 1
+
+
+def test_fine_tune_example_trains_resumes_and_generates(tmp_path):
+    import re
+
+    import tensorflow as tf
+
+    result = run_python(
+        str(ROOT / "examples" / "fine_tune_lm.py"), "--quick", "--output-dir", str(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    before, after = map(float, re.search(r"validation loss: (\S+) before, (\S+) after training", out).groups())
+    assert before > 5.0 and after < before - 1.5, out  # 5.55 (uniform over 258 tokens) -> 2.93
+    resumed = re.search(r"^resumed from ckpt-2 in a new model: .*: (\S+)$", out, flags=re.M)
+    assert resumed and float(resumed[1]) < 1e-6, out
+    if not tf.config.list_physical_devices("GPU"):
+        assert out.startswith("precision: float32 (no GPU"), out
+    assert re.search(r"^saved fine_tuned.keras: (\d+) weights, all \1 trainable "
+                     r"\(the adapters merged in, the same predictions\)$", out, flags=re.M), out
+    assert len(re.findall(r"^generate\('(Beautiful is|Return the)'\): '\1", out, flags=re.M)) == 2, out
+    assert re.search(r"^finished in \d+ s \(process time \d+ s\)$", out, flags=re.M), out
+    assert (tmp_path / "fine_tuned.keras").is_file() and (tmp_path / "checkpoints").is_dir()
+    # Nothing on stderr: no TensorFlow start-up lines, no warnings.
+    assert result.stderr.strip() == "", result.stderr[-3000:]

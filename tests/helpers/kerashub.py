@@ -83,3 +83,38 @@ def take(data, start, stop):
 
 def loss():
     return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def gpt2_lora(seed=0, dropout=0.0, rank=2):
+    """`gpt2`'s task at `dropout`, with LoRA on (`rank` None: off), as
+    docs/fine-tuning.md has it: `backbone.enable_lora(rank)` freezes every
+    weight and adds trainable adapters (`lora_kernel_a`, `lora_kernel_b`) to
+    the attention's query and value, whose biases stay trainable too."""
+    import keras_hub
+
+    keras.utils.set_random_seed(seed)
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=VOCAB, num_layers=1, num_heads=2, hidden_dim=8,
+        intermediate_dim=16, max_sequence_length=LENGTH, dropout=dropout,
+    )
+    lm = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
+    if rank is not None:
+        backbone.enable_lora(rank)
+    return lm
+
+
+def adapters(model):
+    """The LoRA adapters' variables of `model`, in order."""
+    return [v for v in model.weights if "lora" in v.path]
+
+
+def lora_checkpoint(model, seeds=True):
+    """The checkpoint docs/fine-tuning.md resumes a LoRA run from: the model
+    (adapters apart from the frozen weights, the open window) and its
+    optimizer, and with `seeds` Dropout's random state."""
+    import tensorflow as tf
+
+    extra = {}
+    if seeds:
+        extra["seeds"] = [v for v in model.variables if "seed_generator_state" in v.path]
+    return tf.train.Checkpoint(model=model, optimizer=model.optimizer, **extra)
