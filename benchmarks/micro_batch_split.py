@@ -69,7 +69,7 @@ def _split_costs_ms(model, x, y, rounds, repeats=10):
     import keras
     import tensorflow as tf
 
-    from keras_accum.microbatch import add_gradients
+    from keras_accum.split.microbatch import add_gradients
 
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     x, y = tf.constant(x[: B * N]), tf.constant(y[: B * N])

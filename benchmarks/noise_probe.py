@@ -133,7 +133,7 @@ def windows_estimates(task, weights, window, repeats, updates=WINDOW_UPDATES):
 
 def probe_estimates(task, weights, samples, repeats):
     """`NoiseProbe.measure` on `samples` random training examples per repeat."""
-    from keras_accum.probe import NoiseProbe
+    from keras_accum.growth.probe import NoiseProbe
 
     model = frozen_student(task, weights)
     out = []

@@ -39,9 +39,10 @@ import inspect
 import keras
 
 from keras_accum import _internals as internals
-from keras_accum import arguments, coupling, fitting, plan, saving, step, window
-from keras_accum.auto_micro_batch import AutoMicroBatch
-from keras_accum.microbatch import static_batch_size
+from keras_accum import arguments, fitting, plan, saving, step, window
+from keras_accum.split import coupling
+from keras_accum.split.auto import AutoMicroBatch
+from keras_accum.split.microbatch import static_batch_size
 from keras_accum.optimizer import check_not_accumulating
 from keras_accum.train_functions import TrainFunctions
 from keras_accum.window import AccumState, slices

@@ -63,7 +63,9 @@ import keras
 import tensorflow as tf
 
 from keras_accum import _internals as internals
-from keras_accum import coupling, microbatch, scaling, window
+from keras_accum import scaling, window
+from keras_accum.split import coupling
+from keras_accum.split import microbatch
 from keras_accum.normaliser import loss_normaliser, micro_batch_weight
 from keras_accum.window import noise_scale
 

@@ -36,9 +36,10 @@ import keras
 import tensorflow as tf
 
 from keras_accum import _internals as internals
-from keras_accum import auto_replicas, step, window
-from keras_accum.auto_micro_batch import StepState, written_before_gradients
-from keras_accum.microbatch import static_batch_size
+from keras_accum import step, window
+from keras_accum.split import across_replicas as auto_replicas
+from keras_accum.split.auto import StepState, written_before_gradients
+from keras_accum.split.microbatch import static_batch_size
 
 
 class TrainFunctions:

@@ -7,8 +7,8 @@ import math
 import numpy as np
 import pytest
 
-from keras_accum.growth import BatchGrowth, NoiseEstimate
-from keras_accum.rate_rules import RULES, adascale, check_rule, linear, square_root
+from keras_accum.growth.estimate import BatchGrowth, NoiseEstimate
+from keras_accum.growth.rate_rules import RULES, adascale, check_rule, linear, square_root
 
 pytestmark = pytest.mark.unit
 
@@ -189,7 +189,7 @@ def test_a_rule_is_a_name_a_function_or_none():
 def test_auto_is_adascale_for_sgd_and_sqrt_for_adaptive_optimizers():
     import keras
 
-    from keras_accum.rate_rules import adascale_sqrt, for_optimizer
+    from keras_accum.growth.rate_rules import adascale_sqrt, for_optimizer
 
     resolved = NoiseEstimate(48.0, 40.0, 60.0, 10, True)
     assert adascale_sqrt(64, 16, resolved) == pytest.approx(math.sqrt(adascale(64, 16, resolved)))

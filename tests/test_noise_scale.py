@@ -564,7 +564,7 @@ def test_deciding_every_k_updates_is_a_plain_model_fed_those_batches_and_rates(
     # Each change set the rate by the rule, from the tuned rate at batch 16.
     for d in path:
         if d.learning_rate is not None:
-            factor = keras_accum.rate_rules.RULES[rule](micro * d.accum_steps, 16, d.estimate)
+            factor = keras_accum.growth.rate_rules.RULES[rule](micro * d.accum_steps, 16, d.estimate)
             assert d.learning_rate == pytest.approx(tuned * factor, rel=1e-6)
     # The same training as a plain model fed those batches at those rates.
     for a, b in zip(model.get_weights(), plain.get_weights()):

@@ -25,7 +25,7 @@ from helpers.noise import (
 )
 
 import keras_accum
-from keras_accum.probe import NoiseProbe
+from keras_accum.growth.probe import NoiseProbe
 
 # As test_noise_scale.py: float32 sums of squares against numpy's float64.
 RTOL = 1e-5

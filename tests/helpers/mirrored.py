@@ -365,7 +365,7 @@ def schedule_run(strategy, probe=False):
         "iterations": int(model.optimizer.iterations.numpy()),
     }
     if probe:
-        from keras_accum.probe import NoiseProbe
+        from keras_accum.growth.probe import NoiseProbe
 
         one_device = regression_net(AccumModel, accum_steps=2, noise_scale=True)
         one_device.set_weights(model.get_weights())

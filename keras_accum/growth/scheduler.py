@@ -6,12 +6,12 @@ import numbers
 from typing import NamedTuple, Optional
 
 from keras_accum import _internals as internals
-from keras_accum import rate_rules
+from keras_accum.growth import rate_rules
 from keras_accum import arguments
 from keras_accum.arguments import NOISE_SCALE, check_accum_steps
 from keras_accum.fitting import FitSetting
-from keras_accum.growth import BatchGrowth, NoiseEstimate
-from keras_accum.probe import probe_argument
+from keras_accum.growth.estimate import BatchGrowth, NoiseEstimate
+from keras_accum.growth.probe import probe_argument
 
 # The learning_rate_rule argument's default: "auto" with "noise_scale",
 # None with a dict or a callable.

@@ -36,7 +36,7 @@ import tensorflow as tf
 from keras import tree
 
 from keras_accum import _internals as internals
-from keras_accum.auto_micro_batch import NOTHING_FITS
+from keras_accum.split.auto import NOTHING_FITS
 
 # What a worker proposes in the agreement.
 NO_LIMIT = 2**31 - 1  # its attempt succeeded

@@ -51,7 +51,8 @@ import tensorflow as tf
 from keras import tree
 
 from keras_accum import _internals as internals
-from keras_accum import microbatch, scaling
+from keras_accum import scaling
+from keras_accum.split import microbatch
 from keras_accum.arguments import AUTO, METHODS, shown_coupled_from
 from keras_accum.normaliser import loss_normaliser, micro_batch_weight
 

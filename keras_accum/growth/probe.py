@@ -43,8 +43,8 @@ import tensorflow as tf
 from keras_accum import _internals as internals
 from keras_accum import train_functions
 from keras_accum.arguments import NOISE_SCALE
-from keras_accum.auto_micro_batch import StepState
-from keras_accum.growth import NoiseEstimate
+from keras_accum.split.auto import StepState
+from keras_accum.growth.estimate import NoiseEstimate
 from keras_accum.window import noise_scale
 
 # The probe's windows by default: enough for an interval (growth's

@@ -45,7 +45,7 @@ import warnings
 import keras
 
 from keras_accum import _internals as internals
-from keras_accum.sample_schedule import SampleSchedule
+from keras_accum.growth.sample_schedule import SampleSchedule
 
 
 def linear(batch, tuned_batch, estimate=None):
