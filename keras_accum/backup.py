@@ -23,7 +23,8 @@ import numpy as np
 import tensorflow as tf
 
 from keras_accum import _internals as internals
-from keras_accum.train_functions import fast_forward, stop_fast_forward
+from keras_accum.engine import engine_of
+from keras_accum.engine.functions import fast_forward, stop_fast_forward
 
 _COMMITTED = re.compile(r"^epoch-(\d+)(?:-batch-(\d+))?\.json$")
 # A restore point (epoch, batch) travels in the all-gather as one integer.
@@ -119,21 +120,20 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self._epoch = 0
         self._completed_epochs = 0
         self._restored = None
-        # The fit's FitSetting callbacks (AccumScheduler), whose state each
-        # backup keeps: handed in by the fit (fitting.one_fit).
-        self._settings = []
 
-    def bind_settings(self, callbacks):
-        """The `fit`'s `FitSetting` callbacks, whose `state()` each backup
-        keeps and a restore hands back (`restore_state`)."""
-        self._settings = list(callbacks)
+    def _settings_callbacks(self):
+        # The running fit's FitSetting callbacks (AccumScheduler), whose
+        # state each backup keeps and a restore hands back.
+        engine = engine_of(self.model)
+        return [] if engine is None else engine.fits.settings_callbacks
 
     # -- restoring ---------------------------------------------------------
 
     def on_train_begin(self, logs=None):
         internals.backup_counts_from_zero(self)
         self._restored = None
-        stop_fast_forward(self.model)  # left by a `fit` interrupted in a fast-forward
+        # left by a `fit` interrupted in a fast-forward
+        stop_fast_forward(self.model, engine_of(self.model))
         strategy = self.model.distribute_strategy
         own = self._restore_points()
         if internals.multi_worker(strategy):
@@ -161,14 +161,14 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         internals.set_initial_epoch(self.model, epoch)
         if batches:
             self._restored = point
-            fast_forward(self.model, batches)
+            fast_forward(self.model, batches, engine_of(self.model))
 
     def _restore_settings(self, point):
         # A schedule's state, by position and class: a backup written by a
         # fit with other settings callbacks restores none of theirs.
         with open(self._point_file(point)) as f:
             states = json.load(f).get("settings", [])
-        for callback, state in zip(self._settings, states):
+        for callback, state in zip(self._settings_callbacks(), states):
             if state is not None and state.get("class") == type(callback).__name__:
                 callback.restore_state(state)
 
@@ -237,7 +237,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         os.replace(partial, self._weights_file(point))
         # The point file commits the backup: written last, also atomically.
         epoch, batch = point
-        settings = [callback.state() for callback in self._settings]
+        settings = [callback.state() for callback in self._settings_callbacks()]
         _write_atomically(
             self._point_file(point),
             json.dumps({"epoch": epoch, "batch": batch, "settings": settings}),
@@ -370,3 +370,4 @@ def _all_gather(strategy, row):
     table = strategy.gather(rows, axis=0).numpy()
     # Each worker contributed one identical row per local replica.
     return table[::local]
+

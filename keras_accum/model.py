@@ -1,37 +1,16 @@
 """`AccumModel`: a `keras.Model` whose `fit` trains as if on N-times bigger batches.
 
-The model is the public surface; the work is done by what it composes:
-its settings (arguments.py) make a step plan (plan.py); the step
-(step.py) adds into the window (window/) and applies it; the train
-functions (train_functions.py) are made, cached and swapped by one owner;
-`fit`'s per-call settings and epoch-end flush are fitting.py's, and
-faithful configs and all-or-nothing loads saving.py's.
+The model is Keras's face of its accumulation: each member forwards to the
+model's `Engine` (engine/), which owns the settings, the window, the train
+functions and the running fit (`model.accumulation`, for reading).
 
 Training with micro-batch `b` and `accum_steps=N` is the same training as
-a plain `keras.Model` with batch `N * b`: each update uses the gradient of
-the loss over every sample of its window (each micro-batch weighted by
-what Keras normalises its loss by: samples, unmasked tokens or sample
-weights, so short windows and padded sequences are exact), a window still open
-when an epoch's data ends is applied then, before validation, and
-`optimizer.iterations` (hence learning-rate schedules and EMA) counts
-updates. The logged loss and metrics are those of the big-batch run.
-
-Between updates the weights do not move; gradients are summed into
-float32 buffers that are training state, not model weights: `weights`,
-`count_params()`, `summary()` and `get_weights()` are the plain model's.
-Each window belongs to the variables it was computed for: a trainable
-change takes effect at the next `compile()`, as in Keras, and `flush()`
-applies an open window to its own variables; `reset_window()` discards
-it. The model need not be built before `fit`: an accumulating model is
-built from the first batch's shapes.
-
-Under `tf.distribute.MirroredStrategy` or `MultiWorkerMirroredStrategy`
-(build and compile in `strategy.scope()`), `batch_size` is the global
-micro-batch: each replica sums its share into its own buffers and
-gradients cross devices once per update, so the effective batch is
-micro-batch per replica x `accum_steps` x replicas. Across workers,
-where plain Keras `fit` fails (tensorflow/tensorflow#72388), this model
-trains with any `accum_steps`, 1 included.
+a plain `keras.Model` with batch `N * b` (docs/concepts.md): each update
+uses the gradient of the loss over every sample of its window (each
+micro-batch weighted by what Keras normalises its loss by), a window still
+open when an epoch's data ends is applied then, and `optimizer.iterations`
+counts updates. Between updates the weights do not move; the gradients are
+summed into float32 buffers that are training state, not model weights.
 """
 
 import inspect
@@ -39,15 +18,8 @@ import inspect
 import keras
 
 from keras_accum import _internals as internals
-from keras_accum import arguments, fitting, plan, saving, step, window
-from keras_accum.split import coupling
-from keras_accum.split.auto import AutoMicroBatch
-from keras_accum.split.microbatch import static_batch_size
-from keras_accum.optimizer import check_not_accumulating
-from keras_accum.train_functions import TrainFunctions
-from keras_accum.window import AccumState, slices
-from keras_accum.window.batchnorm import BatchNormMoments
-from keras_accum.window.noise_scale import NoiseScale
+from keras_accum import arguments
+from keras_accum.engine import Engine, files, held_functions
 
 
 # The keyword arguments Keras's Model takes (a Layer's, and a functional
@@ -165,46 +137,53 @@ class AccumModel(
             noise_scale, coupled_from,
         )
         internals.init_model(self, super().__init__, args, kwargs)
-        # The batch size the step splits into micro-batches, learnt from the
-        # first training batch (see _maybe_symbolic_build).
-        self._batch_size_seen = None
-        self._auto_micro_batch = AutoMicroBatch()
-        # The `Coupling` last made (coupling.py): not tracked, so not saved;
-        # its two models share this model's layers.
-        self._made_coupling = None
-        # Settings assigned during a fit, which outlive it (fitting.py).
-        self._fit_changes = fitting.FitChanges()
-        # The settings callbacks' states in .keras files (fitting.py).
-        self._setting_states = fitting.SettingStates()
-        internals.holder_of(self, "train_function")
-        self._configure(settings)
+        # Held outside Keras's tracking: the engine is no state of the
+        # model's files; the window's parts are, at the paths below.
+        object.__setattr__(
+            self, "_engine",
+            Engine(self, settings, internals.holder_of(self, "train_function")),
+        )
+        self._expose_window()
 
     def _configure(self, settings):
         # The settings and the window they make, for a model not yet trained
-        # (__init__, from_config). The attribute names are the files' paths.
-        self._settings = settings
-        state = AccumState.new(
-            settings.accum_dtype,
-            settings.skip_nonfinite,
-            BatchNormMoments(self, settings.batchnorm),
-            # Held by the state only (not an attribute of the model): a
-            # measurement, not saved in files.
-            NoiseScale() if settings.noise_scale else None,
-        )
-        # The files' paths: Keras saves an object at the first attribute
-        # path that reaches it (the skip count: `_accumulator/nonfinite`).
+        # (from_config).
+        self._engine.configure(settings)
+        self._expose_window()
+
+    def _expose_window(self):
+        # The window's parts as the model's attributes: Keras saves an
+        # object at the first attribute path that reaches it, and these are
+        # the files' paths (the skip count: `_accumulator/nonfinite`).
+        state = self._engine.state
         self._accumulator = state.buffers
         self._nonfinite = state.buffers.nonfinite
         self._batchnorm = state.moments
-        self._accum_state = state
 
-    # -- the train function: one owner (train_functions.py) --------------------
+    @property
+    def accumulation(self):
+        """The model's `Engine`: its settings, window and train functions.
+
+        For reading what training does (`accumulation.settings`,
+        `accumulation.plan()`, `accumulation.batch_size_seen`); change the
+        model through its own members.
+
+        Example:
+
+        ```python
+        model = keras_accum.AccumModel(inputs, outputs, accum_steps=4)
+        model.accumulation.settings.accum_steps  # 4
+        ```
+        """
+        return self._engine
+
+    # -- the train function: held by the engine's TrainFunctions --------------
 
     # What fit calls next: the step for the current settings, or a resumed
     # epoch's fast-forward over its first batches. Keras assigns it too
     # (compile: None).
     train_function = internals.HeldAttribute(
-        lambda: TrainFunctions(check_not_accumulating),
+        held_functions,
         doc="""What `fit` calls for each step (Keras's attribute, kept by the
         model's train functions): the step for the current settings, made
         by `make_train_function()`; None until then and after `compile()`.
@@ -222,45 +201,10 @@ class AccumModel(
     )
 
     def make_train_function(self, force=False):
-        return self._functions().make(
-            self, self._accum_state, self._auto_micro_batch, self._step_plan,
-            force=force,
-        )
-
-    def _step_plan(self):
-        # The plan of the next traced step, from the current settings.
-        return plan.make_plan(
-            self._settings,
-            self._batch_size_seen,
-            self._auto_micro_batch.size,
-            slices.statistic_of(self.optimizer),
-            self._coupling(),
-        )
-
-    def _coupling(self):
-        # The model's two parts at `coupled_from`, made once per setting
-        # (their models add nodes to the layers: made again, they would add
-        # more).
-        coupled_from = self._settings.coupled_from
-        if coupled_from is None:
-            return None
-        made = self._made_coupling
-        if made is None or made.coupled_from != coupled_from:
-            self._made_coupling = coupling.Coupling.of(self._model_to_split(), coupled_from)
-        coupling.check_strategy(self._settings, self.distribute_strategy)
-        return self._made_coupling
-
-    def _model_to_split(self):
-        # The model `coupled_from` names the layers or methods of.
-        return self
-
-    def _functions(self):
-        # The model's TrainFunctions, made at first need and held by
-        # `train_function` above.
-        return internals.holder_of(self, "train_function")
+        return self._engine.make_train_function(force=force)
 
     def train_step(self, data):
-        return step.train_step(self, self._step_plan(), self._accum_state, data)
+        return self._engine.train_step(data)
 
     # -- settings ------------------------------------------------------------
 
@@ -283,30 +227,11 @@ class AccumModel(
         assert int(model.optimizer.iterations) == 3
         ```
         """
-        return self._settings.accum_steps
+        return self._engine.settings.accum_steps
 
     @accum_steps.setter
     def accum_steps(self, value):
-        value = arguments.check_accum_steps(value)
-        self._fit_changes.set_by_user(accum_steps=value)
-        self._set_accum_steps(value)
-
-    def _set_accum_steps(self, value):
-        # Not the user's: fit's per-call value, AccumScheduler (fitting.py).
-        if value == self._settings.accum_steps:
-            return
-        arguments.check_coupled_settings(self._settings._replace(accum_steps=value))
-        buffers = self._accum_state.buffers
-        if buffers.open_micro_batches() and buffers.window_length() != value:
-            self.flush()
-        self._change(accum_steps=value)
-
-    def _change(self, **settings):
-        # A setting the traced step reads: the step for the new plan now.
-        settings = self._settings._replace(**settings)
-        if settings != self._settings:
-            self._settings = settings
-            self._functions().retrace(self)
+        self._engine.set_accum_steps(value, by_user=True)
 
     @property
     def micro_batch_size(self):
@@ -324,13 +249,11 @@ class AccumModel(
         model.micro_batch_size = 64
         ```
         """
-        return self._settings.micro_batch_size
+        return self._engine.settings.micro_batch_size
 
     @micro_batch_size.setter
     def micro_batch_size(self, value):
-        value = arguments.check_micro_batch_size(value)
-        self._fit_changes.set_by_user(micro_batch_size=value)
-        self._change(micro_batch_size=value)
+        self._engine.set_micro_batch_size(value, by_user=True)
 
     @property
     def chosen_micro_batch_size(self):
@@ -349,7 +272,7 @@ class AccumModel(
         print(model.chosen_micro_batch_size)  # None: whole batches fitted
         ```
         """
-        return self._auto_micro_batch.size
+        return self._engine.auto.size
 
     @property
     def skip_nonfinite(self):
@@ -362,7 +285,7 @@ class AccumModel(
         assert model.skip_nonfinite
         ```
         """
-        return self._settings.skip_nonfinite
+        return self._engine.settings.skip_nonfinite
 
     # -- what training measured ---------------------------------------------
 
@@ -381,13 +304,7 @@ class AccumModel(
         assert model.skipped_windows == history.history["skipped_windows"][-1] == 0
         ```
         """
-        return self._accum_state.skipped_windows
-
-    # The last epoch's estimate, set at its end (fitting.py); not saved.
-    _noise_scale = None
-
-    def _measured(self, noise_scale):
-        self._noise_scale = noise_scale
+        return self._engine.state.skipped_windows
 
     @property
     def noise_scale(self):
@@ -408,7 +325,7 @@ class AccumModel(
         print(model.noise_scale, history.history["noise_scale"])
         ```
         """
-        return self._noise_scale
+        return self._engine.noise_scale
 
     # -- training -----------------------------------------------------------
 
@@ -462,10 +379,7 @@ class AccumModel(
         assert model.accum_steps == 1 and int(model.optimizer.iterations) == 1
         ```
         """
-        control = self._fit_control()
-        with fitting.one_fit(
-            self, control, callbacks, accum_steps, micro_batch_size, kwargs
-        ) as callbacks:
+        with self._engine.fit(callbacks, accum_steps, micro_batch_size, kwargs) as callbacks:
             return super().fit(
                 x,
                 y,
@@ -476,54 +390,10 @@ class AccumModel(
                 **kwargs,
             )
 
-    def _fit_control(self):
-        # What a fit and its callbacks may read and change of this model
-        # (fitting.py), without reaching into it.
-        return fitting.FitControl(
-            settings=lambda: self._settings,
-            set_accum_steps=self._set_accum_steps,
-            set_micro_batch_size=lambda value: self._change(micro_batch_size=value),
-            restore=self._restore_settings,
-            end_fit=self._functions().end_fit,
-            changes=self._fit_changes,
-            setting_states=self._setting_states,
-            batch_size_seen=lambda: self._batch_size_seen,
-            window_open=lambda: bool(self._accum_state.open_micro_batches()),
-            noise=self._accum_state.noise,
-            measured=self._measured,
-        )
-
-    def _restore_settings(self, settings):
-        # A fit's end: the model's own settings back, not through the
-        # setters, so the open window stays open; the next step is made
-        # for them.
-        if settings != self._settings:
-            self._settings = settings
-            self._functions().invalidate()
-
     def _see_batch(self, data_batch, size=None):
-        # The first training batch of a fit or train_on_batch, in Python,
-        # or the spec of fit's batches (internals.BuildFromFirstBatch);
-        # `size`: the first batch's size where Keras knows it from arrays.
-        # The step splits a batch whose size the trace may not know (fit's
-        # batch dimension is None): the size is taken from here, or, where
-        # neither a batch nor the spec tells it, from the batch the first
-        # step trains (TrainFunctions.see_first).
-        if data_batch is None:
-            return  # no data: nothing will train
-        size = size or static_batch_size(data_batch)
-        if size is None:
-            self._functions().see_first(self, self._seen_batch_size)
-            return
-        self._seen_batch_size(size)
-
-    def _seen_batch_size(self, size):
-        # A new size gets its own train function where the step splits.
-        if size is None or size == self._batch_size_seen:
-            return
-        self._batch_size_seen = size
-        if self._settings.micro_batch_size is not None:
-            self._functions().invalidate()
+        # The first training batch of a fit or train_on_batch, or the spec
+        # of fit's batches (internals.BuildFromFirstBatch).
+        self._engine.see_batch(data_batch, size)
 
     # -- the open window -------------------------------------------------------
 
@@ -544,15 +414,7 @@ class AccumModel(
         assert int(model.optimizer.iterations) == 1
         ```
         """
-        state = self._accum_state
-        if not state.open_micro_batches():
-            return
-        self._restore_batchnorm_window()
-        state.prepare_flush(self.trainable_variables, self.optimizer, self.distribute_strategy)
-        if self.run_eagerly:
-            window.close(state, self.optimizer, self.distribute_strategy)
-        else:
-            self._functions().flush_function(self, state)()
+        self._engine.flush()
 
     def reset_window(self):
         """Discards the open window: its gradients are dropped, no update is made.
@@ -573,20 +435,9 @@ class AccumModel(
         assert int(model.optimizer.iterations) == 0
         ```
         """
-        if self._accum_state.open_micro_batches():
-            self._restore_batchnorm_window()
-            self._accum_state.discard()
+        self._engine.reset_window()
 
-    def _restore_batchnorm_window(self):
-        # BatchNormalization moments loaded from a file wait for their
-        # layers' variables, made with the next train function; flush() and
-        # reset_window() before that make them now, so that the restored
-        # moments are applied or discarded with the gradients they came
-        # with, and do not leak into the next window.
-        if self.built:
-            self._accum_state.moments.build(self.distribute_strategy)
-
-    # -- saving and loading (saving.py) -----------------------------------------
+    # -- saving and loading (engine/files.py) ------------------------------------
 
     def load_weights(self, filepath, *args, **kwargs):
         """`keras.Model.load_weights`, all or nothing.
@@ -614,17 +465,7 @@ class AccumModel(
         ```
         """
         load = super().load_weights
-        result = saving.all_or_nothing(
-            self, self._accum_state, lambda: load(filepath, *args, **kwargs)
-        )
-        if not saving.step_continues(
-            self._accum_state, self.trainable_variables, self._settings.accum_steps
-        ):
-            # The traced step would continue the restored window with
-            # another length or other variables: the next one is made anew
-            # and refuses it, naming what differs.
-            self._functions().invalidate()
-        return result
+        return self._engine.load_weights(lambda: load(filepath, *args, **kwargs))
 
     def save(self, filepath, *args, **kwargs):
         """`keras.Model.save`; refuses, before writing, a model whose `.keras`
@@ -635,11 +476,11 @@ class AccumModel(
         return super().save(filepath, *args, **kwargs)
 
     def _check_config_is_faithful(self):
-        saving.check_config_is_faithful(self)
+        files.check_config_is_faithful(self)
 
     def get_config(self):
         self._check_config_is_faithful()
-        return {**self._model_config(), **self._settings.config()}
+        return {**self._model_config(), **self._engine.settings.config()}
 
     def _model_config(self):
         # The Keras model's own config, to which the settings are added;
@@ -663,10 +504,10 @@ class AccumModel(
         """Keras's saving hook (`.keras` files): written mid-`fit` (by
         `ModelCheckpoint`), the file holds the running settings callbacks'
         states (an `AccumScheduler`'s), beside the weights, for the first
-        `fit` of the model loaded from it (`fitting.SettingStates`). An
+        `fit` of the model loaded from it (`engine.fit.FitScope`). An
         asset, not config: a subclass's own `from_config` never sees it."""
-        self._setting_states.save(dir_path)
+        self._engine.fits.save(dir_path)
 
     def load_assets(self, dir_path):
         """Keras's loading hook: takes back what `save_assets` wrote."""
-        self._setting_states.read(dir_path)
+        self._engine.fits.read(dir_path)

@@ -7,7 +7,7 @@ import keras
 from keras_accum import _internals as internals
 from keras_accum.arguments import MODEL_ARGUMENTS, accum_settings, check_keywords
 from keras_accum.model import AccumModel
-from keras_accum.saving import check_config_is_faithful
+from keras_accum.engine.files import check_config_is_faithful
 
 
 class _CompiledAsItsModel:
@@ -81,6 +81,7 @@ class WrappedModel(_CompiledAsItsModel, AccumModel):
         kwargs.setdefault("name", model.name)
         super().__init__(accum_steps=accum_steps, **kwargs)
         self.wrapped = model
+        self.accumulation.model_to_split = model  # coupled_from names its parts
         internals.called_like(self, model)
         if model.built:
             # Nothing of its own to build. The input shapes the wrapped
@@ -92,9 +93,6 @@ class WrappedModel(_CompiledAsItsModel, AccumModel):
         return self.wrapped(inputs, training=training)
 
     def _model_compiled_as(self):
-        return self.wrapped
-
-    def _model_to_split(self):
         return self.wrapped
 
     def get_config(self):

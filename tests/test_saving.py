@@ -389,7 +389,7 @@ def test_a_files_setting_states_go_to_the_next_fit_once_by_every_way_in(way, tmp
     # asset: the schedule's, tests/test_noise_scale.py resumes from one);
     # the first fit of the model loaded from it hands each to the callback
     # of its class, once, and warns about one no callback takes.
-    from keras_accum.fitting import FitSetting
+    from keras_accum.engine.fit import FitSetting
 
     class Recorder(FitSetting):
         def __init__(self, state=None):

@@ -41,7 +41,7 @@ import numpy as np
 import tensorflow as tf
 
 from keras_accum import _internals as internals
-from keras_accum import train_functions
+from keras_accum.engine import functions
 from keras_accum.arguments import NOISE_SCALE
 from keras_accum.split.auto import StepState
 from keras_accum.growth.estimate import NoiseEstimate
@@ -126,10 +126,10 @@ class NoiseProbe:
 
     def _functions_for(self, model):
         # Traced once per model and compile, as the train functions are
-        # (`train_functions.compiled`). With the window function, the
+        # (`functions.compiled`). With the window function, the
         # snapshot of what a training-mode forward pass and the loss write
         # (layers' statistics and seeds; the loss's metrics).
-        now = (model, train_functions.compiled(model))
+        now = (model, functions.compiled(model))
         kept = None if self._measuring is None else self._measuring[0]
         if kept is None or kept[0] is not model or not kept[1].same(now[1]):
             written = StepState(

@@ -9,7 +9,7 @@ from keras_accum import _internals as internals
 from keras_accum.growth import rate_rules
 from keras_accum import arguments
 from keras_accum.arguments import NOISE_SCALE, check_accum_steps
-from keras_accum.fitting import FitSetting
+from keras_accum.engine.fit import FitSetting
 from keras_accum.growth.estimate import BatchGrowth, NoiseEstimate
 from keras_accum.growth.probe import probe_argument
 
@@ -245,9 +245,9 @@ class AccumScheduler(FitSetting):
         # At an epoch's start or every_updates/every_samples: the windows
         # since the last decision join the smoothed estimate; where the
         # noise scale has outgrown the window, a probe measures it instead.
-        growth, current = self._growth, self.model.accum_steps
+        growth, current = self._growth, self.engine.settings.accum_steps
         size = self._batch_drawn()
-        growth.take_windows(self.fit_control.noise)
+        growth.take_windows(self.engine.state.noise)
         estimate, probed = growth.estimate, False
         if (self._probe is not None and size and growth.can_change(current)
                 and _outgrown(estimate, current * size)):
@@ -274,9 +274,9 @@ class AccumScheduler(FitSetting):
             return None
         return self._value(epoch)
 
-    def bind_fit(self, control):
-        super().bind_fit(control)
-        if control is None:
+    def bind_fit(self, engine):
+        super().bind_fit(engine)
+        if engine is None:
             self._started = False
             self._restored = None
             if self._follower is not None:
@@ -288,14 +288,14 @@ class AccumScheduler(FitSetting):
     def on_train_begin(self, logs=None):
         self._check_model()
         if self.schedule == NOISE_SCALE:
-            if not self.fit_control.settings().noise_scale:
+            if not self.engine.settings.noise_scale:
                 raise ValueError(
                     'AccumScheduler("noise_scale") follows the noise scale '
                     "the model measures, and this model does not measure "
                     "it: make it with `noise_scale=True` (AccumModel or "
                     "keras_accum.wrap)."
                 )
-            self._growth.begin(self.fit_control.noise)
+            self._growth.begin(self.engine.state.noise)
             if self._probe is not None:
                 if internals.multi_worker(self.model.distribute_strategy):
                     raise ValueError(
@@ -330,15 +330,15 @@ class AccumScheduler(FitSetting):
         `accum_steps` in force, the decision counters, the tuned rate, the
         smoothed estimate and the windows measured since the last decision
         (the open one's too, on one replica)."""
-        if self.fit_control is None or not self._started:
+        if self.engine is None or not self._started:
             return None
-        state = {"class": type(self).__name__, "accum_steps": self.model.accum_steps,
+        state = {"class": type(self).__name__, "accum_steps": self.engine.settings.accum_steps,
                  "since": list(self._since), "start": list(self._start),
                  "trained": self._trained, "begun": self._begun}
         if self._follower is not None:
             state["rate"] = self._follower.state()
         if self._growth is not None:
-            state["growth"] = self._growth.state(self.fit_control.noise)
+            state["growth"] = self._growth.state(self.engine.state.noise)
         return state
 
     def restore_state(self, state):
@@ -348,9 +348,9 @@ class AccumScheduler(FitSetting):
 
     def _apply_state(self):
         state, self._restored = self._restored, None
-        if state["accum_steps"] != self.model.accum_steps:
+        if state["accum_steps"] != self.engine.settings.accum_steps:
             # The backup's window was opened with this value.
-            self.fit_control.set_accum_steps(state["accum_steps"])
+            self.engine.set_accum_steps(state["accum_steps"])
         self._since = _Since(*state["since"])
         self._start = _Since(*state["start"])
         self._trained = state["trained"]
@@ -360,10 +360,11 @@ class AccumScheduler(FitSetting):
             # tuned one is the backup's, and so is a SampleSchedule's count.
             self._follower.restore(state["rate"])
         if self._growth is not None and "growth" in state:
-            self._growth.restore(state["growth"], self.fit_control.noise)
+            self._growth.restore(state["growth"], self.engine.state.noise)
 
     def _check_model(self):
-        if not hasattr(type(self.model), "accum_steps"):
+        # A keras_accum model's fit hands its engine over (bind_fit).
+        if self.engine is None:
             raise ValueError(
                 "AccumScheduler needs a keras_accum model (AccumModel or "
                 f"keras_accum.wrap(model)). Received a {type(self.model).__name__}."
@@ -393,7 +394,7 @@ class AccumScheduler(FitSetting):
         size = self._batch_drawn() or 0
         # Counted by full batches: an epoch's short last batch counts whole.
         self._trained += size
-        if not self._decides_within_epochs() or self.fit_control.window_open():
+        if not self._decides_within_epochs() or self.engine.window_open():
             return
         updates = self._updates()
         if self.every_updates is not None:
@@ -407,15 +408,15 @@ class AccumScheduler(FitSetting):
     def _batch_drawn(self):
         # The batch fit draws per step, global: under a strategy the model
         # sees one replica's share. None before the first.
-        size = self.fit_control.batch_size_seen()
+        size = self.engine.batch_size_seen
         return size and size * self.model.distribute_strategy.num_replicas_in_sync
 
     def _probe_micro_batch(self):
         # What one device runs at once in a step: the micro-batch when the
         # step splits its batch (memory), else the replica's share.
-        share = self.fit_control.batch_size_seen()
-        setting = self.fit_control.settings().micro_batch_size
-        split = self.model.chosen_micro_batch_size if setting == "auto" else setting
+        share = self.engine.batch_size_seen
+        setting = self.engine.settings.micro_batch_size
+        split = self.engine.auto.size if setting == "auto" else setting
         return min(split, share) if split and share else share
 
     def _updates(self):
@@ -430,19 +431,19 @@ class AccumScheduler(FitSetting):
         value = self._value(epoch)
         estimate, probed = self._acted_on if self._growth is not None else (None, False)
         self._since = _Since(self._updates(), self._trained)
-        changed = value is not None and value != self.model.accum_steps
+        changed = value is not None and value != self.engine.settings.accum_steps
         if changed:
             # A window is never open here (an epoch's start, or a window's
             # end; a resumed mid-epoch window was opened with this value).
             # For this fit only, as fit(accum_steps=...): not the setter,
             # which would make the value the model's own after fit.
-            self.fit_control.set_accum_steps(value)
+            self.engine.set_accum_steps(value)
             if self.verbose > 0:
                 print(f"\nEpoch {epoch + 1}: AccumScheduler setting accum_steps to {value}.")
         rate = self._follow(estimate) if changed and self._begun else None
         if changed or self._growth is not None:
             self.path.append(Decision(
-                epoch, self._since.updates, self._trained, self.model.accum_steps,
+                epoch, self._since.updates, self._trained, self.engine.settings.accum_steps,
                 rate, estimate, probed))
 
     def _follow(self, estimate):
@@ -451,12 +452,12 @@ class AccumScheduler(FitSetting):
         size = self._batch_drawn()
         if not size:
             return self._follower.rate()  # no data seen: nothing to scale by
-        return self._follower.follow(size * self.model.accum_steps, estimate)
+        return self._follower.follow(size * self.engine.settings.accum_steps, estimate)
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
             # Printed as an integer by the progress bar (LoggedCount).
-            logs["accum_steps"] = internals.LoggedCount(self.model.accum_steps)
+            logs["accum_steps"] = internals.LoggedCount(self.engine.settings.accum_steps)
 
 
 # The first decisions of a fit come sooner: the gap is half the fit so far,

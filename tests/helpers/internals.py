@@ -114,25 +114,25 @@ def break_after_the_skip_count(path, skipped):
 
 def batch_size_seen(model):
     """The batch size `model`'s step splits by (learnt from a first batch)."""
-    return model._batch_size_seen
+    return model.accumulation.batch_size_seen
 
 
 def settings(model):
     """The AccumModel's checked arguments (`AccumSettings`)."""
-    return model._settings
+    return model.accumulation.settings
 
 
 def pretend_measured(model, batch_size, measured):
     """Sets what an AccumModel last saw (the per-replica batch size) and
     `measured` (its noise scale), as an epoch of training would."""
-    model._batch_size_seen = batch_size
-    model._noise_scale = measured
+    model.accumulation.batch_size_seen = batch_size
+    model.accumulation.noise_scale = measured
 
 
 def scheduled_value(scheduler, epoch):
     """The `accum_steps` an AccumScheduler sets at `epoch` (None: no change),
-    handed its model's fit control as `fit` hands it."""
-    scheduler.bind_fit(scheduler.model._fit_control())
+    handed its model's engine as `fit` hands it."""
+    scheduler.bind_fit(scheduler.model.accumulation)
     return scheduler._value(epoch)
 
 

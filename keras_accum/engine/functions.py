@@ -1,31 +1,19 @@
-"""The one owner of a model's traced functions: the train function `fit`
-calls, one per step plan, and the function that flushes a window.
+"""The train functions `fit` calls: made per step plan, cached, fast-forwarded.
 
-Everything that changes what `fit` calls goes through `TrainFunctions`: a
-new `accum_steps` (the setter, `fit(accum_steps=)`, `AccumScheduler`), a new
-`micro_batch_size`, `compile()` (Keras assigns `train_function = None`), a
-load that leaves a window the traced step cannot continue, and
-BackupAndRestore, whose resumed epoch takes its first batches without
-training. They compose: the owner holds the step made for the current plan
-(`function`, None until made) and, apart from it, the batches still to
-fast-forward over; the model's `train_function` is `current()`: the
-fast-forward while batches remain, then the step current at that moment,
-made then if none is.
+`TrainFunctions` is what a model's `train_function` is. Everything that
+changes what `fit` calls goes through it: a new `accum_steps` (the setter,
+`fit(accum_steps=)`, `AccumScheduler`), a new `micro_batch_size`,
+`compile()` (Keras assigns `train_function = None`), a load that leaves a
+window the traced step cannot continue, and BackupAndRestore, whose resumed
+epoch takes its first batches without training. It holds the step made for
+the current plan (`function`) and, apart from it, a fast-forward or a
+first batch awaited; `fit` calls `current()`.
 
-Choosing: a function is made for the step plan (plan.py) and kept under
-its key, with the objects its trace captured (optimizer, loss tracker,
-trainable variables, window buffers): switching back to a plan reuses its
-function while those are the same objects; new buffers or a new compile
-make it stale, without anyone having to say so.
-
-Example:
-
-```python
-owner = TrainFunctions(check_not_accumulating)
-owner.make(model, state, auto, plan_of)  # model.make_train_function()
-owner.fast_forward(3, model)     # the next 3 batches are taken, not trained
-owner.current()                  # what fit calls: the fast-forward, then the step
-```
+A function is made for the step plan (plan.py) and kept under its key, with
+the objects its trace captured (optimizer, loss tracker, trainable
+variables, window buffers): switching back to a plan reuses its function
+while those are the same objects; new buffers or a new compile make it
+stale. The engine is handed to every call that makes a function.
 """
 
 import itertools
@@ -36,32 +24,28 @@ import keras
 import tensorflow as tf
 
 from keras_accum import _internals as internals
-from keras_accum import step, window
-from keras_accum.split import across_replicas as auto_replicas
+from keras_accum import window
+from keras_accum.engine import step
+from keras_accum.optimizer import check_not_accumulating
+from keras_accum.split import across_replicas
 from keras_accum.split.auto import StepState, written_before_gradients
 from keras_accum.split.microbatch import static_batch_size
 
 
 class TrainFunctions:
     """What a model's `train_function` is: the current step, under any
-    fast-forward; and the cached steps and flush function behind it.
-
-    Args:
-        check_optimizer: called as `check_optimizer(optimizer, accum_steps)`
-            before a step is made for a compiled model; raises for an
-            optimizer the step cannot accumulate with. Handed in by the
-            model (optimizer.py's `check_not_accumulating`), so that this
-            module does not import the optimizer.
+    fast-forward or first batch awaited; and the cached steps and flush
+    function behind it.
 
     Attributes:
         function: the step for the current plan, None until made.
     """
 
-    def __init__(self, check_optimizer):
-        self._check_optimizer = check_optimizer
+    def __init__(self):
         self.function = None
         self._fast_forward = None
         self._first_batch = None
+        self._see = None
         # (batch size, micro_batch_size) pairs warned about (see make).
         self._warned_unsplit = set()
         self._cache = {}
@@ -87,26 +71,26 @@ class TrainFunctions:
         """The step is made again when next needed (settings changed)."""
         self.function = None
 
-    def retrace(self, model):
+    def retrace(self, engine):
         """A setting the trace reads changed: the step for the new plan now
         (its cached function, else a new trace), if one was made before.
         Now rather than later: fit reads `train_function` before every step."""
         if self.function is not None:
             self.function = None
-            model.make_train_function()
+            self.make(engine)
 
-    def make(self, model, state, auto, plan_of, force=False):
-        """`model.make_train_function(force)`: the step for the current plan,
-        over `model`'s `AccumState` (`state`) and its `AutoMicroBatch`
-        (`auto`); `plan_of()` gives the model's plan as it is now (a trace
-        reads it when it is made: "auto" traces a step per size it chooses)."""
+    def make(self, engine, force=False):
+        """`model.make_train_function(force)`: the step for `engine`'s plan
+        now (a trace reads the plan when it is made: "auto" traces a step
+        per size it chooses)."""
         if self.function is not None and not force:
             return self.function
-        plan = plan_of()
+        model, state = engine.model, engine.state
+        plan = engine.plan()
         internals.check_fit(model)
         self._warn_if_nothing_is_split(plan)
         if model.optimizer is not None:
-            self._check_optimizer(model.optimizer, plan.accum_steps)
+            check_not_accumulating(model.optimizer, plan.accum_steps)
         if plan.uses_buffers and model.built:
             state.bind(
                 model.trainable_variables,
@@ -123,7 +107,7 @@ class TrainFunctions:
         if entry is not None and entry.compiled.same(compiled) and entry.buffers.same(buffers):
             function = entry.function
         else:
-            function = self._new(model, plan, state, auto, plan_of)
+            function = self._new(engine, plan)
             # Entries of an earlier compile or of replaced buffers would
             # never be used again, yet hold on to their traced graphs.
             current = Captured(tuple(state.buffers.acc_grads))
@@ -155,56 +139,42 @@ class TrainFunctions:
             stacklevel=4,
         )
 
-    def _new(self, model, plan, state, auto, plan_of):
+    def _new(self, engine, plan):
+        model, state = engine.model, engine.state
         strategy = model.distribute_strategy
         if plan.micro_batch_size == "auto":
             written = StepState(lambda: written_before_gradients(model, state), strategy)
             if strategy.num_replicas_in_sync > 1 or internals.multi_worker(strategy):
                 # Several replicas: computed apart from every collective, so
                 # that running out of memory on one blocks no other.
-                after_step = _replica_step(model, state, plan_of)[1] if plan.uses_buffers else None
+                after_step = _replica_step(engine)[1] if plan.uses_buffers else None
                 halves = (
-                    lambda data: step.compute_split(model, plan_of(), state, data),
-                    lambda data, split: step.write_split(model, plan_of(), state, data, split),
+                    lambda data: step.compute_split(model, engine.plan(), state, data),
+                    lambda data, split: step.write_split(model, engine.plan(), state, data, split),
                 )
-                return auto_replicas.train_function(
-                    auto, model, halves, after_step, written
+                return across_replicas.train_function(
+                    engine.auto, model, halves, after_step, written
                 )
-            function = auto.train_function(
-                model, lambda: self._step_on_data(model, state, plan_of), written
+            function = engine.auto.train_function(
+                model, lambda: _step_on_data(engine), written
             )
             function.draws_batches = True  # takes each batch in Python (see_first)
             return function
         if plan.uses_buffers:
             if internals.replicated(strategy):
-                return internals.make_replicated_function(
-                    model, *_replica_step(model, state, plan_of)
-                )
+                return internals.make_replicated_function(model, *_replica_step(engine))
         elif internals.multi_worker(strategy):
             # Keras's own train function fails across workers (its log
             # reduction, tensorflow/tensorflow#72388); same step, our function.
-            return internals.make_replicated_function(model, model.train_step)
+            return internals.make_replicated_function(model, engine.train_step)
         # Keras's own, made as Keras makes it (it assigns train_function,
         # which is `assign` here).
         keras.Model.make_train_function(model, force=True)
         return self.function
 
-    def _step_on_data(self, model, state, plan_of):
-        # One step on a batch in hand ("auto"), traced per batch shape: the
-        # split is static and exact for every batch, the short last one too.
-        plan = plan_of()
-        if plan.uses_buffers and internals.replicated(model.distribute_strategy):
-            # Under a one-replica strategy (several: auto_replicas.py), the
-            # window is applied in cross-replica context, as by the
-            # replicated train function.
-            return internals.make_step_on_data(
-                model, *_replica_step(model, state, plan_of), reduce_retracing=False
-            )
-        return internals.make_step_on_data(model, model.train_step, reduce_retracing=False)
-
     # -- fast-forward (BackupAndRestore) ---------------------------------------
 
-    def fast_forward(self, batches, model):
+    def fast_forward(self, batches, engine):
         """Makes the next `batches` batches be taken from `fit`'s iterator
         without training, whatever step is made or assigned meanwhile.
 
@@ -216,7 +186,7 @@ class TrainFunctions:
         def done():
             self._fast_forward = None
             if self.function is None:
-                model.make_train_function()
+                self.make(engine)
 
         def seen(batch):
             # The first batch awaited (see_first) is this one.
@@ -224,7 +194,8 @@ class TrainFunctions:
                 self._first_batch = None
                 self._see(static_batch_size(internals.optionals_to_none(batch)))
 
-        self._fast_forward = _fast_forwarding(model, batches, done, seen) if batches else None
+        forward = _fast_forwarding(engine.model, batches, done, seen)
+        self._fast_forward = forward if batches else None
 
     def stop_fast_forward(self):
         self._fast_forward = None
@@ -237,7 +208,7 @@ class TrainFunctions:
 
     # -- the first batch, when only the step can see its size --------------
 
-    def see_first(self, model, see):
+    def see_first(self, engine, see):
         """Makes the next call of the train function take its first batch
         from `fit`'s iterator itself and hand its size to `see(size)`
         before a step is made for it.
@@ -254,6 +225,8 @@ class TrainFunctions:
         function that draws its batches in Python ("auto") takes them as
         they come. A fast-forward's first batch is seen as it is skipped.
         """
+        model = engine.model
+
         def seeing_first(iterator):
             self._first_batch = None
             try:
@@ -261,13 +234,13 @@ class TrainFunctions:
             except (StopIteration, tf.errors.OutOfRangeError):
                 raise StopIteration from None  # no data: how fit learns it
             see(static_batch_size(internals.optionals_to_none(first)))
-            function = model.make_train_function()
+            function = self.make(engine)
             batches = itertools.chain([first], iterator)
             if getattr(function, "draws_batches", False):
                 return function(batches)
-            step = internals.make_step_on_data(model, model.train_step, eager=True)
+            step_on = internals.make_step_on_data(model, engine.train_step, eager=True)
             return internals.each_batch(
-                model, batches, lambda data: step(internals.optionals_to_none(data))
+                model, batches, lambda data: step_on(internals.optionals_to_none(data))
             )
 
         self._first_batch = seeing_first
@@ -299,15 +272,29 @@ class TrainFunctions:
         return function
 
 
-def _replica_step(model, state, plan_of):
+def _step_on_data(engine):
+    # One step on a batch in hand ("auto"), traced per batch shape: the
+    # split is static and exact for every batch, the short last one too.
+    model = engine.model
+    if engine.plan().uses_buffers and internals.replicated(model.distribute_strategy):
+        # Under a one-replica strategy (several: across_replicas.py), the
+        # window is applied in cross-replica context, as by the replicated
+        # train function.
+        return internals.make_step_on_data(model, *_replica_step(engine), reduce_retracing=False)
+    return internals.make_step_on_data(model, engine.train_step, reduce_retracing=False)
+
+
+def _replica_step(engine):
     # The replica's part (accumulate) and the cross-replica part (apply the
     # window once full: replica 0's micro-step decides for all).
+    model, state = engine.model, engine.state
+
     def replica_step(data):
-        return step.accumulate(model, plan_of(), state, data)
+        return step.accumulate(model, engine.plan(), state, data)
 
     def after_step():
         state.when_full(
-            plan_of().accum_steps,
+            engine.plan().accum_steps,
             lambda: window.close(state, model.optimizer, model.distribute_strategy),
         )
 
@@ -359,16 +346,15 @@ def _captured(model, plan, state):
     return compiled(model), buffers
 
 
-def fast_forward(model, batches):
+def fast_forward(model, batches, engine=None):
     """Makes `model`'s coming `batches` train steps take their data only.
 
-    A keras_accum model's owner keeps the fast-forward through any retrace; a
-    plain Keras model (whose function nothing retraces during `fit`) gets
-    its current function wrapped.
+    A keras_accum model's (`engine` given) train functions keep the
+    fast-forward through any retrace; a plain Keras model (whose function
+    nothing retraces during `fit`) gets its current function wrapped.
     """
-    owner = internals.holder_of(model, "train_function")
-    if owner is not None:
-        owner.fast_forward(batches, model)
+    if engine is not None:
+        engine.functions.fast_forward(batches, engine)
         return
     train_function = model.train_function
 
@@ -401,11 +387,10 @@ def _fast_forwarding(model, batches, done, seen=None):
     return fast_forwarding
 
 
-def stop_fast_forward(model):
+def stop_fast_forward(model, engine=None):
     """Ends a fast-forward left by a `fit` interrupted during it."""
-    owner = internals.holder_of(model, "train_function")
-    if owner is not None:
-        owner.stop_fast_forward()
+    if engine is not None:
+        engine.functions.stop_fast_forward()
         return
     original = getattr(model.train_function, "train_function", None)
     if original is not None:

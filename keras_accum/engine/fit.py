@@ -1,15 +1,13 @@
 """What `AccumModel.fit` adds around Keras's `fit`: settings for one call,
-and the window applied when an epoch's data ends.
+the settings callbacks' states, and the window applied when an epoch's data
+ends. Everything here is handed the model's `Engine`.
 
 Example:
 
 ```python
-with one_fit(model, control, callbacks, accum_steps=8) as callbacks:
+with engine.fit(callbacks, accum_steps=8) as callbacks:
     keras.Model.fit(model, x, y, callbacks=callbacks)
 ```
-
-The model hands in a `FitControl`, made from its own methods and values:
-nothing here reads the model's attributes.
 """
 
 import contextlib
@@ -18,7 +16,6 @@ import json
 import math
 import os
 import warnings
-from typing import Callable, NamedTuple, Optional
 
 import keras
 
@@ -31,52 +28,9 @@ from keras_accum.arguments import (
 )
 
 
-class FitControl(NamedTuple):
-    """What a `fit` may read and change of its model, handed in by the
-    model (`AccumModel._fit_control`), so that neither `one_fit` nor its
-    callbacks read the model's attributes.
-
-    Example:
-
-    ```python
-    control = model._fit_control()
-    control.set_accum_steps(8)        # for this fit only
-    control.restore(previous)         # at its end: the open window stays
-    ```
-    """
-
-    # The model's `AccumSettings` now.
-    settings: Callable
-    # `accum_steps` for this fit only (a pending window of another length
-    # is applied first); not the setter, whose value outlives the fit.
-    set_accum_steps: Callable
-    # `micro_batch_size` for this fit only.
-    set_micro_batch_size: Callable
-    # `restore(settings)`: the settings back without applying the open
-    # window; the next step is made for them.
-    restore: Callable
-    # Ends what a fit left awaiting in its train functions (a resumed
-    # epoch's fast-forward, the first batch to see) when interrupted.
-    end_fit: Callable
-    # The settings the user assigns during the fit (`FitChanges`).
-    changes: "FitChanges"
-    # The batch size the step splits (None until a training batch is seen).
-    batch_size_seen: Callable
-    # Whether a window is open (micro-batches trained, not yet applied).
-    window_open: Callable
-    # The window's `NoiseScale`, or None when the model does not measure.
-    noise: Optional[object]
-    # `measured(value)`: an epoch's noise scale estimate, for the model's
-    # `noise_scale` property.
-    measured: Callable
-    # The settings callbacks' states in the model's `.keras` files
-    # (`SettingStates`).
-    setting_states: "SettingStates"
-
-
 class FitSetting(keras.callbacks.Callback):
     """A callback that changes the model's settings for one `fit` only
-    (`AccumScheduler`): `one_fit` hands it the fit's `FitControl`, and asks
+    (`AccumScheduler`): `one_fit` hands it the model's `Engine`, and asks
     it, before training, what it sets for the epoch training starts at.
 
     Example:
@@ -86,13 +40,13 @@ class FitSetting(keras.callbacks.Callback):
     ```
     """
 
-    # The running fit's `FitControl`, given by `one_fit`; None outside a fit.
-    fit_control = None
+    # The running fit's model's `Engine`, given by `one_fit`; None outside a fit.
+    engine = None
 
-    def bind_fit(self, control):
-        """Called by `one_fit` with its `FitControl` before training, and
-        with None when the fit ends."""
-        self.fit_control = control
+    def bind_fit(self, engine):
+        """Called by `one_fit` with the model's `Engine` before training,
+        and with None when the fit ends."""
+        self.engine = engine
 
     def value_at_start(self, epoch):
         """The `accum_steps` set for `epoch` as far as known before
@@ -109,60 +63,46 @@ class FitSetting(keras.callbacks.Callback):
         first batch; before or after this callback's `on_train_begin`)."""
 
 
-class SettingStates:
-    """The states of a running `fit`'s settings callbacks (`FitSetting.state`)
-    in the model's `.keras` files: a file written mid-fit (by
-    `keras.callbacks.ModelCheckpoint`) holds them beside the weights and the
-    optimizer (an asset, `AccumModel.save_assets`); the first `fit` of the
+class FitScope:
+    """What a model keeps of the running `fit`: its settings callbacks, the
+    settings the user assigns during it, and the callbacks' states a
+    `.keras` file brought for the next fit.
+
+    `fit(accum_steps=...)` and `AccumScheduler` change a setting for their
+    `fit` only, and `fit` puts the model's own back when it returns. A value
+    the user assigns during the fit (`model.accum_steps = n` from a
+    callback) is the model's own from then on, and stays, as a learning rate
+    assigned from a callback stays.
+
+    A `.keras` file written mid-fit (by `keras.callbacks.ModelCheckpoint`)
+    holds the settings callbacks' states (`FitSetting.state`) beside the
+    weights (an asset, `AccumModel.save_assets`); the first `fit` of the
     model loaded from it hands each to the callback of its class, once (as
     a backup's are), and warns about any no callback of this fit takes.
 
-    Example:
-
-    ```python
-    states.save(dir_path)            # AccumModel.save_assets, mid-fit
-    states.read(dir_path)            # AccumModel.load_assets
-    states.start(settings_callbacks) # one_fit: the loaded ones handed back
-    ```
+    Attributes:
+        settings_callbacks: the running fit's `FitSetting` callbacks.
     """
 
     FILE = "fit_setting_states.json"
 
     def __init__(self):
-        self.running = []  # the running fit's settings callbacks
-        self.loaded = {}  # {class name: state} from a file, for the next fit
+        self.settings_callbacks = []
+        self._by_user = None  # None outside fit
+        self._loaded = {}  # {class name: state} from a file, for the next fit
 
-    def current(self):
-        """`{class name: state}` of the running fit's stateful settings
-        callbacks (empty between fits)."""
-        states = {}
-        for callback in self.running:
-            state = callback.state()
-            if state is not None:
-                states[type(callback).__name__] = state
-        return states
-
-    def save(self, dir_path):
-        """Writes `current()` into `dir_path` (nothing if empty)."""
-        states = self.current()
-        if states:
-            with open(os.path.join(dir_path, self.FILE), "w") as f:
-                json.dump(states, f)
-
-    def read(self, dir_path):
-        """Keeps what `save` wrote into `dir_path` for the next fit."""
-        path = os.path.join(dir_path, self.FILE)
-        self.loaded = {}
-        if os.path.exists(path):
-            with open(path) as f:
-                self.loaded = json.load(f)
+    def set_by_user(self, **settings):
+        """Settings the user assigned (the model's setters), kept after the fit."""
+        if self._by_user is not None:
+            self._by_user.update(settings)
 
     def start(self, callbacks):
         """A fit starts with these settings callbacks: each gets the
         loaded state of its class, once."""
-        self.running = list(callbacks)
-        loaded, self.loaded = self.loaded, {}
-        for callback in self.running:
+        self._by_user = {}
+        self.settings_callbacks = list(callbacks)
+        loaded, self._loaded = self._loaded, {}
+        for callback in self.settings_callbacks:
             state = loaded.pop(type(callback).__name__, None)
             if state is not None:
                 callback.restore_state(state)
@@ -173,11 +113,39 @@ class SettingStates:
                 "such callback: that state is dropped (the schedule starts "
                 "afresh if one is given later). To continue it, pass the "
                 "same callback to this fit.",
-                stacklevel=4,
+                stacklevel=5,
             )
 
     def stop(self):
-        self.running = []
+        """The fit ended: the settings the user assigned during it."""
+        settings, self._by_user = self._by_user or {}, None
+        self.settings_callbacks = []
+        return settings
+
+    def states(self):
+        """`{class name: state}` of the running fit's stateful settings
+        callbacks (empty between fits)."""
+        states = {}
+        for callback in self.settings_callbacks:
+            state = callback.state()
+            if state is not None:
+                states[type(callback).__name__] = state
+        return states
+
+    def save(self, dir_path):
+        """Writes `states()` into `dir_path` (nothing if empty)."""
+        states = self.states()
+        if states:
+            with open(os.path.join(dir_path, self.FILE), "w") as f:
+                json.dump(states, f)
+
+    def read(self, dir_path):
+        """Keeps what `save` wrote into `dir_path` for the next fit."""
+        path = os.path.join(dir_path, self.FILE)
+        self._loaded = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                self._loaded = json.load(f)
 
 
 class EpochEndFlush(keras.callbacks.Callback):
@@ -192,21 +160,20 @@ class EpochEndFlush(keras.callbacks.Callback):
     Example:
 
     ```python
-    callbacks = [EpochEndFlush(model, control), *user_callbacks]
+    callbacks = [EpochEndFlush(engine), *user_callbacks]
     ```
     """
 
-    def __init__(self, model, control):
+    def __init__(self, engine):
         super().__init__()
-        self._accum_model = model
-        self._noise = control.noise
-        self._measured = control.measured
+        self._engine = engine
         self._trained = False
         self._warned = False
 
     def on_epoch_begin(self, epoch, logs=None):
-        if self._noise is not None:
-            self._noise.start_epoch()
+        noise = self._engine.state.noise
+        if noise is not None:
+            noise.start_epoch()
 
     def on_train_batch_end(self, batch, logs=None):
         self._trained = True
@@ -216,18 +183,18 @@ class EpochEndFlush(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self._flush()
-        model = self._accum_model
-        if logs is not None and model.skip_nonfinite:
+        engine = self._engine
+        if logs is not None and engine.settings.skip_nonfinite:
             # Printed as an integer by the progress bar (LoggedCount).
-            logs["skipped_windows"] = internals.LoggedCount(model.skipped_windows)
-        if self._noise is not None:
+            logs["skipped_windows"] = internals.LoggedCount(engine.state.skipped_windows)
+        if engine.state.noise is not None:
             self._log_noise_scale(logs)
 
     def _log_noise_scale(self, logs):
         # After the flush: the epoch's last window is in the estimate.
-        model = self._accum_model
-        value = self._noise.end_epoch()
-        self._measured(value)
+        engine = self._engine
+        value = engine.state.noise.end_epoch()
+        engine.noise_scale = value
         if logs is not None:
             logs["noise_scale"] = value
         if math.isnan(value) and not self._warned:
@@ -236,8 +203,8 @@ class EpochEndFlush(keras.callbacks.Callback):
                 "noise_scale is NaN: no window of this epoch had two "
                 "micro-batches or more, and the noise scale is measured by "
                 "comparing a window's gradient with its micro-batches' "
-                f"(accum_steps={model.accum_steps}, micro_batch_size="
-                f"{model.micro_batch_size!r}). Train with accum_steps >= 2 or "
+                f"(accum_steps={engine.settings.accum_steps}, micro_batch_size="
+                f"{engine.settings.micro_batch_size!r}). Train with accum_steps >= 2 or "
                 "a micro_batch_size below the batch size; "
                 "a loss summed rather than averaged is not measured either.",
                 stacklevel=2,
@@ -247,38 +214,7 @@ class EpochEndFlush(keras.callbacks.Callback):
         # An epoch that trained on no data (Keras warns that the input ran
         # out) leaves an open window from before the fit as it was.
         if self._trained:
-            self._accum_model.flush()
-
-
-class FitChanges:
-    """The settings the user assigns (`model.accum_steps = n`, from a
-    callback, say) while a `fit` runs.
-
-    `fit(accum_steps=...)` and `AccumScheduler` change a setting for their
-    `fit` only, and `fit` puts the model's own back when it returns. A value
-    the user assigns during the fit is the model's own from then on, and
-    stays, as a learning rate assigned from a callback stays.
-
-    Example:
-
-    ```python
-    changes.set_by_user(accum_steps=2)  # the model's setter, during fit
-    ```
-    """
-
-    def __init__(self):
-        self.settings = None  # None outside fit
-
-    def start(self):
-        self.settings = {}
-
-    def set_by_user(self, **settings):
-        if self.settings is not None:
-            self.settings.update(settings)
-
-    def stop(self):
-        settings, self.settings = self.settings or {}, None
-        return settings
+            self._engine.flush()
 
 
 def check_callbacks(callbacks, strategy):
@@ -367,9 +303,9 @@ _KERAS_FIT_ARGUMENTS = frozenset(inspect.signature(keras.Model.fit).parameters)
 
 
 @contextlib.contextmanager
-def one_fit(model, control, callbacks, accum_steps=None, micro_batch_size=None,
-            fit_kwargs=None):
-    """The settings and callbacks of one `fit` call; yields the callbacks.
+def one_fit(engine, callbacks, accum_steps=None, micro_batch_size=None, fit_kwargs=None):
+    """The settings and callbacks of one `fit` of `engine`'s model; yields
+    the callbacks.
 
     Every argument is checked before anything changes. `accum_steps` and
     `micro_batch_size`, if given, hold for this call only, and so do the
@@ -379,8 +315,9 @@ def one_fit(model, control, callbacks, accum_steps=None, micro_batch_size=None,
     user assigns during the fit (`model.accum_steps = n` in a callback) is
     the model's own, and stays. A resumed epoch's fast-forward belongs to this
     call too. `fit_kwargs` are the other arguments of this `fit`, checked
-    for a misspelling of ours. `control` is the model's `FitControl`.
+    for a misspelling of ours.
     """
+    model = engine.model
     fit_kwargs = fit_kwargs or {}
     check_keywords(fit_kwargs, "fit()", FIT_ARGUMENTS, passed_on=_KERAS_FIT_ARGUMENTS)
     if isinstance(callbacks, keras.callbacks.Callback):
@@ -395,22 +332,18 @@ def one_fit(model, control, callbacks, accum_steps=None, micro_batch_size=None,
     check_schedule_agrees(given, accum_steps, initial_epoch)
     warn_if_epochs_end_mid_window(
         fit_kwargs.get("steps_per_epoch"),
-        _first_accum_steps(given, accum_steps, control.settings(), initial_epoch),
+        _first_accum_steps(given, accum_steps, engine.settings, initial_epoch),
     )
-    previous = control.settings()
+    previous = engine.settings
     if accum_steps is not None:
-        control.set_accum_steps(accum_steps)
+        engine.set_accum_steps(accum_steps)
     if micro_batch_size is not None:
-        control.set_micro_batch_size(micro_batch_size)
+        engine.set_micro_batch_size(micro_batch_size)
     settings_callbacks = [c for c in given if isinstance(c, FitSetting)]
     for callback in settings_callbacks:
-        callback.bind_fit(control)
-    control.setting_states.start(settings_callbacks)  # a .keras file's, once
-    backups = [c for c in given if hasattr(c, "bind_settings")]
-    for backup in backups:  # keras_accum.BackupAndRestore keeps their state
-        backup.bind_settings(settings_callbacks)
-    control.changes.start()
-    flush = EpochEndFlush(model, control)
+        callback.bind_fit(engine)
+    engine.fits.start(settings_callbacks)  # a .keras file's states, once
+    flush = EpochEndFlush(engine)
     if isinstance(callbacks, keras.callbacks.CallbackList):
         callbacks.callbacks.insert(0, flush)
         flush.set_model(model)
@@ -423,11 +356,7 @@ def one_fit(model, control, callbacks, accum_steps=None, micro_batch_size=None,
         if isinstance(callbacks, keras.callbacks.CallbackList):
             callbacks.callbacks.remove(flush)
         # Not through the setters: the open window stays open.
-        control.restore(previous._replace(**control.changes.stop()))
-        control.end_fit()
-        control.setting_states.stop()
+        engine.restore_settings(previous._replace(**engine.fits.stop()))
+        engine.functions.end_fit()
         for callback in settings_callbacks:
             callback.bind_fit(None)
-        for backup in backups:
-            backup.bind_settings([])
-
