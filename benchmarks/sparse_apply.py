@@ -36,7 +36,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from keras_accum.window import slices  # noqa: E402
+from keras_accum.window import AccumState, close, slices  # noqa: E402
 from keras_accum.window.buffers import GradientAccumulator  # noqa: E402
 
 ROWS, WIDTH, MICRO, LENGTH, N = 200_000, 64, 32, 32, 8
@@ -87,7 +87,7 @@ def main(argv=None):
         acc.slice_counts[0].assign(count)
         acc.window_weight.assign(float(N * MICRO))
         acc.micro_step.assign(N)
-        acc.apply(ours_adam)
+        close(AccumState(acc), ours_adam)
 
     @tf.function
     def window_gradient():

@@ -345,95 +345,9 @@ def settings_from_config(config):
     )
 
 
-# What each way in takes of keras_accum's own arguments.
-# -- AccumScheduler's ------------------------------------------------------------
-
-NOISE_SCALE = "noise_scale"
-# "noise_scale" decides this often unless told (every_updates) ...
-DEFAULT_EVERY_UPDATES = 50
-# ... and grows the batch towards this multiple of the noise scale.
-DEFAULT_NOISE_SCALE_MULTIPLE = 1.5
-
-
-def noise_scale_arguments(schedule, max_accum_steps, every_updates, every_samples,
-                          multiple, min_accum_steps=None):
-    """AccumScheduler's arguments for "noise_scale", normalised:
-    `(max_accum_steps, every_updates, every_samples, noise_scale_multiple,
-    min_accum_steps)`. Required or defaulted with "noise_scale"; refused
-    with a dict or a callable schedule, which sets accum_steps per epoch
-    itself."""
-    given = {"max_accum_steps": max_accum_steps, "every_updates": every_updates,
-             "every_samples": every_samples, "noise_scale_multiple": multiple,
-             "min_accum_steps": min_accum_steps}
-    if schedule != NOISE_SCALE:
-        for name, value in given.items():
-            if value is not None:
-                raise ValueError(
-                    f'`{name}` is for AccumScheduler("noise_scale"); a dict or '
-                    "callable schedule sets accum_steps per epoch itself. "
-                    f"Received: {name}={value!r} with schedule={schedule!r}."
-                )
-        return None, None, None, None, None
-    if max_accum_steps is None:
-        raise ValueError(
-            'AccumScheduler("noise_scale") needs `max_accum_steps`, the '
-            "largest accum_steps to grow to, e.g. "
-            'AccumScheduler("noise_scale", max_accum_steps=32). '
-            "Received: max_accum_steps=None."
-        )
-    try:
-        max_accum_steps = check_accum_steps(max_accum_steps)
-    except (TypeError, ValueError) as error:
-        raise type(error)(str(error).replace("accum_steps", "max_accum_steps")) from None
-    if every_updates is not None and every_samples is not None:
-        raise ValueError(
-            "Give `every_updates` or `every_samples`, not both. Received: "
-            f"every_updates={every_updates!r}, every_samples={every_samples!r}."
-        )
-    if every_samples is None:
-        every_updates = _positive("every_updates", every_updates, DEFAULT_EVERY_UPDATES,
-                                  "how often the schedule decides")
-    else:
-        every_samples = _positive("every_samples", every_samples, None,
-                                  "how often the schedule decides")
-    multiple = _positive("noise_scale_multiple", multiple, DEFAULT_NOISE_SCALE_MULTIPLE,
-                         "the batch to grow towards, in noise scales; e.g. 1.5", float)
-    if min_accum_steps is not None:
-        try:
-            min_accum_steps = check_accum_steps(min_accum_steps)
-        except (TypeError, ValueError) as error:
-            raise type(error)(str(error).replace("accum_steps", "min_accum_steps")) from None
-        if min_accum_steps > max_accum_steps:
-            raise ValueError(
-                "`min_accum_steps` (the smallest accum_steps the schedule may "
-                "shrink to) must be at most `max_accum_steps`. Received: "
-                f"min_accum_steps={min_accum_steps}, max_accum_steps={max_accum_steps}."
-            )
-    return max_accum_steps, every_updates, every_samples, multiple, min_accum_steps
-
-
-def check_tuned_batch(tuned_batch):
-    """`tuned_batch`: None or a positive integer (a fit with neither a rule
-    nor a `SampleSchedule` refuses one: `check_tuned_batch_used`)."""
-    return _positive("tuned_batch", tuned_batch, None,
-                     "samples per update the rate was tuned for")
-
-
-def check_tuned_batch_used(tuned_batch, used):
-    """Refuses a `tuned_batch` that nothing in the fit uses (`used`: a rule
-    or a `SampleSchedule` follows the batch), before training."""
-    if tuned_batch is not None and not used:
-        raise ValueError(
-            "`tuned_batch` is the batch the learning rate was tuned for, "
-            "which a learning_rate_rule or a keras_accum.SampleSchedule "
-            "uses, and this fit has neither (learning_rate_rule=None, and "
-            "the optimizer's rate is not a SampleSchedule). Nothing was "
-            f"trained. Received: tuned_batch={tuned_batch!r}."
-        )
-
-
-def _positive(name, value, default, meaning, kind=int):
-    """`value` as a positive `kind` (int: an integer), `default` if None."""
+def check_positive(name, value, default, meaning, kind=int):
+    """`value` (the argument `name`) as a positive `kind` (int: an
+    integer), `default` if None; or raises naming it and its `meaning`."""
     if value is None:
         return default
     wanted = numbers.Integral if kind is int else numbers.Real

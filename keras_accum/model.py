@@ -137,12 +137,9 @@ class AccumModel(
             noise_scale, coupled_from,
         )
         internals.init_model(self, super().__init__, args, kwargs)
-        # Held outside Keras's tracking: the engine is no state of the
-        # model's files; the window's parts are, at the paths below.
-        object.__setattr__(
-            self, "_engine",
-            Engine(self, settings, internals.holder_of(self, "train_function")),
-        )
+        # Not a Keras object: saving passes it by; the window's parts are
+        # saved at the paths below.
+        self._engine = Engine(self, settings, internals.holder_of(self, "train_function"))
         self._expose_window()
 
     def _configure(self, settings):

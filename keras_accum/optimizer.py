@@ -20,7 +20,7 @@ from keras_accum.window import AccumState, slices
 
 def check_not_accumulating(optimizer, accum_steps):
     """Refuses an optimizer that already accumulates: one or the other."""
-    for opt in (optimizer, getattr(optimizer, "inner_optimizer", None)):
+    for opt in internals.wrapped(optimizer):
         steps = getattr(opt, "gradient_accumulation_steps", None)
         if steps or isinstance(opt, AccumOptimizer):
             what = (

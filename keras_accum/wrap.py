@@ -5,7 +5,7 @@ import types
 import keras
 
 from keras_accum import _internals as internals
-from keras_accum.arguments import MODEL_ARGUMENTS, accum_settings, check_keywords
+from keras_accum.arguments import MODEL_ARGUMENTS, check_keywords
 from keras_accum.model import AccumModel
 from keras_accum.engine.files import check_config_is_faithful
 
@@ -231,7 +231,8 @@ def wrap(
     ```
     """
     check_keywords(kwargs, "wrap()", MODEL_ARGUMENTS)
-    checked = accum_settings(
+    # Checked once, by the AccumModel made below, before it changes anything.
+    settings = dict(
         accum_steps=accum_steps,
         accum_dtype=accum_dtype,
         skip_nonfinite=skip_nonfinite,
@@ -240,7 +241,6 @@ def wrap(
         noise_scale=noise_scale,
         coupled_from=coupled_from,
     )
-    accum_steps = checked.accum_steps
     if not isinstance(model, keras.Model):
         raise TypeError(
             "`model` must be a keras.Model. "
@@ -257,7 +257,6 @@ def wrap(
     # M(keras.Model)` built as `M(inputs, outputs)`) is rebuilt from its
     # graph below, which would drop its overrides as silently.
     _check_no_step_overrides(model)
-    settings = checked._asdict()
     graph = _graph(model)
     if graph is not None and _has_own_class(model):
         # A KerasHub task, a functional subclass: its own config is what

@@ -28,6 +28,7 @@ from helpers.models import text_net as net
 from helpers import mirrored as mirrored_runs
 
 import keras_accum
+from keras_accum.window import AccumState, close
 from keras_accum import AccumModel, AccumOptimizer
 
 # A window of 4 micro-batches of 8: its 32 x LENGTH tokens stay under the
@@ -441,7 +442,7 @@ def test_slices_are_appended_and_a_new_window_starts_by_count():
     np.testing.assert_array_equal(window.indices.numpy(), [7, 7, 2])
     np.testing.assert_allclose(window.values.numpy(), [[0.5, 1], [1.5, 2], [2.5, 3]])
     stored = acc.acc_grads[0].numpy()
-    acc.apply(keras.optimizers.SGD(1.0))
+    close(AccumState(acc), keras.optimizers.SGD(1.0))
     np.testing.assert_allclose(weights.numpy()[7], [-1, -2])
     assert int(acc.slice_counts[0].numpy()) == 0
     # No pass over the buffer: the stale rows stay, unread.
@@ -585,7 +586,7 @@ def test_a_window_of_moments_stays_moments_to_its_end():
     np.testing.assert_allclose(
         tf.convert_to_tensor(acc.window_gradients()[0]).numpy(), expected / 3, rtol=1e-6
     )
-    acc.apply(keras.optimizers.SGD(1.0))
+    close(AccumState(acc), keras.optimizers.SGD(1.0))
     np.testing.assert_allclose(weights.numpy(), -expected / 3, rtol=1e-6)
     # The next window starts as slices again.
     assert int(acc.slice_counts[0].numpy()) == 0

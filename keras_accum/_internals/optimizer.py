@@ -23,14 +23,19 @@ _BOOKKEEPING = (
 )
 
 
+def wrapped(optimizer):
+    """`optimizer` and every optimizer it wraps (`LossScaleOptimizer`,
+    `AccumOptimizer` hold theirs as `inner_optimizer`), outermost first.
+    Public Keras: a plain optimizer has no `inner_optimizer` by design."""
+    while optimizer is not None:
+        yield optimizer
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+
+
 def innermost(optimizer):
-    """The optimizer that does the updates: `optimizer`, or the one a wrapper
-    (`LossScaleOptimizer`, `AccumOptimizer`) holds as `inner_optimizer`, as
-    deep as they nest. Public Keras: a plain optimizer has no
-    `inner_optimizer` by design."""
-    while hasattr(optimizer, "inner_optimizer"):
-        optimizer = optimizer.inner_optimizer
-    return optimizer
+    """The optimizer that does the updates: the last of `wrapped(optimizer)`."""
+    *_, inner = wrapped(optimizer)
+    return inner
 
 
 def check_optimizer(optimizer):

@@ -166,6 +166,12 @@ class Engine:
         if self.settings.micro_batch_size is not None:
             self.functions.invalidate()
 
+    def batch_drawn(self):
+        """The batch `fit` draws per step, over all replicas (the model sees
+        one replica's share); None before the first."""
+        size = self.batch_size_seen
+        return size and size * self.model.distribute_strategy.num_replicas_in_sync
+
     # -- the open window -----------------------------------------------------
 
     def window_open(self):

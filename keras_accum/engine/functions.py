@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from keras_accum import _internals as internals
 from keras_accum import window
+from keras_accum.arguments import AUTO
 from keras_accum.engine import step
 from keras_accum.optimizer import check_not_accumulating
 from keras_accum.split import across_replicas
@@ -142,7 +143,7 @@ class TrainFunctions:
     def _new(self, engine, plan):
         model, state = engine.model, engine.state
         strategy = model.distribute_strategy
-        if plan.micro_batch_size == "auto":
+        if plan.micro_batch_size == AUTO:
             written = StepState(lambda: written_before_gradients(model, state), strategy)
             if strategy.num_replicas_in_sync > 1 or internals.multi_worker(strategy):
                 # Several replicas: computed apart from every collective, so

@@ -42,7 +42,6 @@ import tensorflow as tf
 
 from keras_accum import _internals as internals
 from keras_accum.engine import functions
-from keras_accum.arguments import NOISE_SCALE
 from keras_accum.split.auto import StepState
 from keras_accum.growth.estimate import NoiseEstimate
 from keras_accum.window import noise_scale
@@ -179,11 +178,12 @@ def _window_function(model, variables):
     return window
 
 
-def probe_argument(schedule, probe, probe_windows):
+def probe_argument(noise_scale, probe, probe_windows, schedule=None):
     """`AccumScheduler`'s `probe` and `probe_windows`, normalised: a
     `NoiseProbe`, or None without a probe. Refuses a probe with a schedule
-    other than "noise_scale", and `probe_windows` without a probe."""
-    if probe is not None and schedule != NOISE_SCALE:
+    other than "noise_scale" (`noise_scale` False; `schedule` the one
+    given), and `probe_windows` without a probe."""
+    if probe is not None and not noise_scale:
         raise ValueError(
             '`probe` is for AccumScheduler("noise_scale"): the held examples '
             "its noise scale is measured on. A dict or callable schedule "

@@ -45,6 +45,7 @@ import warnings
 import keras
 
 from keras_accum import _internals as internals
+from keras_accum.arguments import AUTO
 from keras_accum.growth.sample_schedule import SampleSchedule
 
 
@@ -124,7 +125,6 @@ RULES = {
 # earlier default, never above "sqrt") took 15% more updates; "sqrt" is
 # the one the literature gives for Adam and holds the rate further below
 # where it diverges (x8 at 64x the batch, where x64 diverged).
-AUTO = "auto"
 
 
 def check_rule(rule, argument="learning_rate_rule"):
@@ -146,7 +146,7 @@ def for_optimizer(rule, optimizer):
     `keras.optimizers.SGD`, the square root of the batch ratio otherwise."""
     if rule != AUTO:
         return rule
-    inner = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer
+    inner = internals.innermost(optimizer)
     return adascale if isinstance(inner, keras.optimizers.SGD) else square_root
 
 
@@ -278,4 +278,17 @@ def check_rate_is_a_number(optimizer):
             "keras_accum.SampleSchedule (its steps then count samples, and "
             "the rule multiplies its rate), or pass learning_rate_rule=None "
             "to AccumScheduler. Nothing was trained."
+        )
+
+
+def check_tuned_batch_used(tuned_batch, used):
+    """Refuses a `tuned_batch` that nothing in the fit uses (`used`: a rule
+    or a `SampleSchedule` follows the batch), before training."""
+    if tuned_batch is not None and not used:
+        raise ValueError(
+            "`tuned_batch` is the batch the learning rate was tuned for, "
+            "which a learning_rate_rule or a keras_accum.SampleSchedule "
+            "uses, and this fit has neither (learning_rate_rule=None, and "
+            "the optimizer's rate is not a SampleSchedule). Nothing was "
+            f"trained. Received: tuned_batch={tuned_batch!r}."
         )

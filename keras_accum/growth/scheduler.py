@@ -1,18 +1,19 @@
-"""`AccumScheduler`: change `accum_steps` at epoch boundaries (batch-size warm-up),
-from a schedule or from the measured gradient noise scale."""
+"""`AccumScheduler`: change `accum_steps` as training goes, from a schedule
+of epochs (epochs.py) or grown to the measured gradient noise scale
+(noise_growth.py); the learning rate follows (rate_rules.py)."""
 
-import inspect
-import numbers
 from typing import NamedTuple, Optional
 
 from keras_accum import _internals as internals
-from keras_accum.growth import rate_rules
-from keras_accum import arguments
-from keras_accum.arguments import NOISE_SCALE, check_accum_steps
+from keras_accum.arguments import check_positive
 from keras_accum.engine.fit import FitSetting
-from keras_accum.growth.estimate import BatchGrowth, NoiseEstimate
+from keras_accum.growth import rate_rules
+from keras_accum.growth.epochs import EpochSchedule
+from keras_accum.growth.estimate import NoiseEstimate
+from keras_accum.growth.noise_growth import NoiseScaleGrowth
 from keras_accum.growth.probe import probe_argument
 
+NOISE_SCALE = "noise_scale"
 # The learning_rate_rule argument's default: "auto" with "noise_scale",
 # None with a dict or a callable.
 DEFAULT = object()
@@ -106,7 +107,7 @@ class AccumScheduler(FitSetting):
             required): the largest `accum_steps` to grow to.
         every_updates: with "noise_scale": decide after every this many
             optimizer updates, at a window's end (default
-            `arguments.DEFAULT_EVERY_UPDATES`). A fit's first decisions
+            `noise_growth.DEFAULT_EVERY_UPDATES`). A fit's first decisions
             come sooner: the gap is half the updates of the fit so far,
             from a third of `every_updates` up (at 50: decisions at
             updates 16, 32, 63, 113, then every 50; the batch can grow
@@ -117,7 +118,7 @@ class AccumScheduler(FitSetting):
             decision (at a window's end).
         noise_scale_multiple: with "noise_scale": the batch grown towards,
             in multiples of the noise scale (default
-            `arguments.DEFAULT_NOISE_SCALE_MULTIPLE`, 1.5: the measured
+            `noise_growth.DEFAULT_NOISE_SCALE_MULTIPLE`, 1.5: the measured
             noise scale sits at 0.5-1x the critical batch, where a bigger
             batch stops paying; docs: growing the batch).
         min_accum_steps: with "noise_scale": let the batch shrink, at most
@@ -186,42 +187,41 @@ class AccumScheduler(FitSetting):
                  noise_scale_multiple=None, min_accum_steps=None,
                  probe=None, probe_windows=None):
         super().__init__()
-        (self.max_accum_steps, self.every_updates, self.every_samples,
-         self.noise_scale_multiple, self.min_accum_steps) = arguments.noise_scale_arguments(
-            schedule, max_accum_steps, every_updates, every_samples, noise_scale_multiple,
-            min_accum_steps)
-        if learning_rate_rule is DEFAULT:
-            learning_rate_rule = rate_rules.AUTO if schedule == NOISE_SCALE else None
-        self._rule = rate_rules.check_rule(learning_rate_rule)
-        self.learning_rate_rule = learning_rate_rule
-        self.tuned_batch = arguments.check_tuned_batch(tuned_batch)
-        self._probe = probe_argument(schedule, probe, probe_windows)
-        self.probe_windows = None if self._probe is None else self._probe.windows
-        if schedule == NOISE_SCALE:
-            self._table = None
-            self._schedule = self._from_noise_scale
-        elif isinstance(schedule, dict):
-            self._table = _checked_table(schedule)
-            self._schedule = self._lookup
-        elif callable(schedule):
-            _check_takes_an_epoch(schedule)
-            self._table = None
-            self._schedule = schedule
+        growth = {"max_accum_steps": max_accum_steps, "every_updates": every_updates,
+                  "every_samples": every_samples, "noise_scale_multiple": noise_scale_multiple,
+                  "min_accum_steps": min_accum_steps}
+        noise_scale = isinstance(schedule, str) and schedule == NOISE_SCALE
+        if noise_scale:
+            self._strategy = NoiseScaleGrowth(
+                max_accum_steps, every_updates, every_samples, noise_scale_multiple,
+                min_accum_steps, probe_argument(True, probe, probe_windows),
+            )
+        elif isinstance(schedule, dict) or callable(schedule):
+            for name, value in growth.items():
+                if value is not None:
+                    raise ValueError(
+                        f'`{name}` is for AccumScheduler("noise_scale"); a dict or '
+                        "callable schedule sets accum_steps per epoch itself. "
+                        f"Received: {name}={value!r} with schedule={schedule!r}."
+                    )
+            probe_argument(False, probe, probe_windows, schedule)
+            self._strategy = EpochSchedule(schedule)
         else:
+            hint = 'A string must be "noise_scale". ' if isinstance(schedule, str) else ""
             raise TypeError(
                 "`schedule` must be a dict {epoch: accum_steps}, a callable "
-                'epoch -> accum_steps, or "noise_scale". '
-                + _not_noise_scale(schedule) +
+                f'epoch -> accum_steps, or "noise_scale". {hint}'
                 f"Received: schedule={schedule!r} (of type {type(schedule).__name__})."
             )
+        if learning_rate_rule is DEFAULT:
+            learning_rate_rule = rate_rules.AUTO if noise_scale else None
+        self._rule = rate_rules.check_rule(learning_rate_rule)
+        self.learning_rate_rule = learning_rate_rule
+        self.tuned_batch = check_positive("tuned_batch", tuned_batch, None,
+                                          "samples per update the rate was tuned for")
         self.schedule = schedule
         self.verbose = verbose
         self.path = []
-        self._growth = (
-            BatchGrowth(self.max_accum_steps, multiple=self.noise_scale_multiple,
-                        min_accum_steps=self.min_accum_steps)
-            if schedule == NOISE_SCALE else None
-        )
         self._follower = None
         self._epoch = 0
         self._since = _Since()
@@ -230,49 +230,24 @@ class AccumScheduler(FitSetting):
         self._begun = False  # the rate for the fit's first batch is set
         self._started = False  # on_train_begin ran in this fit
         self._restored = None  # a backup's state, until applied
-        self._acted_on = None, False  # the last decision's estimate, probed
-        self._probe_checked = False  # the probe's size checked in this fit
 
-    def _lookup(self, epoch):
-        value = None
-        for start, steps in self._table:
-            if start > epoch:
-                break
-            value = steps
-        return value
+    # The noise-scale strategy's arguments, as given (normalised).
+    max_accum_steps = property(lambda self: getattr(self._strategy, "max_accum_steps", None))
+    every_updates = property(lambda self: getattr(self._strategy, "every_updates", None))
+    every_samples = property(lambda self: getattr(self._strategy, "every_samples", None))
+    noise_scale_multiple = property(lambda self: getattr(self._strategy, "multiple", None))
+    min_accum_steps = property(lambda self: getattr(self._strategy, "min_accum_steps", None))
 
-    def _from_noise_scale(self, epoch):
-        # At an epoch's start or every_updates/every_samples: the windows
-        # since the last decision join the smoothed estimate; where the
-        # noise scale has outgrown the window, a probe measures it instead.
-        growth, current = self._growth, self.engine.settings.accum_steps
-        size = self._batch_drawn()
-        growth.take_windows(self.engine.state.noise)
-        estimate, probed = growth.estimate, False
-        if (self._probe is not None and size and growth.can_change(current)
-                and _outgrown(estimate, current * size)):
-            estimate, probed = self._probe.measure(self.model, self._probe_micro_batch()), True
-        self._acted_on = estimate, probed
-        return growth.next_accum_steps(current, size, estimate)
-
-    def _value(self, epoch):
-        value = self._schedule(epoch)
-        if value is None:
-            return None
-        try:
-            return check_accum_steps(value)
-        except (TypeError, ValueError) as error:
-            raise type(error)(
-                f"`schedule` returned {value!r} for epoch {epoch}: {error}"
-            ) from None
+    @property
+    def probe_windows(self):
+        probe = getattr(self._strategy, "probe", None)
+        return None if probe is None else probe.windows
 
     def value_at_start(self, epoch):
         """The value the schedule sets for `epoch`, as far as it is known
         before training: None for "noise_scale" (it grows from the value in
         force) and for a callable returning None. Checked as in `fit`."""
-        if self.schedule == NOISE_SCALE:
-            return None
-        return self._value(epoch)
+        return self._strategy.value_at_start(epoch)
 
     def bind_fit(self, engine):
         super().bind_fit(engine)
@@ -287,34 +262,12 @@ class AccumScheduler(FitSetting):
 
     def on_train_begin(self, logs=None):
         self._check_model()
-        if self.schedule == NOISE_SCALE:
-            if not self.engine.settings.noise_scale:
-                raise ValueError(
-                    'AccumScheduler("noise_scale") follows the noise scale '
-                    "the model measures, and this model does not measure "
-                    "it: make it with `noise_scale=True` (AccumModel or "
-                    "keras_accum.wrap)."
-                )
-            self._growth.begin(self.engine.state.noise)
-            if self._probe is not None:
-                if internals.multi_worker(self.model.distribute_strategy):
-                    raise ValueError(
-                        "`probe` is not supported across workers yet: each "
-                        "worker would measure it apart and could decide "
-                        "another `accum_steps`. Drop `probe` for a "
-                        "multi-worker fit (the windows' estimate is reduced "
-                        "across workers)."
-                    )
-                self._probe_checked = False
-        elif self._table is None:
-            # A callable is checked for every epoch before the first step.
-            for epoch in range(self.params.get("epochs") or 0):
-                self._value(epoch)
+        self._strategy.begin(self.engine, self.params.get("epochs") or 0)
         self.path = []
         self._since = self._start = _Since(self._updates(), 0)
         self._trained = 0
         follows = rate_rules.RateFollower.needed(self._rule, self.model.optimizer)
-        arguments.check_tuned_batch_used(self.tuned_batch, follows)
+        rate_rules.check_tuned_batch_used(self.tuned_batch, follows)
         if follows:
             self._follower = rate_rules.RateFollower(self._rule)
             self._follower.start(self.model.optimizer, self.tuned_batch)
@@ -337,8 +290,8 @@ class AccumScheduler(FitSetting):
                  "trained": self._trained, "begun": self._begun}
         if self._follower is not None:
             state["rate"] = self._follower.state()
-        if self._growth is not None:
-            state["growth"] = self._growth.state(self.engine.state.noise)
+        if isinstance(self._strategy, NoiseScaleGrowth):
+            state["growth"] = self._strategy.state(self.engine)
         return state
 
     def restore_state(self, state):
@@ -359,8 +312,8 @@ class AccumScheduler(FitSetting):
             # The optimizer's rate came back with the weights (scaled); the
             # tuned one is the backup's, and so is a SampleSchedule's count.
             self._follower.restore(state["rate"])
-        if self._growth is not None and "growth" in state:
-            self._growth.restore(state["growth"], self.engine.state.noise)
+        if "growth" in state and isinstance(self._strategy, NoiseScaleGrowth):
+            self._strategy.restore(state["growth"], self.engine)
 
     def _check_model(self):
         # A keras_accum model's fit hands its engine over (bind_fit).
@@ -372,15 +325,11 @@ class AccumScheduler(FitSetting):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
-        if self._probe is not None and not self._probe_checked:
-            # The batch fit draws is known now, before the fit's first step
-            # (a resumed fit's too).
-            self._probe_checked = True
-            micro_batch = self._probe_micro_batch()
-            if micro_batch:
-                self._probe.check(micro_batch)
-        if not (self.schedule == NOISE_SCALE and self._decides_within_epochs()):
+        strategy = self._strategy
+        if not strategy.decides_within_epochs:
             self._decide(epoch)
+        else:
+            strategy.epoch_begins(self.engine)
         if not self._begun:
             # The fit's first batch is known now (Keras builds the model
             # from it before the callbacks start): the rate for it.
@@ -391,45 +340,25 @@ class AccumScheduler(FitSetting):
                     self.path[-1] = self.path[-1]._replace(learning_rate=rate)
 
     def on_train_batch_end(self, batch, logs=None):
-        size = self._batch_drawn() or 0
         # Counted by full batches: an epoch's short last batch counts whole.
-        self._trained += size
-        if not self._decides_within_epochs() or self.engine.window_open():
+        self._trained += self.engine.batch_drawn() or 0
+        if not self._strategy.decides_within_epochs or self.engine.window_open():
             return
         updates = self._updates()
-        if self.every_updates is not None:
-            due = updates - self._since.updates >= _gap(
-                updates - self._start.updates, self.every_updates)
-        else:
-            due = self._trained - self._since.samples >= _gap(self._trained, self.every_samples)
+        due = self._strategy.due(
+            (updates - self._since.updates, updates - self._start.updates),
+            (self._trained - self._since.samples, self._trained),
+        )
         if due:
             self._decide(self._epoch)
-
-    def _batch_drawn(self):
-        # The batch fit draws per step, global: under a strategy the model
-        # sees one replica's share. None before the first.
-        size = self.engine.batch_size_seen
-        return size and size * self.model.distribute_strategy.num_replicas_in_sync
-
-    def _probe_micro_batch(self):
-        # What one device runs at once in a step: the micro-batch when the
-        # step splits its batch (memory), else the replica's share.
-        share = self.engine.batch_size_seen
-        setting = self.engine.settings.micro_batch_size
-        split = self.engine.auto.size if setting == "auto" else setting
-        return min(split, share) if split and share else share
 
     def _updates(self):
         # `.numpy()`: under a strategy the count is a MirroredVariable,
         # which `int()` refuses.
         return int(self.model.optimizer.iterations.numpy())
 
-    def _decides_within_epochs(self):
-        return self.every_updates is not None or self.every_samples is not None
-
     def _decide(self, epoch):
-        value = self._value(epoch)
-        estimate, probed = self._acted_on if self._growth is not None else (None, False)
+        value, estimate, probed = self._strategy.decide(epoch, self.engine)
         self._since = _Since(self._updates(), self._trained)
         changed = value is not None and value != self.engine.settings.accum_steps
         if changed:
@@ -441,7 +370,7 @@ class AccumScheduler(FitSetting):
             if self.verbose > 0:
                 print(f"\nEpoch {epoch + 1}: AccumScheduler setting accum_steps to {value}.")
         rate = self._follow(estimate) if changed and self._begun else None
-        if changed or self._growth is not None:
+        if changed or self._strategy.decides_within_epochs:
             self.path.append(Decision(
                 epoch, self._since.updates, self._trained, self.engine.settings.accum_steps,
                 rate, estimate, probed))
@@ -449,7 +378,7 @@ class AccumScheduler(FitSetting):
     def _follow(self, estimate):
         if self._follower is None:
             return None
-        size = self._batch_drawn()
+        size = self.engine.batch_drawn()
         if not size:
             return self._follower.rate()  # no data seen: nothing to scale by
         return self._follower.follow(size * self.engine.settings.accum_steps, estimate)
@@ -460,83 +389,8 @@ class AccumScheduler(FitSetting):
             logs["accum_steps"] = internals.LoggedCount(self.engine.settings.accum_steps)
 
 
-# The first decisions of a fit come sooner: the gap is half the fit so far,
-# from every / RAMP up to every. The batch at most doubles per decision, so
-# growing 16-fold at a fixed gap took 4 gaps (200 updates at 50, spent at
-# the small batch). Measured on benchmarks/batch_growth.py (medians of 3
-# seeds, S_min / E_min): without the ramp 2.29 / 2.21 from the rate tuned
-# for 16 and 2.38 / 2.17 from 256's; RAMP 3: 1.96 / 2.20 and 2.16 / 2.21;
-# RAMP 5: 2.20 / 2.42 and 2.12 / 2.21.
-RAMP = 3
-
-
-def _outgrown(estimate, window):
-    """Whether the noise scale has outgrown a `window` of samples: the
-    estimate unresolved, or above it."""
-    return not estimate.resolved or estimate.value > window
-
-
-def _gap(elapsed, every):
-    """Updates (or samples) from the last decision to the next, `elapsed`
-    into the fit: `elapsed / 2`, at least `every / RAMP`, at most `every`."""
-    return min(every, max(every // RAMP, elapsed // 2, 1))
-
-
 class _Since(NamedTuple):
     """`optimizer.iterations` and the samples trained at the last decision."""
 
     updates: int = 0
     samples: int = 0
-
-
-
-
-def _not_noise_scale(schedule):
-    if isinstance(schedule, str):
-        return 'A string must be "noise_scale". '
-    return ""
-
-
-def _check_takes_an_epoch(schedule):
-    """Refuses a callable that cannot be called with one argument (the epoch)."""
-    try:
-        signature = inspect.signature(schedule)
-    except (TypeError, ValueError):
-        return  # no signature to read (some builtins): checked when called
-    try:
-        signature.bind(0)
-    except TypeError as error:
-        raise TypeError(
-            "`schedule` must be a callable taking the epoch (0-based) and "
-            "returning accum_steps, e.g. `lambda epoch: min(2 ** epoch, 8)`, "
-            f"but it cannot be called with one argument ({error}). "
-            f"Received: schedule={schedule!r} with signature {signature}."
-        ) from None
-
-
-def _checked_table(schedule):
-    if not schedule:
-        raise ValueError(
-            "`schedule` must map at least one epoch to accum_steps, e.g. "
-            "{0: 1, 5: 4}. Received: schedule={}."
-        )
-    table = []
-    for epoch, steps in schedule.items():
-        if (
-            isinstance(epoch, bool)
-            or not isinstance(epoch, numbers.Integral)
-            or epoch < 0
-        ):
-            raise ValueError(
-                "`schedule` keys must be epochs, integers >= 0 (0 is the "
-                f"first epoch). Received: schedule={schedule!r} with key {epoch!r}."
-            )
-        try:
-            steps = check_accum_steps(steps)
-        except (TypeError, ValueError) as error:
-            raise type(error)(
-                f"`schedule` value for epoch {epoch} is not a valid accum_steps: "
-                f"{error} Received: schedule={schedule!r}."
-            ) from None
-        table.append((int(epoch), steps))
-    return sorted(table)

@@ -70,7 +70,7 @@ class GradientAccumulator(tf.Module, internals.SavedState):
     acc = GradientAccumulator()
     acc.bind(model.trainable_variables, accum_steps=4)
     acc.add(grads, weight=batch_size)   # every micro-batch
-    acc.when_full(4, lambda: acc.apply(optimizer))
+    acc.when_full(4, lambda: window.close(AccumState(acc), optimizer))
     ```
     """
 
@@ -372,22 +372,6 @@ class GradientAccumulator(tf.Module, internals.SavedState):
             internals.replica_component(v)
             for v in (self.acc_grads[i], self.slice_indices[i], self.slice_counts[i])
         ]
-
-    def apply(self, optimizer, total_weight=None, grads=None):
-        """Applies the window's gradient to its variables through `optimizer`;
-        a new window starts.
-
-        In a replica context the optimizer sums the replicas' gradients (its
-        one cross-device reduction), so `total_weight` must then be the
-        window's weight summed over replicas. `grads`: the window's
-        gradients, if the caller has them already (`window_gradients`).
-        Whether a window is applied at all is the window's decision
-        (window/__init__.py), not this arithmetic's.
-        """
-        if grads is None:
-            grads = self.window_gradients(scaling.loss_scale_of(optimizer), total_weight)
-        optimizer.apply(grads, self._bound())
-        self.reset()
 
     def when_full(self, accum_steps, apply):
         """Runs `apply()` once the window holds `accum_steps` micro-batches.

@@ -36,6 +36,8 @@ statistics.
 import keras
 import tensorflow as tf
 
+from keras_accum import _internals as internals
+
 # `count` values below zero: what the buffer holds instead of slices.
 DENSE = -1
 ROW_SUMS = -2
@@ -52,9 +54,7 @@ def statistic_of(optimizer):
     optimizer `sum(g_i**2)` (or nothing beyond the sum: SGD, Lion).
     Wrappers (`LossScaleOptimizer`, `AccumOptimizer`) are looked through.
     """
-    inner = optimizer
-    while getattr(inner, "inner_optimizer", None) is not None:
-        inner = inner.inner_optimizer
+    inner = internals.innermost(optimizer)
     return ABS if isinstance(inner, keras.optimizers.Adamax) else SQUARE
 
 

@@ -129,13 +129,6 @@ def pretend_measured(model, batch_size, measured):
     model.accumulation.noise_scale = measured
 
 
-def scheduled_value(scheduler, epoch):
-    """The `accum_steps` an AccumScheduler sets at `epoch` (None: no change),
-    handed its model's engine as `fit` hands it."""
-    scheduler.bind_fit(scheduler.model.accumulation)
-    return scheduler._value(epoch)
-
-
 def compiled_loss(model):
     """Keras's `CompileLoss` of a compiled `model` (None: compiled without a loss)."""
     return model._compile_loss
