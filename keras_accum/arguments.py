@@ -1,16 +1,8 @@
 """Every public argument of keras_accum, checked and normalised in one place.
 
-Each `check_*` returns the argument in its one internal form (a Python int,
-a `tf.DType`, ...) or raises before anything changes, naming the argument,
-the value received and what to pass instead. `accum_settings` checks the
-settings an `AccumModel` (or `wrap`) is made with, all at once.
-
-Example:
-
-```python
-settings = accum_settings(accum_steps=4, micro_batch_size="auto")
-settings.accum_steps  # 4
-```
+Each `check_*` returns its argument in its one internal form (a Python int, a
+`tf.DType`, ...) or raises before anything changes, naming the argument, the
+value received and what to pass instead.
 """
 
 import difflib
@@ -25,28 +17,19 @@ MAX_ACCUM_STEPS = 2**63 - 1
 AUTO = "auto"
 
 # `coupled_from=METHODS`: the model's `represent` and `couple` methods split
-# it (coupling.py), for a model with no layer graph to split.
+# it (split/coupling.py), for a model with no layer graph to split.
 METHODS = "methods"
 
-# How BatchNormalization layers update their moving statistics.
+# `batchnorm`: how BatchNormalization layers update their moving statistics.
 BATCHNORM_PER_WINDOW = "window"
 BATCHNORM_PER_MICRO_BATCH = "micro_batch"
 BATCHNORM_MODES = (BATCHNORM_PER_WINDOW, BATCHNORM_PER_MICRO_BATCH)
 
 
 def check_accum_steps(accum_steps):
-    """Returns `accum_steps` as a Python int, or raises naming what was received.
-
-    Accepts Python and numpy integers >= 1. Rejects bools (a `True` is almost
-    always a mistake, not "1"), floats and strings, even integral ones, so that
-    `accum_steps=2.0` coming from a config file is caught rather than guessed.
-
-    Example:
-
-    ```python
-    check_accum_steps(np.int64(4))  # 4
-    ```
-    """
+    """`accum_steps` as a Python int. Rejects bools (a `True` is a mistake, not
+    1), and floats and strings even when integral (`2.0` from a config file
+    is caught, not guessed)."""
     if isinstance(accum_steps, bool) or not isinstance(
         accum_steps, numbers.Integral
     ):
@@ -71,18 +54,8 @@ def check_accum_steps(accum_steps):
 
 
 def check_micro_batch_size(micro_batch_size):
-    """Returns `micro_batch_size` (a Python int, None or "auto"), or raises
-    naming what was received.
-
-    Rejects bools, floats and other strings, even integral floats, as
-    `check_accum_steps` does.
-
-    Example:
-
-    ```python
-    check_micro_batch_size("auto")  # "auto"
-    ```
-    """
+    """`micro_batch_size` as a Python int, None or "auto"; rejects bools,
+    floats and other strings, as `check_accum_steps` does."""
     if micro_batch_size is None or (
         isinstance(micro_batch_size, str) and micro_batch_size == AUTO
     ):
@@ -107,14 +80,7 @@ def check_micro_batch_size(micro_batch_size):
 
 
 def check_batchnorm(batchnorm):
-    """Returns `batchnorm` if it names a mode, or raises naming what was received.
-
-    Example:
-
-    ```python
-    check_batchnorm("micro_batch")  # "micro_batch"
-    ```
-    """
+    """`batchnorm` if it names a mode."""
     if not isinstance(batchnorm, str) or batchnorm not in BATCHNORM_MODES:
         raise ValueError(
             "`batchnorm` must be 'window' (moving statistics updated once per "
@@ -126,14 +92,7 @@ def check_batchnorm(batchnorm):
 
 
 def check_skip_nonfinite(skip_nonfinite):
-    """Returns `skip_nonfinite` (a bool), or raises naming what was received.
-
-    Example:
-
-    ```python
-    check_skip_nonfinite(True)  # True
-    ```
-    """
+    """`skip_nonfinite`, a bool."""
     if not isinstance(skip_nonfinite, bool):
         raise TypeError(
             "`skip_nonfinite` must be True or False. "
@@ -143,14 +102,7 @@ def check_skip_nonfinite(skip_nonfinite):
 
 
 def check_noise_scale(noise_scale):
-    """Returns `noise_scale` (a bool), or raises naming what was received.
-
-    Example:
-
-    ```python
-    check_noise_scale(True)  # True
-    ```
-    """
+    """`noise_scale`, a bool."""
     if not isinstance(noise_scale, bool):
         raise TypeError(
             "`noise_scale` must be True (measure the gradient noise scale "
@@ -161,17 +113,8 @@ def check_noise_scale(noise_scale):
 
 
 def check_coupled_from(coupled_from):
-    """Returns `coupled_from` as a tuple of layer names, or "methods" (the
-    model's `represent` and `couple` methods), or None; or raises naming
-    what was received.
-
-    Example:
-
-    ```python
-    check_coupled_from(["query_repr", "item_repr"])  # ("query_repr", "item_repr")
-    check_coupled_from("methods")  # "methods"
-    ```
-    """
+    """`coupled_from` as a tuple of layer names, "methods" (the model's
+    `represent` and `couple` methods) or None."""
     if coupled_from is None:
         return None
     if isinstance(coupled_from, str) and coupled_from == METHODS:
@@ -196,27 +139,13 @@ def check_coupled_from(coupled_from):
 
 
 def shown_coupled_from(coupled_from):
-    """`coupled_from` as a user wrote it, for messages and configs: a list
-    of names, or "methods".
-
-    Example:
-
-    ```python
-    shown_coupled_from(("query_repr", "item_repr"))  # ["query_repr", "item_repr"]
-    ```
-    """
+    """`coupled_from` as a user writes it (a list of names, or "methods"), for
+    messages and configs."""
     return coupled_from if coupled_from == METHODS else list(coupled_from)
 
 
 def check_coupled_settings(settings):
-    """Raises if `coupled_from` is combined with a setting it cannot honour.
-
-    Example:
-
-    ```python
-    check_coupled_settings(accum_settings(accum_steps=4))  # fine: not coupled
-    ```
-    """
+    """Raises if `coupled_from` is combined with a setting it cannot honour."""
     if settings.coupled_from is None:
         return settings
     if settings.accum_steps > 1:
@@ -239,15 +168,8 @@ def check_coupled_settings(settings):
 
 
 def check_accum_dtype(accum_dtype):
-    """Returns `accum_dtype` as a floating `tf.DType` (None stays None: the
-    default rule, see `scaling.buffer_dtype`), or raises.
-
-    Example:
-
-    ```python
-    check_accum_dtype("float64")  # tf.float64
-    ```
-    """
+    """`accum_dtype` as a floating `tf.DType`; None stays None (the default
+    rule, `scaling.buffer_dtype`)."""
     if accum_dtype is None:
         return None
     try:
@@ -263,18 +185,8 @@ def check_accum_dtype(accum_dtype):
 
 
 class AccumSettings(NamedTuple):
-    """The settings an `AccumModel` is made with, checked.
-
-    Attributes:
-        accum_steps: micro-batches per optimizer update (int).
-        accum_dtype: the buffers' dtype (`tf.DType`), or None for the default.
-        skip_nonfinite: whether non-finite windows are skipped (bool).
-        batchnorm: 'window' or 'micro_batch'.
-        micro_batch_size: an int, "auto", or None (whole batches).
-        noise_scale: whether the gradient noise scale is measured (bool).
-        coupled_from: where the batch couples: the layer names (a tuple of
-            str), "methods", or None: coupling.py.
-    """
+    """The settings an `AccumModel` is made with, checked, in the forms the
+    `check_*` functions return (`coupled_from`: split/coupling.py)."""
 
     accum_steps: int = 1
     accum_dtype: object = None
@@ -285,8 +197,8 @@ class AccumSettings(NamedTuple):
     coupled_from: object = None
 
     def config(self):
-        """The settings as `get_config` writes them (defaults left out, as
-        releases before wrote them, but for `accum_steps` and `batchnorm`)."""
+        """The settings as `get_config` writes them: defaults left out, as earlier
+        releases wrote them, but for `accum_steps` and `batchnorm`."""
         config = {"accum_steps": self.accum_steps}
         if self.accum_dtype is not None:
             config["accum_dtype"] = self.accum_dtype.name
@@ -311,14 +223,7 @@ def accum_settings(
     noise_scale=False,
     coupled_from=None,
 ):
-    """Checks every setting of an `AccumModel`; returns them as `AccumSettings`.
-
-    Example:
-
-    ```python
-    accum_settings(accum_steps=8, batchnorm="micro_batch").batchnorm
-    ```
-    """
+    """Checks every setting of an `AccumModel`; returns them as `AccumSettings`."""
     return check_coupled_settings(AccumSettings(
         accum_steps=check_accum_steps(accum_steps),
         accum_dtype=check_accum_dtype(accum_dtype),
@@ -331,23 +236,16 @@ def accum_settings(
 
 
 def settings_from_config(config):
-    """Pops the settings `AccumSettings.config()` wrote from `config` (a
-    dict), checked; the rest of `config` is the Keras model's.
-
-    Example:
-
-    ```python
-    settings = settings_from_config(dict(model.get_config()))
-    ```
-    """
+    """Pops the settings `AccumSettings.config()` wrote from `config`, checked;
+    the rest is the Keras model's."""
     return accum_settings(
         **{name: config.pop(name) for name in AccumSettings._fields if name in config}
     )
 
 
 def check_positive(name, value, default, meaning, kind=int):
-    """`value` (the argument `name`) as a positive `kind` (int: an
-    integer), `default` if None; or raises naming it and its `meaning`."""
+    """`value` (the argument `name`) as a positive `kind` (int: an integer),
+    `default` if None; or raises naming it and its `meaning`."""
     if value is None:
         return default
     wanted = numbers.Integral if kind is int else numbers.Real
@@ -371,28 +269,13 @@ _OTHER_NAMES = {
 def check_keywords(kwargs, where, accepted, passed_on=None):
     """Raises TypeError for a keyword argument `where` would not honour.
 
-    `kwargs` holds the keyword arguments left after `where`'s own were
-    taken. A misspelt argument of keras_accum's would otherwise be handed
-    to Keras, which ignores it (a functional model) or names only itself in
-    its error (`fit`, a subclass), and training would go on with the
-    default. So a name close to one of keras_accum's arguments (difflib),
-    or one of them that belongs to another way in (`noise_scale` given to
-    `fit`), is refused here, before anything is made or changed.
-
-    Args:
-        kwargs: the keyword arguments not taken.
-        where: what was called, for the message, e.g. "AccumModel".
-        accepted: the keras_accum arguments `where` takes.
-        passed_on: the names Keras takes in `kwargs` (a collection), left
-            alone even when close to ours (`dtype` and `accum_dtype`); None
-            if nothing is passed on: every name left is refused.
-
-    Example:
-
-    ```python
-    check_keywords({"accum_step": 4}, "AccumModel", MODEL_ARGUMENTS, ())
-    # TypeError: ... Did you mean `accum_steps`?
-    ```
+    Keras would ignore a misspelt argument of ours (a functional model), or
+    name only itself (`fit`, a subclass), and training would go on with the
+    default: a name close to one of ours (difflib), or one of ours that
+    belongs to another way in (`noise_scale` given to `fit`), is refused
+    first. `kwargs`: those `where` did not take; `accepted`: ours it takes;
+    `passed_on`: names Keras takes, left alone even when close to ours
+    (`dtype`), or None: every name left is refused.
     """
     for name, value in kwargs.items():
         if passed_on is not None and name in passed_on:

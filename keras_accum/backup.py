@@ -1,15 +1,9 @@
 """`BackupAndRestore`: Keras's fault-tolerance callback, safe across workers.
 
-Keras 3's `keras.callbacks.BackupAndRestore` saves and loads each worker's
-files on their own. Across workers (`MultiWorkerMirroredStrategy`) a worker
-that dies around an epoch-end backup leaves the others' backups one epoch
-ahead of its own; on restart each resumes from a different epoch and the
-collectives no longer line up. A save that is cut short also overwrites
-the only backup in place. This callback keeps the same arguments and fixes
-both: backups are written to a temporary name and committed by a rename,
-and on restart the workers agree on the newest backup every one of them
-has, before any of them loads. Batch-level backups (`save_freq=N`) resume
-exactly: the batches already seen are skipped, not trained again.
+Keras's saves and loads each worker's files on their own: a worker dying
+around a backup resumes from another epoch than its peers, and a save cut
+short overwrites the only backup. Here backups are committed by a rename,
+and the workers agree on the newest backup every one has before any loads.
 """
 
 import json
@@ -39,47 +33,25 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     """Backs up training as it goes; restores it exactly when `fit` restarts.
 
     A drop-in for `keras.callbacks.BackupAndRestore` (same arguments) that
-    also works across workers. Each backup is the model's weights, optimizer
-    state and accumulation window (`save_weights`), written under a
-    temporary name and committed by renaming it and then writing a small
-    point file, so a worker killed while saving leaves its previous backup
-    intact. Saving reads only this worker's own values: it never waits for
-    a peer.
-
-    Under `MultiWorkerMirroredStrategy` every worker passes its OWN
-    directory (all may be on one filesystem), and `double_checkpoint=True`
-    is required: a worker that dies around a backup is then one backup
-    behind the others, and with two kept each, all of them still share a
-    point. When `fit` starts, the workers exchange which points they hold
-    and all restore the newest one every worker has; a shared directory,
-    or backups with nothing in common, are refused before anything is
-    trained or written, with an error naming the directories.
-
-    Resuming is exact when the order of each epoch's data is reproducible
-    (`shuffle=False`, or a dataset whose order does not depend on earlier
-    epochs), as it must be for any replay.
+    also works across workers: each worker passes its OWN directory and
+    `double_checkpoint=True`, and at `fit`'s start all restore the newest
+    backup every worker holds. A backup (`save_weights`: weights, optimizer
+    variables, window) is committed by a rename, then a small point file, so one
+    cut short never replaces a good one. Resuming is exact when each epoch's
+    data order is reproducible. The manual: docs/fault-tolerance.md.
 
     Args:
-        backup_dir: this worker's directory for the backups. Not shared with
-            another worker or another callback.
-        save_freq: `"epoch"` (at each epoch's end, where no window is open)
-            or an integer N: a backup every N batches, wherever the window
-            stands. Keras resumes a batch-level backup by replaying its
-            epoch from the first batch (training those batches twice); this
-            callback skips the batches the backup had already seen, so the
-            resumed run makes exactly the updates of an uninterrupted one.
-            The logged loss and metrics of the resumed epoch then cover the
-            batches after the backup only. The fast-forward holds whatever else
-            changes the train function meanwhile (`AccumScheduler`,
-            `fit(accum_steps=...)`, `micro_batch_size`, in any callback
-            order); a resumed window that the step in force cannot continue
-            (another `accum_steps`) raises the error naming both values
-            when the fast-forward ends, before any batch is trained. An
-            `AccumScheduler`'s state (the `accum_steps` and rate in force,
-            its smoothed noise scale) is kept in each backup too, so a
-            schedule deciding every K updates resumes where it was.
+        backup_dir: this worker's directory for the backups, shared with no
+            other worker or callback.
+        save_freq: `"epoch"` (at each epoch's end) or an integer N: a backup
+            every N batches, wherever the window stands. A resume skips the
+            batches the backup had seen (Keras trains them again): exactly
+            the updates of an uninterrupted run, whatever else changes the
+            train function meanwhile (`AccumScheduler`, `micro_batch_size`);
+            a resumed window the step in force cannot continue (another
+            `accum_steps`) raises, naming both, before any batch trains.
         double_checkpoint: keep the previous backup too (required across
-            workers). Also used when the newest backup cannot be read.
+            workers); also used when the newest cannot be read.
         delete_checkpoint: delete `backup_dir` when training ends.
 
     Example:
@@ -97,11 +69,11 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def __init__(
         self,
-        backup_dir,
-        save_freq="epoch",
-        double_checkpoint=False,
-        delete_checkpoint=True,
-    ):
+        backup_dir: str,
+        save_freq: str | int = "epoch",
+        double_checkpoint: bool = False,
+        delete_checkpoint: bool = True,
+    ) -> None:
         if save_freq != "epoch" and (
             isinstance(save_freq, bool)
             or not isinstance(save_freq, int)
@@ -122,8 +94,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         self._restored = None
 
     def _settings_callbacks(self):
-        # The running fit's FitSetting callbacks (AccumScheduler), whose
-        # state each backup keeps and a restore hands back.
+        # The running fit's FitSetting callbacks (AccumScheduler): each
+        # backup keeps their `state()`.
         engine = engine_of(self.model)
         return [] if engine is None else engine.fits.settings_callbacks
 
@@ -164,8 +136,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             fast_forward(self.model, batches, engine_of(self.model))
 
     def _restore_settings(self, point):
-        # A schedule's state, by position and class: a backup written by a
-        # fit with other settings callbacks restores none of theirs.
+        # By position and class: a backup of a fit with other settings
+        # callbacks restores none of theirs.
         with open(self._point_file(point)) as f:
             states = json.load(f).get("settings", [])
         for callback, state in zip(self._settings_callbacks(), states):
@@ -180,11 +152,9 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         return points if self.double_checkpoint else points[-1:]
 
     def _agree(self, strategy, own):
-        """The newest point every worker holds, the same on every worker.
-
-        One all-gather of (directory, points) rows: every worker then takes
-        the same decision from the same table, or raises the same error.
-        """
+        """The newest point every worker holds: one all-gather of (directory,
+        points) rows, from which every worker takes the same decision, or
+        raises the same error."""
         path = os.path.realpath(self.backup_dir).encode()[:_PATH_BYTES]
         row = np.full(_PATH_BYTES + _KEPT, -1, np.int64)
         row[: len(path)] = np.frombuffer(path, np.uint8)
@@ -199,8 +169,8 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         return restore_point(workers, self.double_checkpoint)
 
     def _discard_newer_than(self, point):
-        # Newer backups than the agreed one belong to a run that is being
-        # replayed; keeping them would mix two runs at the next agreement.
+        # Newer backups belong to the run being replayed: kept, they would
+        # mix two runs at the next agreement.
         for other in self._restore_points_on_disk():
             if other > point:
                 self._remove(other)
@@ -219,15 +189,14 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     def on_train_batch_end(self, batch, logs=None):
         point = (self._epoch, batch + 1)
         if self._restored is not None and point <= self._restored:
-            # A skipped batch: the model holds the restored state.
+            # A skipped batch: the model holds what was restored.
             internals.backup_batch_seen(self, batch)
             return
         if internals.backup_due_after_batch(self, batch):
             self._save(point)
 
     def _save_epoch_end(self):
-        # Also what Keras's own backup method runs (`backups_made_by`), so
-        # that no path of the base class writes a backup of its own.
+        # Also what Keras's own backup method runs (`backups_made_by`).
         self._save((self._completed_epochs, 0))
 
     def _save(self, point):
@@ -290,13 +259,10 @@ def _describe(point):
 
 
 def restore_point(workers, double_checkpoint=True):
-    """The point all workers restore, from every worker's (directory, points).
-
-    Points are epochs, or (epoch, batch) pairs, as the workers' backups are
-    named. The newest point every worker holds; None when no worker holds any
-    (a fresh start). Raises, naming every directory, when workers share a
-    directory, when `double_checkpoint` is off, or when the workers'
-    backups have no epoch in common.
+    """The point all workers restore, from every worker's (directory, points):
+    the newest every worker holds, or None when none holds any. Points are
+    epochs or (epoch, batch) pairs. Raises, naming every directory, for a
+    shared directory, `double_checkpoint` off, or no point in common.
     """
     _check_directories(workers)
     if not double_checkpoint:

@@ -1,17 +1,11 @@
 """`AccumModel`: a `keras.Model` whose `fit` trains as if on N-times bigger batches.
 
-The model is Keras's face of its accumulation: each member forwards to the
-model's `Engine` (engine/), which owns the settings, the window, the train
-functions and the running fit (`model.accumulation`, for reading).
-
-Training with micro-batch `b` and `accum_steps=N` is the same training as
-a plain `keras.Model` with batch `N * b` (docs/concepts.md): each update
-uses the gradient of the loss over every sample of its window (each
-micro-batch weighted by what Keras normalises its loss by), a window still
-open when an epoch's data ends is applied then, and `optimizer.iterations`
-counts updates. Between updates the weights do not move; the gradients are
-summed into float32 buffers that are training state, not model weights.
+Keras's face of the accumulation: each member forwards to the model's
+`Engine` (engine/), which owns the settings, the window, the train
+functions and the running fit (docs/concepts.md says what is exact).
 """
+
+from __future__ import annotations
 
 import inspect
 
@@ -40,59 +34,35 @@ class AccumModel(
     """A `keras.Model` that accumulates gradients over `accum_steps` batches.
 
     Training with micro-batch `b` and `accum_steps=N` is the same training as
-    a plain `keras.Model` with batch `N * b` (see the module's description
-    for what that covers: windows, weights, schedules, strategies).
+    a plain `keras.Model` with batch `N * b`: the same updates, logged loss and
+    metrics, and schedule steps (docs/concepts.md).
 
     Args:
-        *args: `inputs, outputs` for a functional model, or nothing when
-            subclassing.
-        accum_steps: micro-batches per optimizer update, an integer >= 1.
-            1 is ordinary Keras training.
-        accum_dtype: dtype of the gradient buffers. Default None: float32
-            (float64 for float64 weights), whatever the compute dtype, so
-            mixed-precision gradients are summed in float32.
-        skip_nonfinite: if True, a window whose gradient holds a NaN or an
-            Inf makes no update (weights, optimizer state and `iterations`
-            untouched) and is discarded; `skipped_windows` counts them and
-            `fit` logs the count. Default False: applied, as the big batch.
-        batchnorm: how `BatchNormalization` layers in training mode update
-            their moving statistics. 'window' (default): once per optimizer
-            update, from the moments of the whole window pooled over its
-            micro-batches, as the big batch would. 'micro_batch': Keras's own
-            update at every micro-batch (momentum applied `accum_steps`
-            times per update). The forward pass normalises each micro-batch
-            with its own moments either way.
-        micro_batch_size: if set, each batch `fit` draws is split into
-            micro-batches of this many samples inside the compiled step;
-            their gradients are summed exactly and make one update (or, with
-            `accum_steps > 1`, one micro-step of the window): the training
-            of the whole batch with the memory of the micro-batch. An
-            integer >= 1, "auto", or None (default: whole batches). "auto":
-            whole batches until a step runs out of memory
-            (`tf.errors.ResourceExhaustedError`), then the same batch is
-            trained again on micro-batches half the size, as often as
-            needed, and the size that fitted is kept
-            (`chosen_micro_batch_size`); the failed attempt leaves no trace,
-            so the training is unchanged. Under a multi-replica strategy
-            the size is per replica, one size agreed by every replica and
-            worker (docs/micro-batching.md).
-        noise_scale: if True, the gradient noise scale `B_simple`
-            (McCandlish et al. 2018) is estimated from the windows and
-            logged by `fit` as `noise_scale` every epoch (`noise_scale`
-            property); training is unchanged. Default False.
-        coupled_from: for a loss that couples the samples of a batch (a
-            contrastive loss: CLIP's, in-batch negatives), the names of the
-            layers whose outputs are the per-sample representations, in a
-            functional model; or "methods", for a subclassed model that
-            defines `represent(inputs, training)` (the representations) and
-            `couple(representations, training)` (the outputs from them).
-            With `micro_batch_size`, everything upstream of them runs per
-            micro-batch and everything downstream, the loss included, once
-            on the whole batch: the big batch's gradient with the
-            micro-batch's memory, for a second forward pass
-            (docs/contrastive.md). Needs `accum_steps=1`. Default None.
-        **kwargs: passed to `keras.Model`; a misspelling of an argument
-            above (`accum_step`) raises a TypeError naming the argument.
+        *args: `inputs, outputs` for a functional model; nothing when subclassing.
+        accum_steps: micro-batches per optimizer update, an integer >= 1 (1 is
+            ordinary Keras training).
+        accum_dtype: dtype of the gradient buffers. None (default): float32, or
+            float64 for float64 weights, whatever the compute dtype.
+        skip_nonfinite: if True, a window whose gradient holds a NaN or an Inf
+            makes no update and is discarded (`skipped_windows` counts them).
+        batchnorm: 'window' (default): `BatchNormalization` moving statistics
+            updated once per update from the window's pooled moments, as the
+            big batch would; 'micro_batch': Keras's update at every micro-batch.
+        micro_batch_size: split each batch `fit` draws into micro-batches of this
+            many samples inside the compiled step, summed exactly (the whole
+            batch's training with the micro-batch's memory): an integer >= 1,
+            "auto" (whole batches until a step runs out of memory, then halved
+            until one fits; `chosen_micro_batch_size`), or None (default).
+            Per replica under a strategy (docs/micro-batching.md).
+        noise_scale: if True, the gradient noise scale `B_simple` is estimated
+            from the windows and logged by `fit` every epoch (docs/noise-scale.md).
+        coupled_from: for a loss coupling the samples of a batch (contrastive),
+            the names of the layers whose outputs are the per-sample
+            representations, or "methods" (a subclass's `represent` and
+            `couple`): with `micro_batch_size`, the loss runs on the whole batch
+            (docs/contrastive.md). Needs `accum_steps=1`.
+        **kwargs: passed to `keras.Model`; a misspelling of an argument above
+            raises a TypeError naming it.
 
     Example:
 
@@ -121,15 +91,15 @@ class AccumModel(
     def __init__(
         self,
         *args,
-        accum_steps=1,
-        accum_dtype=None,
-        skip_nonfinite=False,
-        batchnorm="window",
-        micro_batch_size=None,
-        noise_scale=False,
-        coupled_from=None,
+        accum_steps: int = 1,
+        accum_dtype: str | None = None,
+        skip_nonfinite: bool = False,
+        batchnorm: str = "window",
+        micro_batch_size: int | str | None = None,
+        noise_scale: bool = False,
+        coupled_from: str | list[str] | None = None,
         **kwargs,
-    ):
+    ) -> None:
         arguments.check_keywords(kwargs, type(self).__name__, arguments.MODEL_ARGUMENTS,
                                  passed_on=_KERAS_MODEL_ARGUMENTS)
         settings = arguments.accum_settings(
@@ -143,8 +113,7 @@ class AccumModel(
         self._expose_window()
 
     def _configure(self, settings):
-        # The settings and the window they make, for a model not yet trained
-        # (from_config).
+        # from_config: the settings, for a model not yet trained.
         self._engine.configure(settings)
         self._expose_window()
 
@@ -154,11 +123,10 @@ class AccumModel(
         # the files' paths (the skip count: `_accumulator/nonfinite`).
         state = self._engine.state
         self._accumulator = state.buffers
-        self._nonfinite = state.buffers.nonfinite
         self._batchnorm = state.moments
 
     @property
-    def accumulation(self):
+    def accumulation(self) -> Engine:
         """The model's `Engine`: its settings, window and train functions.
 
         For reading what training does (`accumulation.settings`,
@@ -206,7 +174,7 @@ class AccumModel(
     # -- settings ------------------------------------------------------------
 
     @property
-    def accum_steps(self):
+    def accum_steps(self) -> int:
         """Micro-batches per optimizer update. Setting it applies a pending window.
 
         Each value is traced once per compile: switching back and forth
@@ -227,11 +195,11 @@ class AccumModel(
         return self._engine.settings.accum_steps
 
     @accum_steps.setter
-    def accum_steps(self, value):
+    def accum_steps(self, value: int) -> None:
         self._engine.set_accum_steps(value, by_user=True)
 
     @property
-    def micro_batch_size(self):
+    def micro_batch_size(self) -> int | str | None:
         """Samples per micro-batch inside each step, "auto", or None (whole batches).
 
         Setting it makes the next train step split batches with the new size
@@ -249,11 +217,11 @@ class AccumModel(
         return self._engine.settings.micro_batch_size
 
     @micro_batch_size.setter
-    def micro_batch_size(self, value):
+    def micro_batch_size(self, value: int | str | None) -> None:
         self._engine.set_micro_batch_size(value, by_user=True)
 
     @property
-    def chosen_micro_batch_size(self):
+    def chosen_micro_batch_size(self) -> int | None:
         """The micro-batch size `micro_batch_size="auto"` trains with.
 
         None (whole batches) until a step runs out of memory; then the
@@ -272,7 +240,7 @@ class AccumModel(
         return self._engine.auto.size
 
     @property
-    def skip_nonfinite(self):
+    def skip_nonfinite(self) -> bool:
         """Whether windows with a non-finite gradient are skipped.
 
         Example:
@@ -287,7 +255,7 @@ class AccumModel(
     # -- what training measured ---------------------------------------------
 
     @property
-    def skipped_windows(self):
+    def skipped_windows(self) -> int:
         """Windows skipped for a non-finite gradient (0 unless `skip_nonfinite`).
 
         `fit` also logs the count as `skipped_windows` after each epoch.
@@ -304,7 +272,7 @@ class AccumModel(
         return self._engine.state.skipped_windows
 
     @property
-    def noise_scale(self):
+    def noise_scale(self) -> float | None:
         """The last epoch's gradient noise scale `B_simple`, in samples.
 
         None until an epoch of `fit` trained with `noise_scale=True`; NaN
@@ -335,37 +303,28 @@ class AccumModel(
         verbose="auto",
         callbacks=None,
         *,
-        accum_steps=None,
-        micro_batch_size=None,
+        accum_steps: int | None = None,
+        micro_batch_size: int | str | None = None,
         **kwargs,
-    ):
-        """`keras.Model.fit`, plus `accum_steps` and `micro_batch_size` for this
-        call only.
+    ) -> keras.callbacks.History:
+        """`keras.Model.fit`, plus `accum_steps` and `micro_batch_size` for this call only.
 
         Args:
-            accum_steps: if given, overrides `self.accum_steps` for this call;
-                validated before any training happens, and refused if an
-                `AccumScheduler` sets another value for the first epoch.
-            micro_batch_size: if given, overrides `self.micro_batch_size`
-                for this call: each batch of `batch_size` is split into
-                micro-batches of this many samples inside the step (one
-                update per batch when `accum_steps=1`), or "auto" (see
-                `AccumModel`). Validated before any training happens.
-            x: as `keras.Model.fit`: the input data.
-            y: as `keras.Model.fit`: the targets.
-            batch_size: as `keras.Model.fit`: the batch each step trains on
-                (the micro-batch of an `accum_steps` window).
-            epochs: as `keras.Model.fit`.
-            verbose: as `keras.Model.fit`.
-            callbacks: as `keras.Model.fit`; one callback without a list is
-                accepted too.
+            x, y, batch_size, epochs, verbose: as `keras.Model.fit`; `batch_size`
+                is the micro-batch of an `accum_steps` window, or the batch split
+                by `micro_batch_size`.
+            callbacks: as `keras.Model.fit`; one callback without a list too.
+            accum_steps: overrides `self.accum_steps` for this call (checked
+                before training; refused if an `AccumScheduler` sets another value
+                for the first epoch).
+            micro_batch_size: overrides `self.micro_batch_size` for this call.
             **kwargs: the other arguments of `keras.Model.fit`.
 
         Returns:
-            The `History` object, as `keras.Model.fit` returns.
+            The `History` object.
 
-        A window left open when an epoch's data ends is applied before
-        validation and before other callbacks' `on_epoch_end`.
+        A window open when an epoch's data ends is applied before validation and
+        before other callbacks' `on_epoch_end`.
 
         Example:
 
@@ -388,13 +347,12 @@ class AccumModel(
             )
 
     def _see_batch(self, data_batch, size=None):
-        # The first training batch of a fit or train_on_batch, or the spec
-        # of fit's batches (internals.BuildFromFirstBatch).
+        # internals.BuildFromFirstBatch's hook.
         self._engine.see_batch(data_batch, size)
 
     # -- the open window -------------------------------------------------------
 
-    def flush(self):
+    def flush(self) -> None:
         """Applies the pending partial window now; a no-op if none is pending.
 
         `fit` calls it when an epoch's data ends. Call it yourself after
@@ -413,13 +371,11 @@ class AccumModel(
         """
         self._engine.flush()
 
-    def reset_window(self):
-        """Discards the open window: its gradients are dropped, no update is made.
+    def reset_window(self) -> None:
+        """Discards the open window: no update is made; a no-op if none is open.
 
-        For a window that must not be applied, e.g. after
-        `keras.callbacks.TerminateOnNaN(raise_error=True)` stopped `fit` with a
-        NaN gradient in it (`flush()` or the next `fit` would apply it). A
-        no-op if no window is open.
+        For a window that must not be applied, e.g. after `TerminateOnNaN` stopped
+        `fit` with a NaN gradient in it.
 
         Example:
 
@@ -437,19 +393,10 @@ class AccumModel(
     # -- saving and loading (engine/files.py) ------------------------------------
 
     def load_weights(self, filepath, *args, **kwargs):
-        """`keras.Model.load_weights`, all or nothing.
-
-        Restores the weights, the optimizer state and a pending window. An
-        optimizer not built yet (a model compiled and not trained) is built
-        when the file holds its state, so that the state loads (Keras alone
-        skips it with a warning, and training would go on from a fresh
-        optimizer). If loading fails (a corrupted or mismatched file), the
-        model is left as it was before the call and the error is raised.
-
-        Args:
-            filepath: as `keras.Model.load_weights`.
-            *args: as `keras.Model.load_weights`.
-            **kwargs: as `keras.Model.load_weights`.
+        """`keras.Model.load_weights`, all or nothing: weights, optimizer state
+        and an open window. An optimizer not built yet is built when the file
+        holds its state (Keras alone would skip it). If loading fails, the model
+        is left as it was and the error raised.
 
         Example:
 
@@ -465,9 +412,9 @@ class AccumModel(
         return self._engine.load_weights(lambda: load(filepath, *args, **kwargs))
 
     def save(self, filepath, *args, **kwargs):
-        """`keras.Model.save`; refuses, before writing, a model whose `.keras`
-        file would not load (a layer shared across a nested model, see
-        `keras_accum.saving`)."""
+        """`keras.Model.save`; refuses, before writing, a `.keras` file that would
+        not load (a layer shared across a nested model: engine/files.py).
+        """
         if str(filepath).endswith(".keras"):
             self._check_config_is_faithful()
         return super().save(filepath, *args, **kwargs)
@@ -480,17 +427,14 @@ class AccumModel(
         return {**self._model_config(), **self._engine.settings.config()}
 
     def _model_config(self):
-        # The Keras model's own config, to which the settings are added;
-        # `wrap`'s model gives the model it wraps instead.
+        # `wrap`'s models give the model they wrap instead.
         return super().get_config()
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
         settings = arguments.settings_from_config(config)
-        # Keras makes functional models with only their graph's arguments:
-        # the settings are given to the model it made, before any training
-        # (this class's _configure, on the instance it made).
+        # Keras makes functional models from their graph's arguments only.
         model = super().from_config(config, custom_objects=custom_objects)
         cls._configure(model, settings)
         return model
@@ -498,11 +442,9 @@ class AccumModel(
     # -- a .keras file's assets: the settings callbacks' states mid-fit --------
 
     def save_assets(self, dir_path):
-        """Keras's saving hook (`.keras` files): written mid-`fit` (by
-        `ModelCheckpoint`), the file holds the running settings callbacks'
-        states (an `AccumScheduler`'s), beside the weights, for the first
-        `fit` of the model loaded from it (`engine.fit.FitScope`). An
-        asset, not config: a subclass's own `from_config` never sees it."""
+        """Keras's saving hook: a `.keras` file written mid-`fit` holds the settings
+        callbacks' states (an `AccumScheduler`'s) for the loaded model's next fit.
+        """
         self._engine.fits.save(dir_path)
 
     def load_assets(self, dir_path):

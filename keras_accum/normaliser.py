@@ -1,14 +1,9 @@
 """What a micro-batch's loss is divided by, so that a window divides by the window's.
 
-Keras divides a batch's summed loss by a normaliser: the number of loss
-elements (`sum_over_batch_size`), the number of unmasked ones when the
-predictions carry a mask, the sum of sample weights
-(`mean_with_sample_weight`), or nothing (`sum`). The big batch's gradient is
-`grad(sum of all terms) / (sum of all normalisers)`; weighting each
-micro-batch's gradient by its own normaliser and dividing the window by their
-total gives exactly that. Averaging per-micro-batch losses instead is the
-"gradient accumulation loss bug": a micro-batch of short sequences would
-count as much as one of long ones.
+The big batch's gradient is `grad(sum of all terms) / (sum of all normalisers)`:
+each micro-batch weighted by its own normaliser, the window divided by their
+total. Averaging micro-batch losses instead is the "gradient accumulation loss
+bug": a micro-batch of short sequences would weigh as much as one of long ones.
 """
 
 import tensorflow as tf
@@ -20,12 +15,10 @@ SUM = "sum"  # the loss is not normalised: the window's gradient is a sum
 
 
 def loss_normaliser(loss_fn, y_true, y_pred, sample_weight):
-    """The divisor Keras's reduction applies to this loss term.
-
-    Returns a float32 scalar tensor, `SUM` for `reduction="sum"`, or None when
-    it cannot be known (not a Keras `Loss`, a `Loss` with its own `__call__`,
-    or an unsupported reduction).
-    """
+    """The divisor Keras's reduction applies to this loss term, a float32 scalar
+    (loss elements, unmasked ones, or the sum of sample weights); `SUM` for
+    `reduction="sum"`; None when it cannot be known (not a Keras `Loss`, a
+    `Loss` with its own `__call__`, or another reduction)."""
     if not isinstance(loss_fn, losses.Loss) or type(loss_fn).__call__ is not losses.Loss.__call__:
         return None
     reduction = loss_fn.reduction
@@ -33,9 +26,8 @@ def loss_normaliser(loss_fn, y_true, y_pred, sample_weight):
         return SUM
     if reduction not in ("sum_over_batch_size", "mean", "mean_with_sample_weight"):
         return None
-    # As Keras's Loss.__call__: the mask of the predictions, then of the
-    # element-wise losses. The losses are computed again, outside the
-    # gradient, only for their shape and mask.
+    # As Keras's Loss.__call__: the predictions' mask, then the losses'. The
+    # losses are computed again, outside the gradient, for shape and mask only.
     in_mask = internals.get_keras_mask(y_pred)
     convert = lambda t: ops.convert_to_tensor(t, dtype=loss_fn.dtype)  # noqa: E731
     values = loss_fn.call(
@@ -61,23 +53,12 @@ def loss_normaliser(loss_fn, y_true, y_pred, sample_weight):
 
 
 def micro_batch_weight(normalisers, num_samples):
-    """One weight for a micro-batch from its loss terms' normalisers.
+    """One weight for a micro-batch from its loss terms' normalisers, and
+    whether the window is a mean (`(weight, normalise)`, False for `sum`).
 
-    Args:
-        normalisers: `loss_normaliser` results, one per compiled loss term.
-        num_samples: the micro-batch's number of samples.
-
-    Returns:
-        `(weight, normalise)`: the micro-batch's weight, and whether the
-        window's gradient is divided by the window's total weight (False for
-        `sum` losses, whose window gradient is a sum).
-
-    One term: its normaliser, exactly Keras's big-batch division. Several
-    terms: the first term's normaliser, exact when the terms' normalisers are
-    proportional across micro-batches (e.g. all per-sample losses, or all
-    masked alike); a window cannot divide each term by its own total without
-    one buffer per term. Unknown normalisers, or `sum` mixed with means, fall
-    back to the number of samples.
+    Several terms: the first's, exact when the terms' normalisers are
+    proportional across micro-batches (else one buffer per term would be
+    needed). Unknown ones, or `sum` mixed with means: the number of samples.
     """
     samples = tf.cast(num_samples, tf.float32)
     if not normalisers or any(n is None for n in normalisers):

@@ -1,6 +1,9 @@
 """`AccumOptimizer`: the same accumulation as an optimizer wrapper, for custom loops."""
 
+from __future__ import annotations
+
 import numbers
+from collections.abc import Iterable
 
 import keras
 import numpy as np
@@ -37,9 +40,9 @@ def check_not_accumulating(optimizer, accum_steps):
 
 
 def _check_weight(weight):
-    """Refuses a micro-batch weight that is not a non-negative number,
-    before anything is added: a string would reach TensorFlow's arithmetic
-    (UnimplementedError), a negative weight would subtract a micro-batch."""
+    """Refuses a micro-batch weight that is not a number >= 0, before anything
+    is added: a string would reach TensorFlow's arithmetic, a negative weight
+    would subtract a micro-batch."""
     if weight is None:
         return
     if isinstance(weight, keras.Variable):
@@ -77,26 +80,18 @@ def _check_weight(weight):
 class AccumOptimizer(keras.optimizers.Optimizer):
     """Wraps an optimizer so that every `accum_steps` calls make one update.
 
-    Each `apply`/`apply_gradients` call adds one micro-batch's gradients to a
-    float32 buffer; every `accum_steps`-th call applies the window's mean
-    gradient through `optimizer` and starts a new window. `iterations` (and
-    so learning-rate schedules) counts updates. Pass `weight=` (the
-    micro-batch's number of samples, say) to weight micro-batches, which makes
-    an uneven window exactly the big batch's mean; without it, micro-batches
-    count equally. Sparse gradients (an `Embedding`'s `tf.IndexedSlices`)
-    are kept as slices, or per-row moments for a table smaller than the
-    window, and reach `optimizer` as an `IndexedSlices` its occurrence-wise
-    sparse update makes the big batch's step of (keras_accum/window/slices.py). `flush()` applies a partial window; `reset_window()`
-    discards it.
-
-    For `model.fit`, prefer `AccumModel`: it weights by samples on its own and
-    applies the window open at an epoch's end. `model.compile(optimizer=
-    AccumOptimizer(...))` on a plain `keras.Model` is exact for equal windows.
+    Each `apply` (or `apply_gradients`) adds one micro-batch's gradients to
+    the window; every `accum_steps`-th applies its mean gradient through
+    `optimizer`, and `iterations` (so learning-rate schedules too) counts
+    updates. `weight=` makes an uneven window exactly the big batch's mean.
+    Sparse gradients reach `optimizer` as the big batch's `IndexedSlices`
+    (docs/sparse.md). For `model.fit`, prefer `AccumModel`, which weights by
+    samples and applies the window open at an epoch's end (docs/ways-in.md).
 
     Args:
         optimizer: the `keras.optimizers.Optimizer` that makes the updates.
         accum_steps: micro-batches per update, an integer >= 1.
-        accum_dtype: dtype of the gradient buffers; default float32
+        accum_dtype: dtype of the window's gradient sums; default float32
             (float64 for float64 variables).
         skip_nonfinite: if True, a window whose gradient holds a NaN or an
             Inf makes no update and is discarded; `skipped_windows` counts
@@ -119,13 +114,13 @@ class AccumOptimizer(keras.optimizers.Optimizer):
 
     def __init__(
         self,
-        optimizer,
-        accum_steps=1,
-        accum_dtype=None,
-        skip_nonfinite=False,
-        name=None,
+        optimizer: keras.optimizers.Optimizer,
+        accum_steps: int = 1,
+        accum_dtype: str | tf.dtypes.DType | None = None,
+        skip_nonfinite: bool = False,
+        name: str | None = None,
         **kwargs,
-    ):
+    ) -> None:
         accum_steps = check_accum_steps(accum_steps)
         if not isinstance(optimizer, keras.optimizers.Optimizer):
             raise TypeError(
@@ -137,8 +132,8 @@ class AccumOptimizer(keras.optimizers.Optimizer):
         check_not_accumulating(optimizer, accum_steps)
         check_skip_nonfinite(skip_nonfinite)
         accum_dtype = check_accum_dtype(accum_dtype)
-        # A misspelt argument of ours is named as such; any other is an
-        # optimizer argument, which belongs to the inner optimizer.
+        # A misspelt argument of ours is named as such; any other belongs to
+        # the inner optimizer.
         check_keywords(kwargs, "AccumOptimizer", OPTIMIZER_ARGUMENTS, passed_on=())
         if kwargs:
             raise ValueError(
@@ -150,12 +145,12 @@ class AccumOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer = optimizer
         self._accum_steps = accum_steps
         self._accum_state = AccumState.new(accum_dtype, skip_nonfinite)
-        # The files' paths, as they have always been.
+        # The attribute names are the saved files' paths: kept as they were.
         self._accumulator = self._accum_state.buffers
         self._nonfinite = self._accum_state.buffers.nonfinite
 
     @property
-    def skipped_windows(self):
+    def skipped_windows(self) -> int:
         """Windows skipped for a non-finite gradient (0 unless `skip_nonfinite`).
 
         Example:
@@ -168,7 +163,7 @@ class AccumOptimizer(keras.optimizers.Optimizer):
         return self._accum_state.skipped_windows
 
     @property
-    def accum_steps(self):
+    def accum_steps(self) -> int:
         """Micro-batches per update (fixed at construction).
 
         Example:
@@ -182,35 +177,38 @@ class AccumOptimizer(keras.optimizers.Optimizer):
 
     @internals.no_automatic_dependency_tracking
     def build(self, var_list):
-        # Before any update: what this Keras moved of an optimizer's
-        # bookkeeping, apply and flush read (internals.optimizer).
+        # Before any update: fails now if this Keras moved the optimizer
+        # bookkeeping apply and flush read.
         internals.check_optimizer(self)
         self.inner_optimizer.build(var_list)
         self._accumulator.bind(var_list, accum_steps=self._accum_steps)
         super().build(var_list)
 
     @property
-    def variables(self):
+    def variables(self) -> list[keras.Variable]:
         return internals.own_variables(self) + self.inner_optimizer.variables
 
-    def apply(self, grads, trainable_variables=None, weight=None):
-        """Adds one micro-batch; applies the window when it is full.
+    def apply(
+        self,
+        grads: Iterable[tf.Tensor | tf.IndexedSlices | None],
+        trainable_variables: Iterable[keras.Variable] | None = None,
+        weight: float | tf.Tensor | None = None,
+    ) -> None:
+        """Adds one micro-batch to the window; applies the window when it is full.
 
         Args:
             grads: gradients, one per variable (None for no gradient).
-            trainable_variables: the variables, in any order and any subset
-                of those the optimizer was built with; all of them if None.
-            weight: optional scalar weight of this micro-batch (e.g. its
-                number of samples), >= 0: a Python or numpy number, or a
-                numeric scalar tensor. The update uses the weighted mean of
-                the window's gradients. Default: 1 for every micro-batch.
+            trainable_variables: any subset of the variables the optimizer
+                was built with, in any order; all of them if None.
+            weight: this micro-batch's weight (its number of samples, say),
+                >= 0: a number or a numeric scalar tensor. The update uses the
+                window's weighted mean gradient. Default: 1 for each.
 
         Raises:
-            ValueError: for a variable the optimizer was not built with, a
-                negative weight (a tensor's checked when its value is known
-                while tracing), or unequal numbers of gradients and
+            ValueError: a variable the optimizer was not built with, a
+                negative weight, or unequal numbers of gradients and
                 variables; nothing is added.
-            TypeError: for a weight that is not a number.
+            TypeError: a weight that is not a number.
 
         Example:
 
@@ -271,10 +269,8 @@ class AccumOptimizer(keras.optimizers.Optimizer):
         self.apply(grads, variables, weight=weight)
         return self.iterations
 
-    def flush(self):
-        """Applies a pending partial window now; a no-op if none is pending.
-
-        Works eagerly and inside `tf.function`.
+    def flush(self) -> None:
+        """Applies the open window now, if any; eagerly or inside `tf.function`.
 
         Example:
 
@@ -289,11 +285,9 @@ class AccumOptimizer(keras.optimizers.Optimizer):
         if self.built:
             self._accumulator.when_open(self._apply_window)
 
-    def reset_window(self):
-        """Discards the open window: its gradients are dropped, no update is made.
-
-        For a window that must not be applied, e.g. one holding a NaN
-        gradient. Works eagerly and inside `tf.function`.
+    def reset_window(self) -> None:
+        """Discards the open window without an update, e.g. one holding a NaN
+        gradient; eagerly or inside `tf.function`.
 
         Example:
 
@@ -309,15 +303,17 @@ class AccumOptimizer(keras.optimizers.Optimizer):
             self._accumulator.reset()
 
     @property
-    def iterations(self):
+    def iterations(self) -> keras.Variable:
         return self.inner_optimizer.iterations
 
     @property
-    def learning_rate(self):
+    def learning_rate(self) -> keras.Variable | tf.Tensor:
         return self.inner_optimizer.learning_rate
 
     @learning_rate.setter
-    def learning_rate(self, learning_rate):
+    def learning_rate(
+        self, learning_rate: float | keras.optimizers.schedules.LearningRateSchedule
+    ) -> None:
         self.inner_optimizer.learning_rate = learning_rate
 
     def scale_loss(self, loss):

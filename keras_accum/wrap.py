@@ -1,5 +1,7 @@
 """`wrap`: accumulation for a model that already exists, sharing its weights."""
 
+from __future__ import annotations
+
 import types
 
 import keras
@@ -11,17 +13,10 @@ from keras_accum.engine.files import check_config_is_faithful
 
 
 class _CompiledAsItsModel:
-    """`compile()` of a wrapper: as the model it wraps compiles, where that
-    model's class has a `compile` of its own.
-
-    A KerasHub task fills in its own defaults (`GPT2CausalLM`: Adam at
-    2e-5, its loss, weighted accuracy) and takes arguments of its own (a
-    causal LM's `sampler`); Keras's `compile` would give the wrapper
-    RMSprop and no loss. So the wrapped model compiles itself with the
-    same arguments (its defaults read from its own attributes, such as a
-    classifier's `activation`; a sampler set on it, whose `generate` uses
-    it), and the wrapper is compiled with exactly what that handed to
-    Keras: the same optimizer, loss and metric objects.
+    """`compile()` of a wrapper: as the wrapped model's own `compile`, where its
+    class has one (a KerasHub task: its default optimizer, loss and metrics,
+    its `sampler`). The model compiles itself (its defaults read from its own
+    attributes), and the wrapper gets exactly the objects that handed to Keras.
     """
 
     def _model_compiled_as(self):
@@ -38,10 +33,8 @@ class _CompiledAsItsModel:
         return super().compile(**arguments)
 
     def compile_from_config(self, config):
-        # A file's compile config is what Keras's `compile` received: it is
-        # given to it again (Keras's own skips, with a warning, a class with
-        # a `compile` of its own), and the optimizer built for the loaded
-        # weights, as Keras's does.
+        # What Keras's `compile` received, given to it again (Keras's own
+        # skips a class with a `compile` of its own).
         config = keras.saving.deserialize_keras_object(config)
         super().compile(**config)
         if self.built:
@@ -111,13 +104,10 @@ class RebuiltModel(_CompiledAsItsModel, AccumModel):
     config of its own (a KerasHub task, a registered functional subclass);
     made by `keras_accum.wrap`.
 
-    It trains the model's layers in place, as any wrap does, and saves the
-    model's *own* config (`model.get_config()`) with its accumulation
-    settings, not the layer graph: a graph config cannot record a layer that
-    a nested model also holds (KerasHub's tied token embedding), and the
-    model's own config can. Loading rebuilds the model from its config and
-    wraps it again, so weights, optimizer state and an open window load by
-    the same paths as they were saved.
+    It trains the model's layers in place and saves the model's own config
+    with the accumulation settings, not the layer graph (which cannot record a
+    layer a nested model also holds, as KerasHub's tied embedding): loading
+    rebuilds the model from its config and wraps it again.
 
     Args:
         model: the functional `keras.Model` to train.
@@ -142,8 +132,7 @@ class RebuiltModel(_CompiledAsItsModel, AccumModel):
     def __init__(self, model, **kwargs):
         kwargs.setdefault("name", model.name)
         super().__init__(*_graph(model), **kwargs)
-        # Held outside Keras's tracking: its layers are this model's layers
-        # already, and a second path to them would be saved twice.
+        # Untracked: its layers are this model's already (saved once).
         self._source = types.SimpleNamespace(model=model)
 
     def _model_compiled_as(self):
@@ -158,9 +147,8 @@ class RebuiltModel(_CompiledAsItsModel, AccumModel):
     def _model_config(self):
         config = {"name": self.name, "trainable": self.trainable}
         model = keras.saving.serialize_keras_object(self._source.model)
-        # The wrapper is what is compiled; the model's own compile state
-        # (KerasHub tasks compile themselves in __init__) would only make
-        # loading warn that its custom `compile` was not called.
+        # The wrapper is what is compiled (a task's own compile config
+        # would only make loading warn).
         model.pop("compile_config", None)
         config["model"] = model
         return config
@@ -180,44 +168,30 @@ def _from_config(cls, config, custom_objects):
 
 
 def wrap(
-    model,
-    accum_steps=1,
-    skip_nonfinite=False,
-    batchnorm="window",
-    micro_batch_size=None,
-    noise_scale=False,
-    accum_dtype=None,
-    coupled_from=None,
+    model: keras.Model,
+    accum_steps: int = 1,
+    skip_nonfinite: bool = False,
+    batchnorm: str = "window",
+    micro_batch_size: int | str | None = None,
+    noise_scale: bool = False,
+    accum_dtype: str | None = None,
+    coupled_from: str | list[str] | None = None,
     **kwargs,
-):
+) -> AccumModel:
     """Returns an `AccumModel` that trains `model`'s own layers and weights.
 
-    Training the result trains `model`: no weights are copied. A functional
-    or built `Sequential` model is rebuilt as a functional `AccumModel` over
-    the same layers (so `summary()` lists them); any other model is held as
-    the single layer of a `WrappedModel`.
+    Training the result trains `model`: no weights are copied. A functional or
+    built `Sequential` model is rebuilt as a functional `AccumModel` over the
+    same layers (a `RebuiltModel` where its class has its own config); any
+    other model is the single layer of a `WrappedModel`. The wrapper compiles
+    as the model's own `compile` would.
 
     Args:
         model: a `keras.Model` (Sequential, functional or subclassed).
-        accum_steps: micro-batches per optimizer update, an integer >= 1.
-        skip_nonfinite: skip windows whose gradient is not finite; see
-            `AccumModel`.
-        batchnorm: 'window' (default) or 'micro_batch': how
-            `BatchNormalization` layers update their moving statistics; see
-            `AccumModel`.
-        micro_batch_size: split each batch into micro-batches of this many
-            samples inside the step, or "auto" to find the size that fits
-            memory; see `AccumModel`. Default None.
-        noise_scale: measure the gradient noise scale and log it every
-            epoch; see `AccumModel`. Default False.
-        accum_dtype: dtype of the gradient buffers; see `AccumModel`.
-            Default None: float32 (float64 for float64 weights).
-        coupled_from: for a batch-coupled (contrastive) loss, the names of
-            the layers whose outputs are the per-sample representations, or
-            "methods" for a subclassed model with `represent` and `couple`
-            methods; see `AccumModel`. Default None.
-        **kwargs: none are taken: a misspelt argument raises a TypeError
-            naming the argument it is close to.
+        accum_steps, skip_nonfinite, batchnorm, micro_batch_size, noise_scale,
+            accum_dtype, coupled_from: as `AccumModel`'s.
+        **kwargs: none are taken: a misspelt argument raises a TypeError naming
+            the argument it is close to.
 
     Returns:
         An `AccumModel`, not yet compiled.
@@ -253,14 +227,12 @@ def wrap(
             f"{model.accum_steps}). Set `model.accum_steps = {accum_steps}` "
             "instead of wrapping it again."
         )
-    # Checked for every kind of model: a functional subclass (`class
-    # M(keras.Model)` built as `M(inputs, outputs)`) is rebuilt from its
-    # graph below, which would drop its overrides as silently.
+    # Every kind of model: a functional subclass is rebuilt from its graph,
+    # which would drop its overrides as silently.
     _check_no_step_overrides(model)
     graph = _graph(model)
     if graph is not None and _has_own_class(model):
-        # A KerasHub task, a functional subclass: its own config is what
-        # saving needs (see RebuiltModel).
+        # Its own config is what saving needs (RebuiltModel).
         return RebuiltModel(model, **settings)
     if graph is not None:
         return AccumModel(*graph, name=model.name, **settings)
@@ -307,9 +279,7 @@ def _check_no_step_overrides(model):
 
 
 def _has_own_class(model):
-    """Whether `model` is of a class of its own, not Keras's functional model
-    or `Sequential` (KerasHub's tasks, `class M(keras.Model)` built with
-    `M(inputs, outputs)`)."""
+    """Whether `model`'s class is its own, not Keras's `Functional` or `Sequential`."""
     return type(model) not in (internals.Functional, keras.Sequential)
 
 

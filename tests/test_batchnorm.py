@@ -13,7 +13,7 @@ import keras
 import numpy as np
 import pytest
 from helpers.tiers import wide
-from helpers import internals
+from helpers import internals, training
 from helpers.assertions import (
     ATOL,
     RTOL,
@@ -48,18 +48,15 @@ MAKERS = {
 }
 
 
-def fit_pair(make, x, y, epochs=2, compile_kwargs=None, **kwargs):
-    """The big batch on a plain model, and micro-batches with accumulation."""
-    models = []
-    for cls, batch, extra in (
-        (keras.Model, MICRO * N, {}),
-        (AccumModel, MICRO, {"accum_steps": N}),
-    ):
-        model = make(cls, **extra, **kwargs)
-        model.compile(keras.optimizers.SGD(0.1), loss(), **(compile_kwargs or {}))
-        model.fit(x, y, batch_size=batch, epochs=epochs, shuffle=False, verbose=0)
-        models.append(model)
-    return models
+def fit_pair(make, x, y, compile_kwargs=None, **kwargs):
+    """`make(cls, **kwargs)`'s plain big batch and its micro-batches with
+    accumulation, both trained with SGD: `(plain, accum)`."""
+    trained = training.fit_pair(
+        lambda: make(AccumModel, accum_steps=N, **kwargs), lambda: make(keras.Model, **kwargs),
+        x, y, lambda: keras.optimizers.SGD(0.1), big_batch=MICRO * N, accum_batch=MICRO,
+        **(compile_kwargs or {}),
+    )
+    return trained.plain, trained.accum
 
 
 def replay(x, updates, momentum=BN_MOMENTUM):

@@ -8,7 +8,6 @@ on the big batch. Each multi-worker test is bounded by subprocess
 timeouts, not by a pytest plugin.
 """
 
-import functools
 import inspect
 import json
 import os
@@ -17,7 +16,7 @@ import time
 import keras
 import numpy as np
 import pytest
-from helpers import internals
+from helpers import internals, references
 from helpers import mirrored as mirrored_runs
 from helpers.assertions import ATOL, RTOL, assert_no_open_window, assert_weights_close
 from helpers.data import make_data
@@ -35,13 +34,16 @@ EPOCHS = 4  # as in the worker script
 REACH, SURVIVE, RUN = 240, 120, 300
 
 
-@functools.lru_cache(maxsize=None)
 def big_batch_weights():
     """One process, no strategy, batch 32 = 8 (global micro-batch) x 4."""
-    model = functional()
-    model.compile(OPTIMIZERS["adam"](), loss())
-    model.fit(*make_data(100), batch_size=32, epochs=EPOCHS, shuffle=False, verbose=0)
-    return model.get_weights()
+
+    def train():
+        model = functional()
+        model.compile(OPTIMIZERS["adam"](), loss())
+        model.fit(*make_data(100), batch_size=32, epochs=EPOCHS, shuffle=False, verbose=0)
+        return model.get_weights()
+
+    return references.once(("fault_tolerance", "big batch"), train)
 
 
 def outputs(prefix):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from helpers.tiers import WAYS, wide
-from helpers import internals
+from helpers import internals, training
 from helpers.assertions import (
     FLOAT16_ATOL,
     FLOAT16_RTOL,
@@ -39,27 +39,13 @@ SAMPLES = 76
 FIT = dict(epochs=2, shuffle=False, verbose=0)
 
 
-def fit_pair(
-    make_accum,
-    make_plain,
-    x,
-    y,
-    batch,
-    accum_batch,
-    optimizer="adam",
-    compile_kwargs=None,
-    fit_kwargs=None,
-):
+def fit_pair(make_accum, make_plain, x, y, batch, accum_batch, optimizer="adam",
+             fit_kwargs=None):
     """The plain model on `batch`, the accumulating one on `accum_batch`."""
-    compile_kwargs = dict(loss=loss(), metrics=["accuracy"], **(compile_kwargs or {}))
-    fit = dict(FIT, **(fit_kwargs or {}))
-    plain = make_plain()
-    plain.compile(OPTIMIZERS[optimizer](), **compile_kwargs)
-    plain_history = plain.fit(x, y, batch_size=batch, **fit)
-    acc = make_accum()
-    acc.compile(OPTIMIZERS[optimizer](), **compile_kwargs)
-    acc_history = acc.fit(x, y, batch_size=accum_batch, **fit)
-    return plain, acc, plain_history, acc_history
+    return training.fit_pair(
+        make_accum, make_plain, x, y, OPTIMIZERS[optimizer], big_batch=batch,
+        accum_batch=accum_batch, fit_kwargs=fit_kwargs, metrics=["accuracy"],
+    )
 
 
 def assert_same_training(plain, acc, plain_history, acc_history, rtol=1e-5, atol=1e-6):

@@ -72,11 +72,10 @@ def optimizer(name):
 
 
 def fit_pair(make_accum, x, y, make_optimizer, make_plain=small_tables_net,
-             accum_batch=MICRO, epochs=2, **compile_kwargs):
-    return training.fit_pair(
-        make_accum, make_plain, x, y, make_optimizer, MICRO * N, accum_batch,
-        epochs, **compile_kwargs,
-    )
+             accum_batch=MICRO, **compile_kwargs):
+    # The tables' plain net is every pair's reference unless told.
+    return training.fit_pair(make_accum, make_plain, x, y, make_optimizer,
+                             big_batch=MICRO * N, accum_batch=accum_batch, **compile_kwargs)
 
 
 def assert_kept_as_moments(model):
@@ -204,7 +203,7 @@ def test_under_xla_synthesised_occurrences_need_no_slot_by_row_table():
 @pytest.mark.parametrize("name", wide(sorted(REPRODUCED), ["adam"]))
 def test_small_tables_match_the_big_batch(name):
     x, y = small_table_data(92)  # windows of 8+8+8+8, 8+8+8+8, 8+8+8+4
-    plain, accum = fit_pair(lambda: small_tables_net(AccumModel, accum_steps=N), x, y, optimizer(name))
+    plain, accum, *_ = fit_pair(lambda: small_tables_net(AccumModel, accum_steps=N), x, y, optimizer(name))
     assert internals.sparse_indices(accum) == set(range(len(SMALL_TABLES)))
     assert_weights_close(plain, accum)
     assert_kept_as_moments(accum)
@@ -213,7 +212,7 @@ def test_small_tables_match_the_big_batch(name):
 @pytest.mark.parametrize("name", sorted(NOT_REPRODUCED))
 def test_what_moments_cannot_reproduce_differs_as_the_readme_says(name):
     x, y = small_table_data(92)
-    plain, accum = fit_pair(lambda: small_tables_net(AccumModel, accum_steps=N), x, y, optimizer(name))
+    plain, accum, *_ = fit_pair(lambda: small_tables_net(AccumModel, accum_steps=N), x, y, optimizer(name))
     gap = max(np.abs(a - b).max() for a, b in zip(tables(plain), tables(accum)))
     assert gap > 100 * ATOL
 
@@ -221,14 +220,15 @@ def test_what_moments_cannot_reproduce_differs_as_the_readme_says(name):
 def test_the_summed_window_is_far_from_the_big_batch():
     # What the tests above would see if the window were summed densely.
     x, y = small_table_data(92)
-    plain, dense = fit_pair(
+    plain, dense, *_ = fit_pair(
         lambda: small_tables_net(DenseGradientModel), x, y, optimizer("adam"), accum_batch=MICRO * N
     )
     gap = max(np.abs(a - b).max() for a, b in zip(tables(plain), tables(dense)))
     assert gap > 1000 * ATOL
 
 
-WAYS_IN = {
+# How the tables are trained: by way in and by mode.
+MODES = {
     "functional": lambda: small_tables_net(AccumModel, accum_steps=N),
     "fit_accum_steps": lambda: small_tables_net(AccumModel),
     "wrap": lambda: keras_accum.wrap(small_tables_net(), accum_steps=N),
@@ -238,13 +238,13 @@ WAYS_IN = {
 }
 
 
-@pytest.mark.parametrize("way", wide(sorted(WAYS_IN), ["wrap", "micro_batch_size_and_window"]))
+@pytest.mark.parametrize("way", wide(sorted(MODES), ["wrap", "micro_batch_size_and_window"]))
 def test_every_way_in(way):
     x, y = small_table_data(92)
     plain = small_tables_net()
     plain.compile(optimizer("adam")(), loss())
     plain.fit(x, y, batch_size=MICRO * N, epochs=2, shuffle=False, verbose=0)
-    accum = WAYS_IN[way]()
+    accum = MODES[way]()
     accum.compile(optimizer("adam")(), loss())
     batch = {"micro_batch_size_and_window": 2 * MICRO}.get(way, MICRO)
     extra = {"fit_accum_steps": dict(accum_steps=N)}.get(way, {})
@@ -255,11 +255,11 @@ def test_every_way_in(way):
 def test_accum_optimizer_on_a_plain_model():
     # Keras's fit weighs micro-batches equally: equal windows (96 = 3 x 32).
     x, y = small_table_data(96)
-    accum = training.fit_alone(
+    accum, _ = training.fit_alone(
         small_tables_net, x, y,
         lambda: AccumOptimizer(keras.optimizers.Adam(0.01), accum_steps=N), MICRO,
     )
-    reference = training.fit_alone(
+    reference, _ = training.fit_alone(
         small_tables_net, x, y, lambda: keras.optimizers.Adam(0.01), MICRO * N
     )
     assert_weights_close(reference, accum)
@@ -273,7 +273,7 @@ def test_jit_compile_needs_room_for_the_whole_window_at_a_short_batch():
     x, y = small_table_data(92)
     x[:, 0] = 1
     y[:] = 0
-    plain, accum = fit_pair(
+    plain, accum, *_ = fit_pair(
         lambda: small_tables_net(AccumModel, accum_steps=N), x, y, optimizer("adam"),
         jit_compile=True,
     )
@@ -282,7 +282,7 @@ def test_jit_compile_needs_room_for_the_whole_window_at_a_short_batch():
 
 def test_mask_zero():
     x, y = small_table_data(92)
-    plain, accum = fit_pair(
+    plain, accum, *_ = fit_pair(
         lambda: small_tables_net(AccumModel, mask_zero=True, accum_steps=N), x, y,
         optimizer("adam"), make_plain=lambda: small_tables_net(mask_zero=True),
     )
@@ -291,7 +291,7 @@ def test_mask_zero():
 
 def test_a_table_read_twice():
     x, y = small_table_data(92)
-    plain, accum = fit_pair(
+    plain, accum, *_ = fit_pair(
         lambda: small_tables_net(AccumModel, tied=True, accum_steps=N), x, y,
         optimizer("rmsprop"), make_plain=lambda: small_tables_net(tied=True),
     )
@@ -309,13 +309,13 @@ def mixed_float16():
 def test_mixed_float16_within_the_float16_envelope(mixed_float16):
     x, y = small_table_data(92)
     make = lambda: small_tables_net(AccumModel, accum_steps=N)  # noqa: E731
-    plain, accum = fit_pair(make, x, y, optimizer("adam"))
+    plain, accum, *_ = fit_pair(make, x, y, optimizer("adam"))
     gap = max(np.abs(a - b).max() for a, b in zip(tables(plain), tables(accum)))
     # The envelope: how far float16 itself moves the big batch (the same big
     # batch trained in float32); the wrong answer, the summed window, is
     # thousands of tolerances away (above).
     keras.mixed_precision.set_global_policy("float32")
-    exact = training.fit_alone(small_tables_net, x, y, optimizer("adam"), MICRO * N)
+    exact, _ = training.fit_alone(small_tables_net, x, y, optimizer("adam"), MICRO * N)
     envelope = max(np.abs(a - b).max() for a, b in zip(tables(plain), tables(exact)))
     assert 0 < gap <= 2 * envelope
 

@@ -9,6 +9,7 @@ every batch, which is where a summed window would differ.
 """
 
 
+import functools
 from itertools import product
 
 import keras
@@ -23,12 +24,11 @@ from helpers.data import TEXT_TOKENS as TOKENS
 from helpers.data import TEXT_VOCAB as VOCAB
 from helpers.data import token_data
 from helpers.internals import AccumState, GradientAccumulator, NonFiniteWindows, close, sparse
-from helpers.models import DenseGradientModel, loss
+from helpers.models import DenseGradientModel, loss, ways_in
 from helpers.models import text_net as net
 from helpers import mirrored as mirrored_runs
 
 import keras_accum
-from keras_accum.window import AccumState, close
 from keras_accum import AccumModel, AccumOptimizer
 
 # A window of 4 micro-batches of 8: its 32 x LENGTH tokens stay under the
@@ -67,34 +67,15 @@ class AccumTextNet(_Net, AccumModel):
     pass
 
 
-def _seeded(make):
-    keras.utils.set_random_seed(0)
-    return make()
-
-
-# The ways in of helpers.models.WAYS_IN, for a text model: (accumulating, plain).
-WAYS_IN = {
-    "functional": (lambda: net(AccumModel, accum_steps=N), net),
-    "subclass": (
-        lambda: _seeded(lambda: AccumTextNet(accum_steps=N)),
-        lambda: _seeded(PlainTextNet),
-    ),
-    "wrap_functional": (lambda: keras_accum.wrap(net(), accum_steps=N), net),
-    "wrap_subclassed": (
-        lambda: _seeded(lambda: keras_accum.wrap(PlainTextNet(), accum_steps=N)),
-        lambda: _seeded(PlainTextNet),
-    ),
-}
+# helpers.models' ways in, for the text model.
+WAYS_IN = ways_in(net, PlainTextNet, AccumTextNet)
 
 
 def table(model):
     return model.get_layer("embedding").get_weights()[0]
 
 
-def fit_pair(make_accum, make_plain, x, y, optimizer, epochs=2, **compile_kwargs):
-    return training.fit_pair(
-        make_accum, make_plain, x, y, optimizer, MICRO * N, MICRO, epochs, **compile_kwargs
-    )
+fit_pair = functools.partial(training.fit_pair, big_batch=MICRO * N, accum_batch=MICRO)
 
 
 def dense_reference(x, y, optimizer, vocab=VOCAB, epochs=2):
@@ -112,7 +93,7 @@ def dense_reference(x, y, optimizer, vocab=VOCAB, epochs=2):
 def test_embedding_matches_keras_sparse_big_batch(name, samples):
     x, y = token_data(samples)
     initial = table(net())
-    plain, accum = fit_pair(*WAYS_IN["functional"], x, y, OPTIMIZERS[name])
+    plain, accum, *_ = fit_pair(*WAYS_IN["functional"](accum_steps=N), x, y, OPTIMIZERS[name])
     assert_trained(plain, net().get_weights())
     assert internals.sparse_indices(accum) == {0}  # the table's gradient is slices
     assert_weights_close(plain, accum)
@@ -126,7 +107,7 @@ def test_embedding_matches_keras_sparse_big_batch(name, samples):
 @pytest.mark.parametrize("way", wide(sorted(WAYS_IN), ["subclass", "wrap_subclassed"]))
 def test_every_way_in(way):
     x, y = token_data()
-    plain, accum = fit_pair(*WAYS_IN[way], x, y, OPTIMIZERS["adam"])
+    plain, accum, *_ = fit_pair(*WAYS_IN[way](accum_steps=N), x, y, OPTIMIZERS["adam"])
     assert_weights_close(plain, accum)
 
 
@@ -134,7 +115,7 @@ def test_every_way_in(way):
 @pytest.mark.parametrize("name", wide(["adam", "rmsprop"], ["rmsprop"]))
 def test_tied_embedding_read_twice(name):
     x, y = token_data()
-    plain, accum = fit_pair(
+    plain, accum, *_ = fit_pair(
         lambda: net(AccumModel, tied=True, accum_steps=N),
         lambda: net(tied=True),
         x, y, OPTIMIZERS[name],
@@ -159,7 +140,7 @@ def test_mask_zero_with_a_masked_per_token_loss():
         h = keras.layers.Embedding(VOCAB, 8, mask_zero=True, name="embedding")(inputs)
         return cls(inputs, keras.layers.Dense(3)(h), **kwargs)
 
-    plain, accum = fit_pair(
+    plain, accum, *_ = fit_pair(
         lambda: tagger(AccumModel, accum_steps=N), tagger, x, y, OPTIMIZERS["adam"]
     )
     assert_weights_close(plain, accum)
@@ -195,7 +176,7 @@ def mixed_float16():
 
 def test_mixed_float16_within_the_float16_envelope(mixed_float16):
     x, y = token_data()
-    plain, accum = fit_pair(*WAYS_IN["functional"], x, y, OPTIMIZERS["adam"])
+    plain, accum, *_ = fit_pair(*WAYS_IN["functional"](accum_steps=N), x, y, OPTIMIZERS["adam"])
     assert isinstance(accum.optimizer, keras.optimizers.LossScaleOptimizer)
     assert float(accum.optimizer.dynamic_scale) == float(plain.optimizer.dynamic_scale)
     gap = np.abs(table(plain) - table(accum)).max()
@@ -203,7 +184,7 @@ def test_mixed_float16_within_the_float16_envelope(mixed_float16):
     # round differently. The envelope is how far float16 itself moves the
     # big batch: the same big batch trained in float32.
     keras.mixed_precision.set_global_policy("float32")
-    exact = training.fit_alone(net, x, y, OPTIMIZERS["adam"], MICRO * N)
+    exact, _ = training.fit_alone(net, x, y, OPTIMIZERS["adam"], MICRO * N)
     envelope = np.abs(table(plain) - table(exact)).max()
     # Within twice the envelope: both are float16 rounding of the same size
     # (on Keras 3.16 the gap is 1.03 envelopes, on 3.15 below one), while
@@ -395,7 +376,7 @@ def test_snapshot_and_restore_bring_back_the_slices():
 def test_window_bigger_than_the_table_is_still_the_big_batch(name):
     # 32 samples x 6 tokens per window over a 40-row table: moments.
     x, y = token_data()
-    plain, accum = fit_pair(
+    plain, accum, *_ = fit_pair(
         lambda: net(AccumModel, vocab=40, accum_steps=N), lambda: net(vocab=40),
         x, y, OPTIMIZERS[name],
     )
@@ -496,7 +477,7 @@ def test_keras_builtin_accumulation_sums_embedding_gradients():
     # each micro-batch's slices into a dense buffer, so Adam sees one
     # occurrence per row; even windows, so nothing else differs.
     x, y = token_data(64)
-    plain, ours = fit_pair(*WAYS_IN["functional"], x, y, OPTIMIZERS["adam"])
+    plain, ours, *_ = fit_pair(*WAYS_IN["functional"](accum_steps=N), x, y, OPTIMIZERS["adam"])
     builtin = net()
     builtin.compile(keras.optimizers.Adam(0.01, gradient_accumulation_steps=N), loss())
     builtin.fit(x, y, batch_size=MICRO, epochs=2, shuffle=False, verbose=0)

@@ -17,13 +17,12 @@ window open, and must end as the uninterrupted run (and the plain big
 batch) does.
 """
 
-import functools
 import time
 
 import keras
 import numpy as np
 import pytest
-from helpers import internals
+from helpers import internals, references
 from helpers.assertions import assert_weights_close
 from helpers.data import make_data
 from helpers.models import OPTIMIZERS, functional, loss
@@ -46,23 +45,19 @@ def compiled(**kwargs):
     return model
 
 
-@functools.lru_cache(maxsize=None)
-def _plain_weights(batches):
-    model = _plain_with_batches(batches)
-    return model
-
 def plain_with_batches(batches):
-    """A plain model trained one epoch per entry of `batches` (batch sizes)."""
-    return _plain_weights(tuple(batches))
+    """A plain model trained one epoch per entry of `batches` (batch sizes),
+    once per process."""
 
+    def train():
+        model = functional()
+        model.compile(OPTIMIZERS["adam"](), loss())
+        for epoch, batch_size in enumerate(batches):
+            model.fit(X, Y, batch_size=batch_size, epochs=epoch + 1, initial_epoch=epoch,
+                      shuffle=False, verbose=0)
+        return model
 
-def _plain_with_batches(batches):
-    model = functional()
-    model.compile(OPTIMIZERS["adam"](), loss())
-    for epoch, batch_size in enumerate(batches):
-        model.fit(X, Y, batch_size=batch_size, epochs=epoch + 1, initial_epoch=epoch,
-                  shuffle=False, verbose=0)
-    return model
+    return references.once(("train_functions", tuple(batches)), train)
 
 
 # -- issue 23, item 4: a schedule and a batch-level backup ---------------------------

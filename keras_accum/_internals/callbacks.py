@@ -1,10 +1,9 @@
-"""Keras's `BackupAndRestore`, the epoch `fit` starts at, and counts in
-`fit`'s progress bar.
+"""Keras's `BackupAndRestore` bookkeeping, the epoch `fit` starts at, and
+counts in `fit`'s progress bar.
 
 `keras_accum.BackupAndRestore` reuses Keras's batch counting:
-`_should_save_on_batch(batch)` counts the batches since the last backup
-from `_last_batch_seen` (reset at each epoch's end) and
-`_batches_seen_since_last_saving`.
+`_should_save_on_batch` reads `_last_batch_seen` (reset at each epoch's end)
+and `_batches_seen_since_last_saving`.
 """
 
 import keras
@@ -20,16 +19,10 @@ def set_initial_epoch(model, epoch):
 
 
 def backup_counts_from_zero(callback):
-    """A `BackupAndRestore` counts batches anew (at `fit`'s start).
-
-    First, before any batch trains: Keras's backup bookkeeping is where
-    every reviewed Keras keeps it (the counters these functions write and
-    `_should_save_on_batch` reads; `_save_model`, which its backups go
-    through, `backups_made_by`; the model's `_initial_epoch`, where `fit`
-    reads the epoch a resume starts at), else `KerasInternalsChanged`:
-    written elsewhere, backups would come at other batches, or be Keras's
-    own, or a resume would train its epochs again.
-    """
+    """A `BackupAndRestore` counts batches anew (at `fit`'s start), after
+    checking that the bookkeeping is where every reviewed Keras keeps it
+    (else backups would come at other batches or be Keras's own, or a
+    resume would train its epochs again)."""
     require(callback, "_batches_seen_since_last_saving", "_last_batch_seen",
             "_should_save_on_batch")
     required(keras.callbacks.BackupAndRestore, "_save_model")
@@ -55,21 +48,10 @@ def backup_due_after_batch(callback, batch):
 
 
 def backups_made_by(method_name):
-    """Class decorator for a `keras.callbacks.BackupAndRestore` subclass:
-    Keras's own backup method (`_save_model`, which the base class's
-    `on_epoch_end` and `on_train_batch_end` call) runs the subclass's
-    `method_name` instead, so no path of the base class writes a backup of
-    its own.
-
-    Example:
-
-    ```python
-    @backups_made_by("_save_epoch_end")
-    class Backup(keras.callbacks.BackupAndRestore):
-        def _save_epoch_end(self):
-            ...
-    ```
-    """
+    """Class decorator for a `keras.callbacks.BackupAndRestore` subclass: Keras's
+    `_save_model` (called by the base class's `on_epoch_end` and
+    `on_train_batch_end`) runs `method_name` instead, so no path of the base
+    class writes a backup of its own."""
 
     def decorate(cls):
         def _save_model(self):
@@ -82,28 +64,13 @@ def backups_made_by(method_name):
 
 
 class LoggedCount(int):
-    """A count (`accum_steps`, `skipped_windows`) in `fit`'s epoch logs,
-    which the progress bar prints as the integer it is.
-
-    Keras's `Progbar` prints every logged value with four decimals
-    (`accum_steps: 4.0000`): it takes `np.mean` of a value that is not a
-    Python float, divides it by its count of steps (1 at an epoch's end)
-    and formats the quotient with `.4f` (`.4e` near 0). This int stays
-    itself through those three, so it prints `accum_steps: 4`. Anywhere
-    else it is the int it was (`History`, arithmetic, `range`, `{:d}`).
-    Should a Keras release format otherwise, the count prints as other
-    values do: nothing else depends on it.
-
-    Example:
-
-    ```python
-    logs["accum_steps"] = LoggedCount(model.accum_steps)
-    ```
-    """
+    """A count in `fit`'s epoch logs (`accum_steps`, `skipped_windows`) that the
+    progress bar prints as an integer, not `4.0000`: it stays itself through
+    Keras `Progbar`'s `np.mean`, division by its steps (1 at an epoch's end)
+    and `.4f`/`.4e` formatting. Elsewhere, a plain int."""
 
     def __array_function__(self, func, types, args, kwargs):
-        # `np.mean` of the value alone: the value. Any other numpy function
-        # gets the plain int.
+        # `np.mean` of the value alone is the value; anything else, the int.
         if func is np.mean and args == (self,) and not kwargs:
             return self
         args = tuple(int(a) if a is self else a for a in args)
@@ -115,7 +82,6 @@ class LoggedCount(int):
 
     def __format__(self, spec):
         if spec[-1:] in _FLOAT_PRESENTATIONS:
-            # Decimals a count does not have.
             return str(int(self))
         return format(int(self), spec)
 

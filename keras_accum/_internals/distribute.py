@@ -22,26 +22,16 @@ _FuncGraph = reach("tensorflow.python.framework.func_graph", "FuncGraph")
 
 
 def metrics_summed_over_replicas():
-    """Whether Keras's metric variables are read as their sum over replicas.
-
-    Keras 3.8 makes them without `synchronization="on_read"`, so under a
-    multi-replica strategy the loss and metrics Keras logs (plain models
-    too) are not the one-device values; later releases sum them on read.
-    """
+    """Whether Keras sums its metric variables over replicas on read: 3.8 does
+    not, so its logs under several replicas are not the one-device values."""
     return "synchronization" in inspect.signature(keras.Variable).parameters
 
 
 def replicated(strategy):
-    """Whether steps under `strategy` run as replicas of a `tf.distribute`
-    strategy, one replica included (a one-GPU or CPU-only MirroredStrategy,
-    a MultiWorkerMirroredStrategy without TF_CONFIG).
-
-    Such a step runs in a replica context whose optimizer update is a
-    `merge_call`, which cannot sit inside a conditional traced in the
-    replica, whatever the number of replicas: the window is then applied in
-    cross-replica context, as for several replicas. False for None and the
-    default strategy (no `strategy.scope()`).
-    """
+    """Whether steps under `strategy` run as `tf.distribute` replicas, even one;
+    False for None and the default strategy. A replica's optimizer update is
+    a `merge_call`, which cannot sit in a conditional traced in the replica:
+    the window is then applied in cross-replica context."""
     if strategy is None:
         return False
     return strategy is not _default_strategy()
@@ -53,11 +43,9 @@ def multi_worker(strategy):
 
 
 def in_xla_context():
-    """Whether the code being traced is compiled by XLA (`jit_compile=True`).
-
-    XLA needs static shapes: a window of sparse slices is then handed to the
-    optimizer padded to its buffer (window/slices.py). TensorFlow exposes no public
-    test for this.
+    """Whether the code being traced is compiled by XLA (`jit_compile=True`);
+    TensorFlow has no public test. XLA needs static shapes: a window of
+    sparse slices reaches the optimizer padded to its buffer (window/slices.py).
     """
     if tf.executing_eagerly():
         return False
@@ -65,18 +53,12 @@ def in_xla_context():
 
 
 def branch_keeping_zero(probe):
-    """Under XLA, a float32 zero made from the scalar `probe` at run time
-    through a sort: written by a conditional's branch, it keeps the
-    conditional a branch. Elsewhere a constant zero.
-
-    XLA's ConditionalSimplifier (its "simplify-conditional" pass) turns a
-    two-way conditional whose branches hold only what it counts as cheap,
-    elementwise work included whatever its size, into both branches run
-    and a select: the window's update, all elementwise for Adam, SGD and
-    most optimizers, then runs at every micro-batch and is thrown away at
-    all but the last (benchmarks/xla.md: 1.33x a step's time on an MLP).
-    A sort is not cheap to it; `where(p > inf, p, 0)` is zero for every
-    float, NaN included, and cannot be folded.
+    """Under XLA, a float32 zero made at run time from the scalar given, through
+    a sort (elsewhere a constant zero): written by a conditional's branch, it
+    keeps the conditional a branch, where XLA's ConditionalSimplifier would
+    run both branches of cheap (elementwise) work, the window's update
+    included, and select. `where(p > inf, p, 0)` is zero for every float,
+    NaN too. Measured: benchmarks/design-notes.md, "A conditional kept a branch".
     """
     if not in_xla_context():
         return tf.constant(0.0)
@@ -86,14 +68,10 @@ def branch_keeping_zero(probe):
 
 
 def whole_sum(t):
-    """The sum of every element of `t` (float32), written for XLA.
-
-    Public TensorFlow, kept here beside `branch_keeping_zero`: both work
-    around how XLA compiles, not Keras. XLA's CPU reduction to a scalar
-    runs on one thread, a float at a time (1.4 ms for an MLP's 1.6M
-    weights); a product with ones of the tensor cut into up to 1024 rows
-    runs on every core (0.3 ms) and reads `t` once, the elementwise work
-    producing `t` fused into it (benchmarks/xla.md). Not measured on a GPU.
+    """The sum of every element of `t` (float32), written for XLA: its CPU
+    reduction to a scalar runs on one thread, a product with ones of `t` cut
+    into up to 1024 rows on every core. Public TensorFlow, beside
+    `branch_keeping_zero`. Measured: benchmarks/design-notes.md, "A sum to a scalar".
     """
     flat = tf.reshape(tf.cast(t, tf.float32), [-1])
     size = flat.shape[0]
@@ -105,8 +83,8 @@ def whole_sum(t):
 
 
 def _rows_for(size):
-    # The most rows (up to 1024) that divide `size`, keeping at least 8
-    # columns: enough rows for every core.
+    # Enough rows for every core: the most (up to 1024) dividing `size`,
+    # with at least 8 columns.
     for rows in (1024, 512, 256, 128, 64, 32, 16, 8, 4, 2):
         if size % rows == 0 and size // rows >= 8:
             return rows
@@ -114,12 +92,9 @@ def _rows_for(size):
 
 
 def replica_component(variable):
-    """The current replica's own component of a per-replica variable.
-
-    Sync-on-read variables refuse scatter updates (TensorFlow leaves them
-    unimplemented, even in a replica context); a window kept as slices
-    appends with scatter updates, on the replica's own component. A
-    variable that is not distributed is its own component.
+    """The current replica's own component of a per-replica variable (itself if
+    not distributed): sync-on-read variables refuse the scatter updates a
+    window of slices appends with, even in a replica context.
     """
     if not isinstance(variable, tf.distribute.DistributedValues):
         return variable
@@ -143,7 +118,6 @@ def tracing_inside(graph):
     while isinstance(inner, _FuncGraph):
         if inner is traced:
             return True
-        # A FuncGraph keeps the graph it is traced in here (a plain Graph,
-        # the outermost, keeps none).
+        # The graph it is traced in (the outermost plain Graph has none).
         inner = required(inner, "outer_graph", "TensorFlow")
     return inner is traced

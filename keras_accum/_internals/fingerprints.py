@@ -6,19 +6,19 @@ from keras_accum._internals.losses import apply_mask
 from keras_accum._internals.trainer import TensorFlowTrainer, reduce_per_replica
 from keras_accum._internals.versions import is_missing, missing, reach
 
-# Keras code that keras_accum mirrors rather than calls, by the SHA-256 of
-# its source, with the Keras versions that have that source: every one
-# listed was read and is handled in this package. `accumulate` and
-# `micro_batch_gradients` (step.py) mirror the TF trainer's train_step,
-# `make_replicated_function`, `make_step_on_data` and `each_batch`
-# (trainer.py) its `_make_function` (`micro_batch_size="auto"` also relies
-# on the contract of the `function(iterator)` it returns: `fit` passes an
-# iterator that yields batches, and StopIteration or OutOfRangeError ends
-# the epoch), and `keras_accum.normaliser` the divisor Keras's
-# `Loss.__call__`, `reduce_values` and `apply_mask` compute, reached
-# through `CompileLoss.call`'s terms (losses.py); `symbolic_build` and
-# `reduce_outputs` (trainer.py) replace `_maybe_symbolic_build` and the
-# multi-worker branch of `reduce_per_replica` (tensorflow/tensorflow#72388).
+# Keras code keras_accum mirrors rather than calls, by the SHA-256 of its
+# source, with the Keras versions that have that source: every one listed
+# was read and is handled in this package. `accumulate` and
+# `micro_batch_gradients` (engine/step.py) mirror the TF trainer's
+# train_step; `make_replicated_function`, `make_step_on_data` and
+# `each_batch` (trainer.py) its `_make_function` (`micro_batch_size="auto"`
+# also relies on the `function(iterator)` it returns: `fit` passes an
+# iterator of batches, and StopIteration or OutOfRangeError ends the epoch);
+# `keras_accum.normaliser` the divisor of Keras's `Loss.__call__`,
+# `reduce_values` and `apply_mask`, reached through `CompileLoss.call`'s
+# terms (losses.py). `symbolic_build` and `reduce_outputs` (trainer.py)
+# replace `_maybe_symbolic_build` and the multi-worker branch of
+# `reduce_per_replica` (tensorflow/tensorflow#72388).
 # `keras_accum.window.batchnorm` relies on `BatchNormalization.call`
 # updating the moving statistics as `moving * momentum + batch * (1 -
 # momentum)` from what `_moments` returns (layers.py).
@@ -32,23 +32,23 @@ from keras_accum._internals.versions import is_missing, missing, reach
 #   into None and loops over `steps_per_execution` in a while loop;
 #   `make_replicated_function` keeps its own loop (`each_batch`).
 # - apply_mask: how the mask's weights are computed (epsilon, divide_no_nan,
-#   where); `keras_accum.normaliser` calls Keras's own, so it always agrees.
+#   where); `keras_accum.normaliser` calls Keras's own, so always agrees.
 # - CompileLoss.call: the single-loss path reads `_flat_losses` by position
 #   (< 3.13) or resolves paths; both call each term's loss function, which
-#   is what `recording_loss_calls` wraps.
+#   `recording_loss_calls` wraps.
 # - _maybe_symbolic_build: epoch iterators yield `(step, iterator)` before
 #   3.13 and `(begin, end, iterator)` since; `symbolic_build` takes the last.
 # - BatchNormalization.call: renormalisation (`renorm`) is new after 3.13,
-#   and the statistics update moved after normalising; the update formula
-#   is the same. _moments: masking arithmetic only.
+#   and the statistics update moved after normalising; same update formula.
+#   _moments: masking arithmetic only.
 # - Keras 3.16 renamed the TF trainer class `TensorFlowTrainer` -> `Trainer`
-#   (found by either name). Its `_make_function` now takes the batch of a
+#   (found by either name). Its `_make_function` takes the batch of a
 #   `steps_per_execution=1` step with `get_next_as_optional()` outside the
 #   traced step; the contract `auto` relies on is unchanged. `Loss.__call__`
 #   reads the mask and name scope from `backend.common`/`backend` (the same
 #   functions); `CompileLoss.call` calls each term through `_call_loss` (a
 #   clearer shape error), still as `loss_fn(y_true, y_pred, sample_weight)`,
-#   which is what `recording_loss_calls` wraps.
+#   which `recording_loss_calls` wraps.
 MIRRORED_SOURCES = {
     "TensorFlowTrainer.train_step": {
         "38eff65a3e8e64475bc46a4e655af968166c2909f8127cbf5d9466bdca1a0950": "3.8.0 3.10.0",
@@ -103,7 +103,7 @@ def mirrored():
     reduce_values = reach("keras.src.losses.loss", "reduce_values")
 
     def method(owner, name):
-        # A method this Keras lacks: a stand-in, listed as moved (import
+        # A method this Keras lacks: a stand-in listed as moved (import
         # warns, a use raises), never an error at import.
         if is_missing(owner):
             return owner

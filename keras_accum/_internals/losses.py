@@ -1,9 +1,7 @@
-"""Keras's losses and masks: the compiled loss, its terms and what each one
-divides by, the logged loss, and the masks Keras carries on tensors.
-
-`keras_accum.normaliser` computes the divisor of Keras's `Loss.__call__`,
-`reduce_values` and `apply_mask`, reached through `CompileLoss.call`'s
-terms (`recording_loss_calls`); see fingerprints.py.
+"""Keras's losses and masks: the compiled loss and its terms, the logged loss,
+and masks on tensors. `keras_accum.normaliser` computes the divisor of
+`Loss.__call__`, `reduce_values` and `apply_mask`, reached through
+`CompileLoss.call`'s terms (`recording_loss_calls`; fingerprints.py).
 """
 
 import contextlib
@@ -41,30 +39,22 @@ def track_loss(model, loss, n):
 
 
 def loss_tracker(model):
-    """The metric holding `model`'s logged loss (None before `compile`).
-
-    `compile()` makes a new one; a step traced before it updates the old one.
+    """The metric holding `model`'s logged loss (None before `compile`; each
+    `compile()` makes a new one, and a step traced before updates the old).
     """
     return required(model, "_loss_tracker")
 
 
 @contextlib.contextmanager
 def recording_loss_calls(model, record):
-    """Calls `record(loss_fn, y_true, y_pred, sample_weight)` for every
-    compiled loss term that `model.compute_loss` evaluates inside the block.
+    """Calls `record(loss_fn, y_true, y_pred, sample_weight)` for every compiled
+    loss term `model.compute_loss` evaluates inside the block, by swapping
+    each `(path, loss_fn, loss_weight, name)` of `CompileLoss._flat_losses`
+    for a wrapper. `loss=None` records nothing (then weighed by samples).
 
-    Keras's `CompileLoss` keeps its terms in `_flat_losses` as
-    `(path, loss_fn, loss_weight, name)`; each term is swapped for a wrapper
-    for the duration of the block (a trace), then put back. A model compiled
-    without a loss (`loss=None`: its own `compute_loss`) records nothing,
-    which `normaliser.micro_batch_weight` reads as "weigh by samples".
-
-    Raises:
-        KerasInternalsChanged: the compiled loss keeps no terms where every
-            reviewed Keras keeps them, or is not built when its terms are
-            needed, or the block computed the compiled loss without calling
-            any of them: each would leave the micro-batches weighted by
-            their samples, not by what Keras divides the loss by.
+    Raises `KerasInternalsChanged` if the terms are not where every reviewed
+    Keras keeps them, not built, or not called: the micro-batches would be
+    weighted by samples, not by what Keras divides the loss by.
     """
     compile_loss = required(model, "_compile_loss")
     if compile_loss is None:
@@ -109,12 +99,9 @@ def _computes_compiled_loss(model):
 
 
 def build_compiled_loss(model, data):
-    """Builds the compiled loss (and metrics) from a batch's shapes, if needed.
-
-    Keras's TF trainer defers this to the first traced step when there is no
-    distribution strategy; `_symbolic_build` is what it runs otherwise, and
-    works on symbolic copies of the batch, adding nothing to the trace.
-    """
+    """Builds the compiled loss (and metrics) from a batch's shapes, if needed,
+    with `_symbolic_build` (symbolic copies: nothing added to the trace);
+    Keras's TF trainer waits for the first traced step without a strategy."""
     compile_loss = required(model, "_compile_loss")
     if compile_loss is not None and not compile_loss.built:
         required(model, "_symbolic_build")(data_batch=data)

@@ -1,11 +1,6 @@
-"""Keras's optimizer bookkeeping: which variables a built optimizer was
-built for, in which order, and which variables it made itself.
-
-Keras keeps these in private attributes of `BaseOptimizer`, set by `build`
-(`_trainable_variables`, `_trainable_variables_indices`, `_var_key`,
-`_get_variable_index`) and by `add_variable` (`_variables`); the schedule
-object it was given, in `_learning_rate` (the public `learning_rate`
-evaluates it).
+"""Keras's optimizer bookkeeping, private attributes of `BaseOptimizer`: the
+variables a built optimizer was built for and their order, those it made
+itself, and the schedule object it was given.
 """
 
 import keras
@@ -13,10 +8,9 @@ import keras
 from keras_accum._internals.versions import require, required
 
 
-# What the functions below read of an optimizer, every one set by
-# `BaseOptimizer.__init__` in every reviewed Keras: checked before training
-# (`check_optimizer`), so that a Keras that moved one fails before the
-# first step, not at an epoch's end (a flush) or a checkpoint (a save).
+# What the functions below read, set by `BaseOptimizer.__init__` in every
+# reviewed Keras: checked before training (`check_optimizer`), so a Keras
+# that moved one fails before the first step, not at a flush or a save.
 _BOOKKEEPING = (
     "_trainable_variables", "_trainable_variables_indices", "_var_key",
     "_get_variable_index", "_variables", "_learning_rate",
@@ -24,9 +18,8 @@ _BOOKKEEPING = (
 
 
 def wrapped(optimizer):
-    """`optimizer` and every optimizer it wraps (`LossScaleOptimizer`,
-    `AccumOptimizer` hold theirs as `inner_optimizer`), outermost first.
-    Public Keras: a plain optimizer has no `inner_optimizer` by design."""
+    """`optimizer` and every optimizer it wraps (as `inner_optimizer`:
+    `LossScaleOptimizer`, `AccumOptimizer`), outermost first. Public Keras."""
     while optimizer is not None:
         yield optimizer
         optimizer = getattr(optimizer, "inner_optimizer", None)
@@ -39,8 +32,8 @@ def innermost(optimizer):
 
 
 def check_optimizer(optimizer):
-    """Raises `KerasInternalsChanged` if `optimizer` (and the one it wraps)
-    lacks any bookkeeping attribute the functions here read."""
+    """Raises `KerasInternalsChanged` if `optimizer` (or the one it wraps)
+    lacks the bookkeeping read here."""
     require(optimizer, *_BOOKKEEPING)
     inner = innermost(optimizer)
     if inner is not optimizer:
@@ -49,8 +42,8 @@ def check_optimizer(optimizer):
 
 def unknown_variables(optimizer, variables):
     """Those of `variables` a built `optimizer` was not built for."""
-    # A wrapper (LossScaleOptimizer) builds its inner optimizer for the same
-    # variables; before Keras 3.13 it records none of them itself.
+    # Before Keras 3.13 a LossScaleOptimizer records none of its inner
+    # optimizer's variables itself.
     optimizer = innermost(optimizer)
     known = required(optimizer, "_trainable_variables_indices")
     key = required(optimizer, "_var_key")
@@ -63,27 +56,22 @@ def built_variables(optimizer):
 
 
 def build_position(optimizer, variable):
-    """Where `variable` stands in a built `optimizer`'s build order.
-
-    The position of its slot variables too, and of its gradient in the
-    lists Keras's `apply` passes to `update_step`.
-    """
+    """Where `variable` stands in a built `optimizer`'s build order: also its
+    slot variables' position, and its gradient's in what Keras's `apply`
+    passes to `update_step`."""
     return required(optimizer, "_get_variable_index")(variable)
 
 
 def own_variables(optimizer):
-    """The variables `optimizer` made itself (`iterations`, its slots), not
-    those of an optimizer it wraps: what `BaseOptimizer.variables` lists."""
+    """The variables `optimizer` made itself (`iterations`, its slots), not a
+    wrapped one's: what `BaseOptimizer.variables` lists."""
     return required(optimizer, "_variables")
 
 
 def learning_rate_schedule(optimizer):
-    """The `LearningRateSchedule` object `optimizer` was given as its rate
-    (a `LossScaleOptimizer`'s inner optimizer's), or None for a number.
-
-    Public Keras gives the schedule's value (`optimizer.learning_rate`)
-    and its config, not the object, whose state a `SampleSchedule` keeps.
-    """
+    """The `LearningRateSchedule` object `optimizer` (or its inner optimizer)
+    was given as its rate, or None. Public Keras gives its value, not the
+    object, whose count a `SampleSchedule` keeps."""
     rate = required(innermost(optimizer), "_learning_rate")
     if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
         return rate

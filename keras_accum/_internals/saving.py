@@ -1,5 +1,5 @@
-"""Keras's saving and object tracking: keras_accum's training state in a
-model's files, build shapes for `export()`, and tf_keras objects."""
+"""Keras's saving and object tracking: keras_accum's variables in a model's
+files, build shapes for `export()`, and tf_keras objects."""
 
 import contextlib
 
@@ -28,30 +28,24 @@ def check_saving():
 
 
 class SavedState(KerasSaveable):
-    """Base of keras_accum's training state held by a model (the pending
-    window, BatchNorm windows, the count of skipped windows).
-
-    Keras's saving (`save`, `save_weights`, `load_weights`) visits every
-    `KerasSaveable` attribute of a model under its own path and calls its
-    `save_own_variables` / `load_own_variables`; a plain model loading the
-    same file never looks there. Subclasses define those two methods.
+    """Base of the parts of the state (`AccumState`) a model's files hold (the
+    window, its BatchNorm moments, the skipped windows' count): Keras's
+    saving calls every `KerasSaveable` attribute's `save_own_variables` /
+    `load_own_variables` (subclasses define them) under its own path, where
+    a plain model loading the file never looks.
     """
 
     def _obj_type(self):
-        # Saving walks an object's attributes except those a fresh object of
-        # the kind named here has (`get_attr_skipset`), and refuses kinds it
-        # does not know. Every supported Keras knows "Loss" (3.8 and 3.10 do
-        # not know "Operation"), and a Loss has none of the attribute names
-        # of our state objects, so all of them are visited; the same kind on
-        # every version keeps files loadable across versions.
+        # Saving skips the attributes a fresh object of this kind has
+        # (`get_attr_skipset`) and refuses unknown kinds. Every supported
+        # Keras knows "Loss" (3.8 and 3.10 not "Operation"), which has none of
+        # our attribute names; one kind everywhere keeps files portable.
         return "Loss"
 
 
 def legacy_keras_hint(obj):
-    """A sentence for errors about `obj` if it is a tf_keras (Keras 2) object.
-
-    With TF_USE_LEGACY_KERAS=1 `tf.keras` is tf_keras while `import keras`
-    is still Keras 3: keras_accum works with the latter only.
+    """A sentence for errors about `obj` if it is a tf_keras (Keras 2) object:
+    with TF_USE_LEGACY_KERAS=1 `tf.keras` is tf_keras, `import keras` Keras 3.
     """
     if type(obj).__module__.split(".")[0] != "tf_keras":
         return ""
@@ -63,40 +57,22 @@ def legacy_keras_hint(obj):
 
 
 def copy_build_shapes(source, target):
-    """Records `source`'s build input shapes as `target`'s.
-
-    `Layer.build` records them when it runs; Keras's `export()` reads them
-    to serve a subclassed model. A wrapper made around a built model is
-    built without running `build`.
+    """Records `source`'s build input shapes as `target`'s: Keras's `export()`
+    reads them to serve a subclassed model, and a wrapper around a built
+    model is built without running `Layer.build`, which records them.
     """
     target._build_shapes_dict = required(source, "_build_shapes_dict")
 
 
 @contextlib.contextmanager
 def building_optimizer_on_load(optimizer, build):
-    """While Keras loads a file: an `optimizer` not yet built is built by
-    `build()` when the file holds more variables for it than it has.
+    """While Keras loads a file, an unbuilt `optimizer` is built by `build()`
+    when the file holds more variables for it than it has.
 
-    Keras's `Optimizer.load_own_variables` skips the saved state of an
-    optimizer that is not built, with only a warning ("Skipping variable
-    loading for optimizer"), and training goes on from a fresh state: the
-    iterations, the moments and the learning-rate schedule's step lost. The
-    file's store tells how many variables it holds for the optimizer, so
-    the optimizer is built only when there is state to load (a file saved
-    before any training holds `iterations` and the learning rate only,
-    which load as they are). Keras finds `load_own_variables` on the
-    object, so an instance attribute shadows the method for this load.
-
-    If a Keras found the method on the class instead, the state would be
-    skipped as before this, with Keras's own warning: loud, not silent; and
-    tests/test_saving.py's loads of an unbuilt optimizer's state fail.
-
-    Example:
-
-    ```python
-    with building_optimizer_on_load(model.optimizer, build):
-        keras.Model.load_weights(model, path)
-    ```
+    Keras's `Optimizer.load_own_variables` skips an unbuilt optimizer's variables
+    with only a warning (iterations, moments, schedule step lost). Keras
+    finds the method on the object, which an instance attribute shadows for
+    this load (tests/test_saving.py fails if it looks on the class).
     """
     if optimizer is None or optimizer.built:
         yield

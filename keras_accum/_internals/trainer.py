@@ -1,10 +1,6 @@
 """Keras's TensorFlow trainer: the forward pass, the symbolic build, and the
-train and test functions keras_accum makes in its place.
-
-`make_replicated_function` and `make_step_on_data` mirror
-`TensorFlowTrainer._make_function`, `symbolic_build` and `reduce_outputs`
-replace `_maybe_symbolic_build` and the multi-worker branch of
-`reduce_per_replica` (tensorflow/tensorflow#72388); see fingerprints.py.
+train and test functions made in its place (what they mirror or replace:
+fingerprints.py).
 """
 
 import itertools
@@ -32,43 +28,23 @@ def call_for_training(model, x):
 
 
 def called_like(wrapper, model):
-    """Keras's train, test and predict steps call `wrapper`, whose `call`
-    forwards to `model`, as they would call `model`: with `training=` only
-    if `model.call` takes it.
-
-    Why: Keras's steps call a model whose `call` takes no `training`
-    without one, so its layers run with `training=None`
-    (BatchNormalization and Dropout as in inference, moving statistics
-    kept). The wrapper's own `call` takes `training`; called with
-    `training=True`, it would hand that to every layer of `model` through
-    Keras's call context.
-    """
+    """Keras's steps call `wrapper` (forwarding to `model`) as they would call
+    `model`: with `training=` only if `model.call` takes it. Else Keras runs
+    its layers with `training=None` (as in inference), and the wrapper's
+    `training=True` would reach them through Keras's call context."""
     required(wrapper, "_call_has_training_arg")
     wrapper._call_has_training_arg = required(model, "_call_has_training_arg")
 
 
 def symbolic_build(model, iterator=None, data_batch=None, without_strategy=False):
-    """`TensorFlowTrainer._maybe_symbolic_build`, without a cross-replica reduce.
+    """`TensorFlowTrainer._maybe_symbolic_build` without its cross-replica reduce.
 
-    Keras builds the model, compiled loss, metrics and optimizer from a
-    batch's shapes before the first step; to get one batch out of a
-    distributed iterator it reduces the `PerReplica` batch across replicas,
-    eagerly, which fails under `MultiWorkerMirroredStrategy`
-    (tensorflow/tensorflow#72388). Only shapes and dtypes are read, so one
-    local replica's batch does as well, and no collective runs. Under a
-    strategy the batch is drawn as Keras draws it (one batch, from a pass
-    over the data of its own).
-
-    Without a strategy Keras waits for the first traced step instead, and
-    draws nothing before it; with `without_strategy=True` the build
-    happens here all the same, from the data's element spec (`batch_spec`):
-    nothing is drawn, so the first epoch reads the data in the order, and
-    as many times, as a plain model's (a seeded `shuffle` reshuffles at
-    every pass).
-
-    Returns:
-        The batch built from (one replica's share of it, or the element
-        spec), or None.
+    Keras reduces the `PerReplica` batch it builds from eagerly, which fails
+    across workers (tensorflow/tensorflow#72388); one local replica's batch
+    has the same shapes. Without a strategy Keras waits for the first traced
+    step; `without_strategy=True` builds here from the element spec
+    (`batch_spec`), drawing nothing, so the first epoch reads the data as a
+    plain model's does. Returns the batch built from, or None.
     """
     if required(model, "_distribute_strategy") is None:
         if not without_strategy:
@@ -86,8 +62,7 @@ def symbolic_build(model, iterator=None, data_batch=None, without_strategy=False
         return value
 
     if iterator is not None:
-        # Epoch iterators yield (step, it) before Keras 3.13, then
-        # (begin_step, end_step, it).
+        # (step, it) before Keras 3.13, then (begin_step, end_step, it).
         for *_, it in iterator:
             try:
                 data_batch = tree.map_structure(local, next(it))
@@ -100,18 +75,9 @@ def symbolic_build(model, iterator=None, data_batch=None, without_strategy=False
 
 
 def batch_spec(iterator):
-    """The spec of the batches `fit`'s (or `evaluate`'s) epoch iterator
-    yields, as a batch structure Keras's `_symbolic_build` reads shapes and
-    dtypes from (`tf.TensorSpec` leaves; a `tf.experimental.Optional`'s,
-    Keras >= 3.13's stand-in for an absent entry, made None).
-
-    Read from the data set the iterator draws from (`_distributed_dataset`,
-    the same attribute in every supported Keras), never by drawing a batch.
-
-    Raises:
-        KerasInternalsChanged: the epoch iterator no longer has its data set
-            where every reviewed Keras kept it.
-    """
+    """The spec of the batches an epoch iterator yields, from its
+    `_distributed_dataset`, never by drawing one: `tf.TensorSpec` leaves,
+    None for a `tf.experimental.Optional` (Keras >= 3.13's absent entry)."""
     dataset = required(iterator, "_distributed_dataset")
     return tree.map_structure(
         lambda spec: None if isinstance(spec, tf.OptionalSpec) else spec,
@@ -120,10 +86,9 @@ def batch_spec(iterator):
 
 
 def array_batch_size(iterator):
-    """The size of the first batch an epoch iterator over arrays yields
-    (Keras's array adapter: `batch_size` samples, or all of them when
-    fewer), known before drawing it; None for any other data (a `tf.data`
-    pipeline, a generator, a `PyDataset`), whose spec alone may tell it."""
+    """The size of the first batch an epoch iterator over arrays yields (Keras's
+    array adapter), known before drawing it; None for other data, whose spec
+    alone may tell it."""
     adapter = required(iterator, "data_adapter")
     if not isinstance(adapter, _ArrayDataAdapter):
         return None
@@ -133,16 +98,9 @@ def array_batch_size(iterator):
 
 
 def compile_arguments(model):
-    """What `keras.Model.compile` last received for `model` (a dict: the
-    optimizer, loss, metrics, ... objects themselves, as given).
-
-    A model whose class has its own `compile` (a KerasHub task) fills in its
-    defaults and hands them to Keras's; Keras keeps them as given in
-    `_compile_config` (every reviewed Keras). `auto_scale_loss` is not kept.
-
-    Raises:
-        KerasInternalsChanged: this Keras keeps them elsewhere.
-    """
+    """What `keras.Model.compile` last received for `model`, as given (Keras's
+    `_compile_config`, without `auto_scale_loss`): a KerasHub task's own
+    `compile` fills in its defaults first."""
     config = getattr(required(model, "_compile_config"), "config", None)
     if not isinstance(config, dict):
         raise moved(
@@ -155,10 +113,9 @@ def compile_arguments(model):
 def reduce_outputs(outputs, strategy):
     """A step's logs, reduced over replicas as Keras's `fit` reduces them.
 
-    Keras's `reduce_per_replica(..., "auto")` takes the mean over replicas,
-    but across workers asks for it along axis 0, which fails for the scalar
-    logs every step returns (tensorflow/tensorflow#72388). Across workers
-    this takes the same mean with `axis=None`: over replicas, any shape.
+    Keras's `reduce_per_replica(..., "auto")` takes the mean, but across
+    workers along axis 0, which fails for scalar logs
+    (tensorflow/tensorflow#72388); there this takes it with `axis=None`.
     """
     if multi_worker(strategy):
         return tree.map_structure(
@@ -169,12 +126,10 @@ def reduce_outputs(outputs, strategy):
 
 def make_step_on_data(model, replica_step, after_step=None, reduce_retracing=True,
                       eager=False):
-    """One training step on a batch in hand, as Keras's `one_step_on_data`.
-
-    `strategy.run(replica_step)` on the batch, then `after_step()` (if given)
-    in cross-replica context, outputs reduced by `reduce_outputs`; traced
-    (with the model's `jit_compile`) unless the model runs eagerly or
-    `eager` is given; with `reduce_retracing=False`, once per batch shape.
+    """One training step on a batch in hand, as Keras's `one_step_on_data`:
+    `strategy.run(replica_step)`, then `after_step()` in cross-replica
+    context, outputs reduced by `reduce_outputs`. Traced with the model's
+    `jit_compile` unless eager; `reduce_retracing=False`: once per batch shape.
     """
     strategy = model.distribute_strategy
 
@@ -195,13 +150,9 @@ def make_step_on_data(model, replica_step, after_step=None, reduce_retracing=Tru
 
 
 def optionals_to_none(data):
-    """A batch with `tf.experimental.Optional` leaves made None.
-
-    Keras >= 3.13 delivers a dataset's None entries (e.g. no sample weights)
-    as empty Optionals and turns them back into None before its step
-    (`_autoconvert_optionals`); a batch taken from the iterator outside
-    Keras's train function needs the same.
-    """
+    """A batch with `tf.experimental.Optional` leaves made None, as Keras >= 3.13
+    does before its step (`_autoconvert_optionals`), for a batch taken from
+    the iterator outside Keras's train function."""
     return tree.map_structure(
         lambda t: None if isinstance(t, tf.experimental.Optional) else t, data
     )
@@ -210,22 +161,17 @@ def optionals_to_none(data):
 def make_replicated_function(model, replica_step, after_step=None):
     """A train or test function for a model under a multi-replica strategy.
 
-    Keras's TF trainer (`TensorFlowTrainer._make_function`) runs the whole
-    step inside `strategy.run`, so a conditional update is a `cond` around
-    the optimizer's cross-replica `merge_call` inside a replica, which
-    `tf.distribute` refuses (why Keras's own `gradient_accumulation_steps`
-    fails under MirroredStrategy, keras-team/keras#20582). Here each step is
-    `strategy.run(replica_step)` followed by `after_step()` (if given) in
-    cross-replica context, where the conditional update lives. Outputs are
-    reduced by `reduce_outputs`, which also works across workers.
+    Keras's `_make_function` runs the whole step in `strategy.run`, where
+    `tf.distribute` refuses a conditional update around a `merge_call` (why
+    Keras's `gradient_accumulation_steps` fails under MirroredStrategy,
+    keras-team/keras#20582); here `after_step()` runs after it, in
+    cross-replica context.
     """
     one_step_on_data = make_step_on_data(model, replica_step, after_step)
 
     def one_step_on_iterator(iterator):
-        # The next batch is taken inside the traced step, as Keras does: an
-        # eager `next()` on a distributed iterator costs a launch of its own
-        # (across workers, also a collective to agree on whether data is
-        # left).
+        # Inside the traced step, as Keras: an eager `next()` costs a launch
+        # of its own (across workers, also a collective).
         return one_step_on_data(iterator.get_next())
 
     if not model.run_eagerly:
@@ -242,22 +188,11 @@ def make_replicated_function(model, replica_step, after_step=None):
 
 
 def each_batch(model, iterator, run, in_step=False):
-    """Keras's train function's loop: `run` on each of the next batches of
-    `iterator`, `model.steps_per_execution` of them at most (fewer where the
-    data ends); the last one's outputs.
-
-    Args:
-        model: the model trained (its `steps_per_execution`).
-        iterator: `fit`'s iterator, or a list of batches (`train_on_batch`).
-        run: `run(batch) -> outputs`; with `in_step`, `run(iterator)`.
-        in_step: whether `run` takes each batch from `iterator` itself,
-            inside its traced step; the end of the data is then its
-            `tf.errors.OutOfRangeError`.
-
-    Raises:
-        StopIteration: `iterator` held no batch (how Keras's train function
-            says that an epoch's data has ended).
-    """
+    """Keras's train function's loop: `run` on each of the next
+    `model.steps_per_execution` batches of `iterator` (`fit`'s, or a list);
+    the last outputs, or StopIteration for none (an epoch's end). With
+    `in_step`, `run(iterator)` draws in its traced step, and the data ends
+    with `tf.errors.OutOfRangeError`."""
     batches = itertools.repeat(iterator) if in_step else iterator
     outputs = None
     for _, batch in zip(range(model.steps_per_execution), batches):
@@ -273,16 +208,9 @@ def each_batch(model, iterator, run, in_step=False):
 
 
 def without_retracing_warning(function):
-    """`function` (a `tf.function`), exempt from TensorFlow's warning that
-    "N out of the last M calls to ... triggered tf.function retracing".
-
-    TensorFlow counts traces per Python code object, over every
-    `tf.function` made from it in the process, and warns when 5 of the last
-    10 calls traced. A function made anew per optimizer and window, and
-    called about once an epoch (the flush at an epoch's end), trips it after
-    a few models or compiles, though each of its traces is needed once.
-    TensorFlow's own flag for this is private (`Function.__call__` reads
-    it; tests/test_keras_internals.py checks that it still does).
-    """
+    """`function` (a `tf.function`), exempt from TensorFlow's retracing warning,
+    counted per code object across the process, which a function made per
+    optimizer and window and called once an epoch (the flush) trips. The
+    flag is private (tests/test_keras_internals.py checks it is read)."""
     function._omit_frequent_tracing_warning = True
     return function

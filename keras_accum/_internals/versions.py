@@ -1,26 +1,9 @@
 """Which Keras releases keras_accum was read against, and what it does on others.
 
-keras_accum mirrors a few Keras functions and imports a few names from
-`keras.src` (all in the `keras_accum._internals` package). Keras moves such
-names between releases, so this module makes sure a Keras that keras_accum
-has not been read against never fails with a bare traceback from
-`keras.src`:
-
-- Every name is imported through `reach`, which tries the names it has had
-  in the reviewed releases. A name found under none of them becomes a
-  stand-in that raises `KerasInternalsChanged` (naming the Keras version,
-  what changed and the newest reviewed Keras) when it is used, so that
-  `import keras_accum` itself still works and the fingerprint test can name
-  what moved.
-- On a Keras release that is not in `REVIEWED_KERAS`, `import keras_accum`
-  warns once if a mirrored function's source differs from every reviewed
-  one (by SHA-256, `MIRRORED_SOURCES`) or a name could not be found;
-  otherwise it is silent, because the code it relies on is what was read.
-
-Why `setup.cfg` allows `keras<4` rather than capping at the newest reviewed
-minor: a cap makes pip *downgrade* Keras wherever another package (KerasHub,
-Colab's image) already needs the newer one, breaking that package to install
-this one; a warning that names exactly what changed does not.
+Every `keras.src` name comes through `reach`: one this Keras lacks becomes a
+stand-in raising `KerasInternalsChanged` on use, so the import still works.
+An unreviewed Keras gets one warning at import if anything changed. setup.cfg
+allows `keras<4`: a cap would make pip downgrade a Keras another package needs.
 """
 
 import hashlib
@@ -29,9 +12,7 @@ import inspect
 import re
 import warnings
 
-# Keras versions whose sources `keras_accum._internals` was read against;
-# each one's fingerprints are in MIRRORED_SOURCES (fingerprints.py). The
-# last is the newest.
+# Read against these (fingerprints in MIRRORED_SOURCES); the last is newest.
 REVIEWED_KERAS = ("3.8.0", "3.10.0", "3.13.2", "3.15.1", "3.16.0.dev2026102704")
 
 MIN_KERAS = (3, 8)
@@ -86,9 +67,8 @@ def _keras_version():
     return keras.__version__
 
 
-# TensorFlow releases keras_accum is tested on (noxfile.py's pairs); its
-# reaches into TensorFlow (`tensorflow.python`, private attributes of
-# distributed variables and graphs) were read against these.
+# TensorFlow releases tested (noxfile.py's pairs); the reaches into
+# TensorFlow (`tensorflow.python`, private attributes) were read against these.
 REVIEWED_TENSORFLOW = ("2.18.1", "2.20.0", "2.21.0", "2.23.0.dev20261026")
 
 
@@ -99,8 +79,8 @@ def _tensorflow_version():
 
 
 def changed_message(what, detail, library="Keras"):
-    """The sentence users get when `what` has moved in the installed Keras
-    (or, `library="TensorFlow"`, TensorFlow)."""
+    """The sentence users get when `what` moved in the installed Keras (or
+    TensorFlow)."""
     if library == "TensorFlow":
         newest = next(v for v in reversed(REVIEWED_TENSORFLOW) if "dev" not in v)
         return (
@@ -121,22 +101,14 @@ def changed_message(what, detail, library="Keras"):
 
 
 def moved(what, detail, library="Keras"):
-    """The `KerasInternalsChanged` to raise for `what`, which the installed
-    Keras (or TensorFlow) moved: `detail` says how it was found missing."""
+    """The `KerasInternalsChanged` to raise for `what`, moved in the installed
+    Keras (or TensorFlow); `detail` says how it was found missing."""
     return KerasInternalsChanged(changed_message(what, detail, library))
 
 
 def required(obj, name, library="Keras"):
-    """`obj.<name>`, a private attribute of a Keras (or TensorFlow) object
-    that every reviewed release has; `KerasInternalsChanged` naming it if
-    this one has not, never a bare `AttributeError`.
-
-    Example:
-
-    ```python
-    terms = required(model._compile_loss, "_flat_losses")
-    ```
-    """
+    """`obj.<name>`, a private attribute every reviewed release has; else
+    `KerasInternalsChanged` naming it, never a bare `AttributeError`."""
     try:
         return getattr(obj, name)
     except AttributeError:
@@ -145,15 +117,8 @@ def required(obj, name, library="Keras"):
 
 
 def require(obj, *names, library="Keras"):
-    """Raises `KerasInternalsChanged` unless `obj` has every one of `names`:
-    a check before training of attributes a `fit` reads later on.
-
-    Example:
-
-    ```python
-    require(optimizer, "_var_key", "_trainable_variables_indices")
-    ```
-    """
+    """Raises `KerasInternalsChanged` unless `obj` has every one of `names`: a
+    check before training of attributes a `fit` reads later."""
     for name in names:
         required(obj, name, library)
 
@@ -163,12 +128,10 @@ MOVED = {}
 
 
 class _StandIn(type):
-    """The type of what `reach` returns for a name this Keras lacks.
-
-    A stand-in can be subclassed (so defining keras_accum's classes at
-    import works); calling it, instantiating a subclass, `isinstance` against
-    it or reading an attribute raises `KerasInternalsChanged`.
-    """
+    """The type of `reach`'s stand-in for a name this Keras lacks: it can be
+    subclassed (keras_accum's classes still define at import); calling it,
+    instantiating a subclass, `isinstance` or an attribute raises
+    `KerasInternalsChanged`."""
 
     def _fail(cls, *_args, **_kwargs):
         raise KerasInternalsChanged(type.__getattribute__(cls, "_message"))
@@ -189,31 +152,15 @@ def is_missing(obj):
 
 
 def missing(what, detail, library="Keras"):
-    """A stand-in for `what`, which this Keras lacks (listed in `MOVED`):
-    it raises `KerasInternalsChanged` when used."""
+    """A stand-in for `what`, which this Keras lacks (listed in `MOVED`)."""
     message = changed_message(what, detail, library)
     MOVED[what] = message
     return _StandIn(what, (), {"__doc__": message, "_message": message})
 
 
 def reach(module, *names):
-    """The first of `names` defined in Keras module `module`.
-
-    Args:
-        module: a module path, e.g. 'keras.src.backend.tensorflow.trainer'.
-        *names: the names the object has had, newest first (e.g. 'Trainer',
-            'TensorFlowTrainer').
-
-    Returns:
-        The object, or a stand-in that raises `KerasInternalsChanged` when
-        used if this Keras has none of the names.
-
-    Example:
-
-    ```python
-    Trainer = reach("keras.src.backend.tensorflow.trainer", "Trainer", "TensorFlowTrainer")
-    ```
-    """
+    """The first of `names` (newest first) defined in module `module`, or a
+    stand-in raising `KerasInternalsChanged` when used if none is."""
     what = f"`{module}.{names[0]}`"
     library = "TensorFlow" if module.split(".")[0] == "tensorflow" else "Keras"
     try:
@@ -233,13 +180,8 @@ def fingerprint(function):
 
 
 def changed_sources(mirrored, known):
-    """`{name: why}` for each mirrored function whose source is not a known one.
-
-    Args:
-        mirrored: `{name: function}` of the Keras functions keras_accum
-            mirrors, as found in the installed Keras.
-        known: `{name: {sha256: versions}}`, `MIRRORED_SOURCES`.
-    """
+    """`{name: why}` for each function of `mirrored` (`{name: function}`, as
+    found) whose source is not one of `known` (`MIRRORED_SOURCES`)."""
     changed = {}
     for name, function in mirrored.items():
         try:
@@ -253,11 +195,8 @@ def changed_sources(mirrored, known):
 
 
 def warn_if_unreviewed(mirrored, known):
-    """Warns once, at import, when this Keras changed what keras_accum uses.
-
-    Silent on a reviewed Keras, and on an unreviewed one whose mirrored
-    sources are all known: keras_accum then runs on code it was read against.
-    """
+    """Warns once, at import, when this Keras changed what keras_accum uses;
+    silent where every mirrored source is a reviewed one."""
     version = _keras_version()
     if version in REVIEWED_KERAS and not MOVED:
         return {}

@@ -1,18 +1,11 @@
 """The engine: everything a model's accumulation is, in one object.
 
-An `AccumModel` holds an `Engine` (`model.accumulation`) and forwards to it;
-the engine owns the settings, the window (`AccumState`), the size `"auto"`
-chose, the batch size the step splits by, the train functions `fit` calls
-and the running fit. Its parts, each a module of this package:
-
-- plan.py: what a traced step reads as constants (`StepPlan`);
-- step.py: the train step, functions of (model, plan, state);
-- functions.py: the train functions, made per plan, cached, fast-forwarded;
-- fit.py: one `fit`'s settings, callbacks and epoch-end flush;
-- files.py: faithful configs and all-or-nothing loads.
-
-Nothing below calls back into the model: the engine hands each part what it
-needs, and reads the Keras model only through Keras's own API.
+An `AccumModel` holds an `Engine` (`model.accumulation`) and forwards to
+it. Its parts: plan.py (what a traced step reads), step.py (the train
+step), functions.py (the train functions `fit` calls), fit.py (one `fit`'s
+settings and callbacks), files.py (faithful configs, all-or-nothing loads).
+The engine hands each part what it needs and reads the Keras model only
+through Keras's API: nothing calls back into the model.
 """
 
 from keras_accum import arguments, window
@@ -29,10 +22,8 @@ from keras_accum.window.noise_scale import NoiseScale
 class Engine:
     """A model's accumulation: its settings, its window and how `fit` trains it.
 
-    Made by `AccumModel`, and reached as `model.accumulation`: an advanced
-    attribute, for reading what training does (`settings`, `state`,
-    `batch_size_seen`, `plan()`), not for driving it; use the model's own
-    members (`accum_steps`, `flush()`, ...) for that.
+    Reached as `model.accumulation`, for reading what training does; change
+    the model through its own members (`accum_steps`, `flush()`, ...).
 
     Args:
         model: the `keras.Model` it drives.
@@ -40,14 +31,10 @@ class Engine:
         functions: the `TrainFunctions` holding the model's `train_function`.
 
     Attributes:
-        model: the model driven.
         settings: the `AccumSettings` in force.
-        state: the `AccumState`: the window's buffers, skip policy, moments
-            and noise scale.
+        state: the `AccumState`: the window's buffers, skip policy, observers.
         auto: the `AutoMicroBatch` of `micro_batch_size="auto"`.
-        functions: the `TrainFunctions`.
-        batch_size_seen: the first training batch's size (per replica), or
-            None before one is seen.
+        batch_size_seen: the first training batch's size per replica, or None.
         model_to_split: the model `coupled_from` names the parts of.
         noise_scale: the last epoch's noise scale estimate, or None.
         fits: the running fit's bookkeeping (`fit.FitScope`).
@@ -65,8 +52,7 @@ class Engine:
         self.configure(settings)
 
     def configure(self, settings):
-        """A new window for `settings`, for a model not yet trained
-        (its construction, `from_config`)."""
+        """A new window for `settings`, for a model not yet trained."""
         self.settings = settings
         self.state = AccumState.new(
             settings.accum_dtype,
@@ -78,8 +64,8 @@ class Engine:
     # -- the step ----------------------------------------------------------
 
     def plan(self):
-        """The plan of the next traced step, from the settings now."""
-        return plan.make_plan(
+        """The `StepPlan` of the next traced step."""
+        return plan.StepPlan(
             self.settings,
             self.batch_size_seen,
             self.auto.size,
@@ -88,8 +74,7 @@ class Engine:
         )
 
     def coupling(self):
-        """The model's two parts at `coupled_from` (None without it), made
-        once per setting: their models add nodes to the layers."""
+        """The model's two parts at `coupled_from` (None without), made once per setting."""
         coupled_from = self.settings.coupled_from
         if coupled_from is None:
             return None
@@ -99,7 +84,7 @@ class Engine:
         return self._coupling
 
     def train_step(self, data):
-        """`model.train_step(data)`: one step as the plan says."""
+        """`model.train_step(data)`."""
         return step.train_step(self.model, self.plan(), self.state, data)
 
     def make_train_function(self, force=False):
@@ -109,9 +94,10 @@ class Engine:
     # -- settings ----------------------------------------------------------
 
     def set_accum_steps(self, value, by_user=False):
-        """`accum_steps` from now on: the user's (`by_user`: it stays after
-        the fit), or a fit's or a schedule's (this fit only). A pending
-        window of another length is applied first."""
+        """`accum_steps` from now on: the user's (`by_user`, kept after the fit) or a
+        fit's or schedule's (this fit only); an open window of another length is
+        applied first.
+        """
         value = arguments.check_accum_steps(value)
         if by_user:
             self.fits.set_by_user(accum_steps=value)
@@ -131,24 +117,21 @@ class Engine:
         self._change(micro_batch_size=value)
 
     def _change(self, **changes):
-        # A setting the traced step reads: the step for the new plan now.
         settings = self.settings._replace(**changes)
         if settings != self.settings:
             self.settings = settings
             self.functions.retrace(self)
 
     def restore_settings(self, settings):
-        """A fit's end: the model's own settings back, without applying the
-        open window; the next step is made for them."""
+        """A fit's end: the model's own settings back; the open window stays open."""
         if settings != self.settings:
             self.settings = settings
             self.functions.invalidate()
 
     def see_batch(self, data_batch, size=None):
-        """The first training batch of a fit or `train_on_batch`, or the spec
-        of `fit`'s batches (`size`: the first batch's where Keras knows it
-        from arrays). Where neither tells the size, the first step's batch
-        does (`TrainFunctions.see_first`)."""
+        """The first training batch (or the spec of `fit`'s batches; `size`: Keras's,
+        for arrays): its size, else the first step's batch gives it.
+        """
         if data_batch is None:
             return  # no data: nothing will train
         size = size or static_batch_size(data_batch)
@@ -158,8 +141,7 @@ class Engine:
         self.seen_batch_size(size)
 
     def seen_batch_size(self, size):
-        """The size the step splits by is `size` (a new one gets its own
-        train function where the step splits)."""
+        """The size the step splits by (a new one retraces a splitting step)."""
         if size is None or size == self.batch_size_seen:
             return
         self.batch_size_seen = size
@@ -167,8 +149,7 @@ class Engine:
             self.functions.invalidate()
 
     def batch_drawn(self):
-        """The batch `fit` draws per step, over all replicas (the model sees
-        one replica's share); None before the first."""
+        """The batch `fit` draws per step over all replicas, or None before one."""
         size = self.batch_size_seen
         return size and size * self.model.distribute_strategy.num_replicas_in_sync
 
@@ -197,31 +178,27 @@ class Engine:
             self.state.discard()
 
     def _restore_batchnorm_window(self):
-        # BatchNormalization moments loaded from a file wait for their
-        # layers' variables, made with the next train function; flush() and
-        # reset_window() before that make them now, so that the restored
-        # moments are applied or discarded with the gradients they came
-        # with, and do not leak into the next window.
+        # Moments loaded from a file wait for their layers' variables: made
+        # now, they go with the gradients they came with.
         if self.model.built:
             self.state.moments.build(self.model.distribute_strategy)
 
     # -- fit and files -----------------------------------------------------
 
     def fit(self, callbacks, accum_steps=None, micro_batch_size=None, fit_kwargs=None):
-        """The context of one `fit`: yields its callbacks (fit.py)."""
+        """The context of one `fit` (fit.py); yields its callbacks."""
         return fit.one_fit(self, callbacks, accum_steps, micro_batch_size, fit_kwargs)
 
     def load_weights(self, load):
-        """`load()` (Keras's `load_weights`), all or nothing; the step is made
-        anew if it cannot continue the window loaded."""
+        """`load()`, all or nothing; the step is made anew if it cannot continue the
+        loaded window.
+        """
         model = self.model
         result = files.all_or_nothing(model, self.state, load)
         if not files.step_continues(
             self.state, model.trainable_variables, self.settings.accum_steps
         ):
-            # The traced step would continue the restored window with
-            # another length or other variables: the next one is made anew
-            # and refuses it, naming what differs.
+            # Made anew, the step refuses the window, naming what differs.
             self.functions.invalidate()
         return result
 

@@ -1,17 +1,11 @@
-"""What a `.keras` file of an accumulating model can hold faithfully.
+"""Model files: configs that rebuild the model faithfully, loads that are
+all or nothing.
 
-A `.keras` file is a config to rebuild the model from, plus its weights by
-path. Keras's functional config rebuilds every top-level layer from its own
-config, so a layer that a nested model also holds (KerasHub's tied
-`ReversibleEmbedding`: the backbone embeds with it, the LM head projects with
-it) comes back twice: the file does not load ("Layer 'token_embedding'
-expected 1 variables, but received 0"), or loads with the tie broken. A plain
-functional `keras.Model` of such a graph writes that file too; an
-`AccumModel` refuses instead, before anything is written.
-
-`wrap` of a model whose class has a config of its own (a KerasHub task)
-saves that model's config instead of the graph (`wrap.RebuiltModel`), so
-those files load as the unwrapped model's do.
+Keras's functional config rebuilds every top-level layer from its own
+config, so a layer a nested model also holds (KerasHub's tied embedding)
+comes back twice: such a file does not load, or loads with the tie broken.
+A plain `keras.Model` writes it anyway; an `AccumModel` refuses before
+writing (`wrap` of a class with its own config saves that config instead).
 """
 
 from keras_accum import _internals as internals
@@ -19,22 +13,8 @@ from keras_accum.window import binding
 
 
 def check_config_is_faithful(model):
-    """Raises ValueError if `model`'s functional config cannot rebuild it.
-
-    Args:
-        model: a functional model (an `AccumModel` built from inputs and
-            outputs, or a model `wrap` rebuilt over).
-
-    Raises:
-        ValueError: naming the shared layer, the two places that hold it and
-            what to do instead.
-
-    Example:
-
-    ```python
-    check_config_is_faithful(model)  # before writing model.keras
-    ```
-    """
+    """Raises ValueError, naming the shared layer and what to do, if
+    `model`'s functional config cannot rebuild it."""
     if not isinstance(model, internals.Functional):
         return
     shared = internals.layers_shared_across_nesting(model)
@@ -55,17 +35,9 @@ def check_config_is_faithful(model):
 
 
 def all_or_nothing(model, state, load):
-    """Runs `load()` (a `load_weights`); if it raises, puts back the
-    model's weights, its optimizer's state and its window (`state`, its
-    `AccumState`) as
-    they were before, and raises.
-
-    Example:
-
-    ```python
-    all_or_nothing(model, state, lambda: keras.Model.load_weights(model, path))
-    ```
-    """
+    """Runs `load()` (a `load_weights`); if it raises, puts the model's
+    weights, its optimizer's state and its window (`state`) back as they
+    were, and raises."""
     variables = list(model.weights)
     optimizer = model.optimizer
     if optimizer is not None:
@@ -74,9 +46,8 @@ def all_or_nothing(model, state, load):
     snapshot = state.snapshot()
 
     def build_optimizer():
-        # The file holds the optimizer's state (see
-        # building_optimizer_on_load): built as fit would build it, and
-        # put back as built if the load fails.
+        # The file holds the optimizer's state: built as fit would build
+        # it (and unbuilt again if the load fails).
         known = {id(v) for v in variables}
         with model.distribute_strategy.scope():
             optimizer.build(model.trainable_variables)
@@ -98,16 +69,7 @@ def all_or_nothing(model, state, load):
 
 
 def step_continues(state, variables, accum_steps):
-    """Whether a traced step can go on with `state`'s window as loaded: no window
-    open, or one opened for `variables` and `accum_steps`. If not, the next
-    step is made anew, and refuses it naming what differs.
-
-    Example:
-
-    ```python
-    if not step_continues(window, model.trainable_variables, accum_steps):
-        functions.invalidate()
-    ```
-    """
+    """Whether a traced step can go on with `state`'s window as loaded: none
+    open, or one opened for `variables` and `accum_steps`."""
     buffers = state.buffers
     return not buffers.open_micro_batches() or binding.fits(buffers, variables, accum_steps)

@@ -1,13 +1,6 @@
 """What `AccumModel.fit` adds around Keras's `fit`: settings for one call,
 the settings callbacks' states, and the window applied when an epoch's data
 ends. Everything here is handed the model's `Engine`.
-
-Example:
-
-```python
-with engine.fit(callbacks, accum_steps=8) as callbacks:
-    keras.Model.fit(model, x, y, callbacks=callbacks)
-```
 """
 
 import contextlib
@@ -29,59 +22,39 @@ from keras_accum.arguments import (
 
 
 class FitSetting(keras.callbacks.Callback):
-    """A callback that changes the model's settings for one `fit` only
-    (`AccumScheduler`): `one_fit` hands it the model's `Engine`, and asks
-    it, before training, what it sets for the epoch training starts at.
-
-    Example:
-
-    ```python
-    class AccumScheduler(FitSetting): ...
-    ```
+    """A callback that sets the model's settings for one `fit` only
+    (`AccumScheduler`): `one_fit` hands it the model's `Engine`, and asks it
+    before training what it sets for the epoch training starts at.
     """
 
     # The running fit's model's `Engine`, given by `one_fit`; None outside a fit.
     engine = None
 
     def bind_fit(self, engine):
-        """Called by `one_fit` with the model's `Engine` before training,
-        and with None when the fit ends."""
+        """The model's `Engine` as a fit starts; None when it ends."""
         self.engine = engine
 
     def value_at_start(self, epoch):
-        """The `accum_steps` set for `epoch` as far as known before
-        training; None: none (the value in force)."""
+        """The `accum_steps` set for `epoch` as far as known before training, or None."""
         return None
 
     def state(self):
-        """What a backup keeps of this callback mid-`fit` (JSON-able), or
-        None: `keras_accum.BackupAndRestore` writes it beside the weights."""
+        """What a backup keeps of this callback mid-`fit` (JSON-able), or None."""
         return None
 
     def restore_state(self, state):
-        """Takes back a `state()` when a backup is restored (before the
-        first batch; before or after this callback's `on_train_begin`)."""
+        """Takes back a `state()` when a backup or a file is restored."""
 
 
 class FitScope:
-    """What a model keeps of the running `fit`: its settings callbacks, the
-    settings the user assigns during it, and the callbacks' states a
-    `.keras` file brought for the next fit.
+    """What a model keeps of the running `fit`.
 
-    `fit(accum_steps=...)` and `AccumScheduler` change a setting for their
-    `fit` only, and `fit` puts the model's own back when it returns. A value
-    the user assigns during the fit (`model.accum_steps = n` from a
-    callback) is the model's own from then on, and stays, as a learning rate
-    assigned from a callback stays.
-
-    A `.keras` file written mid-fit (by `keras.callbacks.ModelCheckpoint`)
-    holds the settings callbacks' states (`FitSetting.state`) beside the
-    weights (an asset, `AccumModel.save_assets`); the first `fit` of the
-    model loaded from it hands each to the callback of its class, once (as
-    a backup's are), and warns about any no callback of this fit takes.
-
-    Attributes:
-        settings_callbacks: the running fit's `FitSetting` callbacks.
+    Its settings callbacks; the settings the user assigns during it (the
+    model's setters: they stay after the fit, as a learning rate set from a
+    callback stays, while `fit(accum_steps=...)` and `AccumScheduler` change
+    them for the fit only); and the callbacks' states a `.keras` file written
+    mid-fit brought (an asset: `AccumModel.save_assets`), handed once to the
+    next fit's callback of each class.
     """
 
     FILE = "fit_setting_states.json"
@@ -92,13 +65,12 @@ class FitScope:
         self._loaded = {}  # {class name: state} from a file, for the next fit
 
     def set_by_user(self, **settings):
-        """Settings the user assigned (the model's setters), kept after the fit."""
+        """Settings the user assigned: kept after the fit."""
         if self._by_user is not None:
             self._by_user.update(settings)
 
     def start(self, callbacks):
-        """A fit starts with these settings callbacks: each gets the
-        loaded state of its class, once."""
+        """A fit starts: each settings callback gets the loaded state of its class, once."""
         self._by_user = {}
         self.settings_callbacks = list(callbacks)
         loaded, self._loaded = self._loaded, {}
@@ -123,8 +95,7 @@ class FitScope:
         return settings
 
     def states(self):
-        """`{class name: state}` of the running fit's stateful settings
-        callbacks (empty between fits)."""
+        """`{class name: state}` of the running fit's stateful settings callbacks."""
         states = {}
         for callback in self.settings_callbacks:
             state = callback.state()
@@ -151,17 +122,10 @@ class FitScope:
 class EpochEndFlush(keras.callbacks.Callback):
     """Applies a pending window when an epoch's data ends, inside `fit` only.
 
-    `fit` runs validation through `evaluate(callbacks=<fit's callbacks>)`, so
-    `on_test_begin` is the moment after the last training batch and before
-    the first validation batch; `on_epoch_end` covers epochs without
-    validation. It is put first in the list, so every other callback's
-    `on_epoch_end` (checkpoints included) sees the updated weights.
-
-    Example:
-
-    ```python
-    callbacks = [EpochEndFlush(engine), *user_callbacks]
-    ```
+    `fit` validates through `evaluate(callbacks=...)`, so `on_test_begin` comes
+    after the last training batch and before the first validation batch;
+    `on_epoch_end` covers epochs without validation. First in the list, so
+    every other callback's `on_epoch_end` sees the updated weights.
     """
 
     def __init__(self, engine):
@@ -218,11 +182,9 @@ class EpochEndFlush(keras.callbacks.Callback):
 
 
 def check_callbacks(callbacks, strategy):
-    """Refuses Keras's own `BackupAndRestore` across workers, before `fit`.
-
-    It restores each worker from its own newest backup; after a worker died
-    around an epoch's end those are different epochs, and the restarted
-    workers' collectives no longer line up (an error or a hang).
+    """Refuses Keras's own `BackupAndRestore` across workers, before `fit`:
+    each worker restores its own newest backup, and after a death around an
+    epoch's end those differ (the collectives then no longer line up).
     """
     if not internals.multi_worker(strategy):
         return
@@ -241,11 +203,7 @@ def check_callbacks(callbacks, strategy):
 
 def check_schedule_agrees(callbacks, accum_steps, initial_epoch):
     """Refuses `fit(accum_steps=n)` with an `AccumScheduler` that sets
-    another value for the epoch the fit starts at: the schedule would
-    replace `n` before the first step, and `n` would never be used.
-
-    A schedule that starts later (`{3: 8}`) or follows the noise scale
-    starts from `n`, as from the model's own value without it.
+    another value for the epoch the fit starts at (`n` would never be used).
     """
     if accum_steps is None:
         return
@@ -278,11 +236,9 @@ def _first_accum_steps(callbacks, accum_steps, settings, initial_epoch):
 
 
 def warn_if_epochs_end_mid_window(steps_per_epoch, accum_steps):
-    """Warns when `steps_per_epoch`, which counts the batches `fit` draws
-    (micro-batches of a window), is not a multiple of `accum_steps`: every
-    epoch then ends with a short window, applied at its end as a smaller
-    update than the others. A plain recipe's `steps_per_epoch` counts
-    updates: with accumulation, it is that times `accum_steps`."""
+    """Warns when `steps_per_epoch` (micro-batches) is not a multiple of
+    `accum_steps`: every epoch would end with a short window.
+    """
     if not isinstance(steps_per_epoch, int) or steps_per_epoch % accum_steps == 0:
         return
     left = steps_per_epoch % accum_steps
@@ -304,18 +260,13 @@ _KERAS_FIT_ARGUMENTS = frozenset(inspect.signature(keras.Model.fit).parameters)
 
 @contextlib.contextmanager
 def one_fit(engine, callbacks, accum_steps=None, micro_batch_size=None, fit_kwargs=None):
-    """The settings and callbacks of one `fit` of `engine`'s model; yields
-    the callbacks.
+    """The settings and callbacks of one `fit`; yields the callbacks.
 
-    Every argument is checked before anything changes. `accum_steps` and
-    `micro_batch_size`, if given, hold for this call only, and so do the
-    values an `AccumScheduler` sets: afterwards the model's own come back
-    without applying the open window (after an interrupted fit it stays
-    open, to be resumed), and the next fit traces its own step. A value the
-    user assigns during the fit (`model.accum_steps = n` in a callback) is
-    the model's own, and stays. A resumed epoch's fast-forward belongs to this
-    call too. `fit_kwargs` are the other arguments of this `fit`, checked
-    for a misspelling of ours.
+    Every argument is checked before anything changes. `accum_steps`,
+    `micro_batch_size` and a scheduler's values hold for this call only: at
+    its end the model's own come back without applying the open window (after
+    an interrupt it stays open, to resume). A value the user assigns during
+    the fit is the model's own, and stays.
     """
     model = engine.model
     fit_kwargs = fit_kwargs or {}

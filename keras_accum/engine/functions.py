@@ -1,19 +1,12 @@
 """The train functions `fit` calls: made per step plan, cached, fast-forwarded.
 
-`TrainFunctions` is what a model's `train_function` is. Everything that
-changes what `fit` calls goes through it: a new `accum_steps` (the setter,
-`fit(accum_steps=)`, `AccumScheduler`), a new `micro_batch_size`,
-`compile()` (Keras assigns `train_function = None`), a load that leaves a
-window the traced step cannot continue, and BackupAndRestore, whose resumed
-epoch takes its first batches without training. It holds the step made for
-the current plan (`function`) and, apart from it, a fast-forward or a
-first batch awaited; `fit` calls `current()`.
-
-A function is made for the step plan (plan.py) and kept under its key, with
-the objects its trace captured (optimizer, loss tracker, trainable
-variables, window buffers): switching back to a plan reuses its function
-while those are the same objects; new buffers or a new compile make it
-stale. The engine is handed to every call that makes a function.
+`TrainFunctions` is what a model's `train_function` is, and everything that
+changes what `fit` calls goes through it: settings (`accum_steps`,
+`micro_batch_size`, `AccumScheduler`), `compile()` (Keras assigns None), a
+load the traced step cannot continue, a resumed epoch's fast-forward. A
+function is cached under its plan's key with the objects its trace
+captured (optimizer, loss tracker, variables, buffers): switching back
+reuses it while those are the same objects.
 """
 
 import itertools
@@ -34,12 +27,9 @@ from keras_accum.split.microbatch import static_batch_size
 
 
 class TrainFunctions:
-    """What a model's `train_function` is: the current step, under any
-    fast-forward or first batch awaited; and the cached steps and flush
-    function behind it.
-
-    Attributes:
-        function: the step for the current plan, None until made.
+    """What a model's `train_function` is: the step for the current plan
+    (`function`, None until made), under any fast-forward or first batch
+    awaited; and the cached steps and flush function behind it.
     """
 
     def __init__(self):
@@ -69,21 +59,21 @@ class TrainFunctions:
         self.function = value
 
     def invalidate(self):
-        """The step is made again when next needed (settings changed)."""
+        """The step is made again when next needed."""
         self.function = None
 
     def retrace(self, engine):
-        """A setting the trace reads changed: the step for the new plan now
-        (its cached function, else a new trace), if one was made before.
-        Now rather than later: fit reads `train_function` before every step."""
+        """A setting the trace reads changed: the step for the new plan now, if
+        one was made before (fit reads `train_function` before every step).
+        """
         if self.function is not None:
             self.function = None
             self.make(engine)
 
     def make(self, engine, force=False):
-        """`model.make_train_function(force)`: the step for `engine`'s plan
-        now (a trace reads the plan when it is made: "auto" traces a step
-        per size it chooses)."""
+        """`model.make_train_function(force)`: the step for `engine`'s plan now
+        (a trace reads the plan: "auto" traces a step per size it chooses).
+        """
         if self.function is not None and not force:
             return self.function
         model, state = engine.model, engine.state
@@ -100,8 +90,8 @@ class TrainFunctions:
                 model.optimizer,
             )
         elif plan.splits and model.built:
-            # The batch's pooled moments (and noise scale) are applied in
-            # the step: their variables are made now, outside any replica.
+            # The step closes the batch's observers: their variables now,
+            # outside any replica.
             state.build_observers(model.distribute_strategy)
         compiled, buffers = _captured(model, plan, state)
         entry = None if force else self._cache.get(plan.cache_key)
@@ -109,8 +99,7 @@ class TrainFunctions:
             function = entry.function
         else:
             function = self._new(engine, plan)
-            # Entries of an earlier compile or of replaced buffers would
-            # never be used again, yet hold on to their traced graphs.
+            # Entries of an earlier compile or buffers hold dead graphs.
             current = Captured(tuple(state.buffers.acc_grads))
             self._cache = {
                 key: kept
@@ -146,8 +135,8 @@ class TrainFunctions:
         if plan.micro_batch_size == AUTO:
             written = StepState(lambda: written_before_gradients(model, state), strategy)
             if strategy.num_replicas_in_sync > 1 or internals.multi_worker(strategy):
-                # Several replicas: computed apart from every collective, so
-                # that running out of memory on one blocks no other.
+                # Computed apart from every collective: one replica out of
+                # memory blocks no other.
                 after_step = _replica_step(engine)[1] if plan.uses_buffers else None
                 halves = (
                     lambda data: step.compute_split(model, engine.plan(), state, data),
@@ -165,23 +154,18 @@ class TrainFunctions:
             if internals.replicated(strategy):
                 return internals.make_replicated_function(model, *_replica_step(engine))
         elif internals.multi_worker(strategy):
-            # Keras's own train function fails across workers (its log
-            # reduction, tensorflow/tensorflow#72388); same step, our function.
+            # Keras's own fails across workers (tensorflow/tensorflow#72388).
             return internals.make_replicated_function(model, engine.train_step)
-        # Keras's own, made as Keras makes it (it assigns train_function,
-        # which is `assign` here).
+        # Keras's own (it assigns train_function: `assign` here).
         keras.Model.make_train_function(model, force=True)
         return self.function
 
     # -- fast-forward (BackupAndRestore) ---------------------------------------
 
     def fast_forward(self, batches, engine):
-        """Makes the next `batches` batches be taken from `fit`'s iterator
-        without training, whatever step is made or assigned meanwhile.
-
-        After the last of them, the step for the settings in force then is
-        the one `fit` calls (made at once if there is none, so a setting
-        that cannot go on with a restored window raises its error here,
+        """The next `batches` batches are taken from `fit`'s iterator without
+        training, whatever step is made meanwhile; then the step in force (made
+        at once, so a setting that cannot continue a restored window raises
         before any batch trains).
         """
         def done():
@@ -202,29 +186,22 @@ class TrainFunctions:
         self._fast_forward = None
 
     def end_fit(self):
-        """A fit ended: neither a fast-forward nor a first batch awaited
-        (`see_first`) is left for the next one."""
+        """A fit ended: no fast-forward or first batch awaited is left."""
         self._fast_forward = None
         self._first_batch = None
 
     # -- the first batch, when only the step can see its size --------------
 
     def see_first(self, engine, see):
-        """Makes the next call of the train function take its first batch
-        from `fit`'s iterator itself and hand its size to `see(size)`
-        before a step is made for it.
+        """The next call takes its first batch from `fit`'s iterator and hands
+        its size to `see(size)` before a step is made for it.
 
-        For data whose batch size no spec tells before drawing (a `tf.data`
-        pipeline batched without `drop_remainder`, a generator): the model
-        is built from the spec, and the size the step splits by (and a
-        window's sparse capacity, and the schedule's sample count) is the
-        first batch's, read from the batch the first step trains, not from
-        one drawn apart (which a seeded shuffle would then reorder). That
-        call's batches are trained eagerly, by the model's own step (the
-        train function the plan needs is traced from the second call on,
-        with the size known): no trace is spent on them alone. A train
-        function that draws its batches in Python ("auto") takes them as
-        they come. A fast-forward's first batch is seen as it is skipped.
+        For data whose batch size no spec tells (`tf.data` batched without
+        `drop_remainder`, a generator): the size comes from the batch the first
+        step trains, never from one drawn apart (a seeded shuffle would reorder).
+        That call's batches are trained eagerly by the model's own step, so no
+        trace is spent on them alone; "auto", which draws in Python, takes them
+        as they come; a fast-forward's first batch is seen as it is skipped.
         """
         model = engine.model
 
@@ -250,44 +227,36 @@ class TrainFunctions:
     # -- flushing ----------------------------------------------------------
 
     def flush_function(self, model, state):
-        """The traced function that applies `model`'s open window (of `state`):
-        one per optimizer and window variables, each called about once an
-        epoch."""
+        """The traced function applying the open window: one per optimizer and window variables."""
         captured = Captured(
             (model.optimizer, *state.buffers.acc_grads, *state.moments.variables)
         )
         kept, function = self._flush
         if kept is None or not kept.same(captured):
-            # TensorFlow's frequent-retracing warning counts traces of the
-            # same code over every model in the process: one per compile is
-            # not excessive.
+            # One trace per compile is not the retracing TF warns about.
             traced = internals.without_retracing_warning(
                 tf.function(
                     lambda: window.close(state, model.optimizer, model.distribute_strategy)
                 )
             )
-            # Held in a plain closure: a tf.function attribute would be
-            # tracked and exported.
+            # A plain closure: a tf.function attribute would be exported.
             function = lambda: traced()  # noqa: E731
             self._flush = (captured, function)
         return function
 
 
 def _step_on_data(engine):
-    # One step on a batch in hand ("auto"), traced per batch shape: the
-    # split is static and exact for every batch, the short last one too.
+    # "auto": one step on a batch in hand, traced per batch shape.
     model = engine.model
     if engine.plan().uses_buffers and internals.replicated(model.distribute_strategy):
-        # Under a one-replica strategy (several: across_replicas.py), the
-        # window is applied in cross-replica context, as by the replicated
-        # train function.
+        # One replica: the window closes in cross-replica context.
         return internals.make_step_on_data(model, *_replica_step(engine), reduce_retracing=False)
     return internals.make_step_on_data(model, engine.train_step, reduce_retracing=False)
 
 
 def _replica_step(engine):
-    # The replica's part (accumulate) and the cross-replica part (apply the
-    # window once full: replica 0's micro-step decides for all).
+    # The replica's part, and the cross-replica part that closes the window
+    # once full (replica 0's micro-step decides for all).
     model, state = engine.model, engine.state
 
     def replica_step(data):
@@ -303,8 +272,7 @@ def _replica_step(engine):
 
 
 class Captured(NamedTuple):
-    """Objects a trace captured, compared by identity (and kept alive
-    here, so ids are not reused), and plain settings, compared by value."""
+    """Objects a trace captured, compared by identity (and kept alive), and plain settings."""
 
     objects: tuple
     settings: tuple = ()
@@ -318,7 +286,7 @@ class Captured(NamedTuple):
 
 
 class _Entry(NamedTuple):
-    """A cached train function and what its trace captured (`_captured`)."""
+    """A cached train function and what its trace captured."""
 
     compiled: Captured
     buffers: Captured
@@ -326,10 +294,10 @@ class _Entry(NamedTuple):
 
 
 def compiled(model):
-    """What any trace over `model`'s compile captures, as a `Captured`: the
-    optimizer, the loss tracker (new at each compile: a recompile may change
-    the loss) and the trainable variables, with the plain settings. A new
-    compile makes it stale; the probe's traced function keys on it too."""
+    """What any trace over `model`'s compile captures: optimizer, loss tracker
+    (new at each compile), trainable variables, plain settings. The probe's
+    traced function keys on it too.
+    """
     return Captured(
         (model.optimizer, internals.loss_tracker(model), *model.trainable_variables),
         (model.jit_compile, model.run_eagerly, model.steps_per_execution),
@@ -337,22 +305,15 @@ def compiled(model):
 
 
 def _captured(model, plan, state):
-    """What a traced step captured: `(compiled, buffers)`, two `Captured`.
-
-    `compiled`: `compiled(model)`: a new compile makes every entry stale.
-    `buffers`: the window's buffers, only where the step adds into them
-    (the first window's buffers leave Keras's own step as it was).
-    """
+    """`(compiled, buffers)`: the buffers count only where the step adds into them."""
     buffers = Captured(tuple(state.buffers.acc_grads) if plan.uses_buffers else ())
     return compiled(model), buffers
 
 
 def fast_forward(model, batches, engine=None):
-    """Makes `model`'s coming `batches` train steps take their data only.
-
-    A keras_accum model's (`engine` given) train functions keep the
-    fast-forward through any retrace; a plain Keras model (whose function
-    nothing retraces during `fit`) gets its current function wrapped.
+    """`model`'s coming `batches` train steps take their data only: held by a
+    keras_accum model's (`engine`'s) train functions through any retrace, or
+    wrapped around a plain model's function.
     """
     if engine is not None:
         engine.functions.fast_forward(batches, engine)
@@ -368,10 +329,10 @@ def fast_forward(model, batches, engine=None):
 
 
 def _fast_forwarding(model, batches, done, seen=None):
-    """A train function that takes `fit`'s next `batches` batches without
-    training (up to `steps_per_execution` a call, logging nothing), and
-    calls `done()` once the last is taken; `seen(batch)`, if given, with
-    the first."""
+    """A train function taking `fit`'s next `batches` batches without training
+    (`steps_per_execution` a call), `seen(batch)` with the first, `done()`
+    after the last.
+    """
     remaining = batches
 
     def fast_forwarding(iterator):

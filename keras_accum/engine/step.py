@@ -1,60 +1,13 @@
 """The train step: functions of (model, plan, state), traced once per plan.
 
-`train_step(model, plan, state, data)` is `AccumModel.train_step`: the
-model hands in its step plan (plan.py), read as Python constants, and its
-`AccumState` (window/state.py). The step takes one of three paths:
-
-- no buffers, no split (`accum_steps=1`): Keras's own `train_step`;
-- no buffers, split (`micro_batch_size` with `accum_steps=1`): the batch
-  is its own window, its gradient summed over its micro-batches and
-  applied by the window's rule (`window.close_batch`);
-- buffers (`accum_steps > 1` or `skip_nonfinite`): the micro-batch's (or
-  split batch's) gradient added to the window, which is applied once full.
-
-Each path computes everything into tensors first and then writes state in
-one place, `_write`: BatchNormalization moments, the window or optimizer
-update, the loss tracker, the metrics. When the batch is split, every write
-waits for all micro-batches' gradients, so a step that fails part-way (out
-of memory) writes nothing.
-
-Per micro-batch, beyond what Keras's built-in accumulation runs (its
-forward and backward pass, loss, loss tracker and metrics are the same),
-the buffered path runs, each for the reason given (measured, with the
-traced graphs, in benchmarks/step_mode_ops.md):
-
-- the loss normaliser of each compiled loss term (normaliser.py), read
-  while Keras computes the loss: the micro-batch's weight, which makes an
-  uneven or masked window exact (Grappler merges the repeated loss with
-  Keras's own: a `Size` and a `Cast` remain);
-- the weight folded into the scalar loss, two scalar multiplies (under loss
-  scaling or float16, one multiply per gradient element instead, which
-  also unscales): the buffers hold `weight * gradient`;
-- one in-place `assign_add` per variable into its buffer: the window's
-  sum, the same memory traffic as the built-in's read, add and assign.
-  A sparse gradient's slices are appended instead (two scatters), or,
-  once the window holds more occurrences than the table has rows, added
-  to its per-row sums (three scatter-adds: sum, statistic, count):
-  what makes Keras's occurrence-wise sparse update exact (window/slices.py);
-- `window_weight += weight`, `micro_step += 1` and the `normalise` flag,
-  three scalar writes: the window's divisor, its position (so that
-  `optimizer.iterations` counts updates) and its arithmetic, so that a
-  window restored from a file is finished as it began;
-- one `tf.cond` on `micro_step + 1 >= accum_steps`, as Keras's own: on
-  one device the micro-batch that fills the window is not added but read
-  with the buffers' sum by the update (`add_or_close`: added and read back,
-  the two ran one after the other and the update micro-batch took 1.12x
-  the built-in's); the executor visits the branch, untaken, at every
-  micro-batch: nothing per variable in it but the update itself (no
-  conditional per buffer: buffers.py). Across replicas the window is
-  added to, then closed in cross-replica context.
-
-Example:
-
-```python
-class AccumModel(keras.Model):
-    def train_step(self, data):
-        return step.train_step(self, self._step_plan(), self._accum_state, data)
-```
+Three paths: no buffers and no split (`accum_steps=1`): Keras's own
+`train_step`; a split without buffers: the batch is its own window, closed
+by `window.close_batch`; buffers (`accum_steps > 1` or `skip_nonfinite`):
+the gradient is added to the window, applied once full. Each path computes
+everything into tensors first, then writes state in one place (`_write`),
+so a split step that fails part-way (out of memory) writes nothing. What
+each op per micro-batch costs and why it is there:
+benchmarks/step_mode_ops.md.
 """
 
 from typing import NamedTuple
@@ -70,20 +23,17 @@ from keras_accum.normaliser import loss_normaliser, micro_batch_weight
 from keras_accum.window import noise_scale
 
 
-class SplitBatch(NamedTuple):
-    """A batch's gradients, computed into tensors and not yet written.
+class ComputedBatch(NamedTuple):
+    """A batch with its gradients computed into tensors, nothing written yet.
 
-    What `split_gradients` returns and `_write` writes (`tf.nest` flattens
-    it in field order: auto_replicas.py passes its tensors between calls).
+    `tf.nest` flattens it in field order (split/across_replicas.py passes
+    its tensors between calls).
 
     Attributes:
-        x, y, sample_weight: the batch, as Keras unpacks it.
         gradients: `microbatch.Gradients`, summed over the micro-batches.
-        batchnorm_records: the micro-batches' BatchNormalization moments,
-            a list of `BatchNormRecord` to be added to the window; None when
-            they were added as the forward pass ran (no split).
-        noise_sums: the noise scale's sums over the micro-batches; None when
-            it is not measured.
+        batchnorm_records: the micro-batches' moments to add to the window;
+            None when they were added during the forward pass (no split).
+        noise_sums: the noise scale's sums, or None when not measured.
     """
 
     x: object
@@ -95,14 +45,10 @@ class SplitBatch(NamedTuple):
 
 
 def train_step(model, plan, state, data):
-    """One train step of `model` on `data`, as its `plan` says (see above);
-    `state`: the model's `AccumState`."""
-    # Every op of the step waits for the batch. On a data set of unknown
-    # length Keras calls the train function once more per epoch and its
-    # iterator fails inside it ("ran out of data"); in a graph, the step's
-    # writes that read no data (a window's count, a reset) ran before that
-    # and a window's gradients were lost (SGD weights 0.036 from the same
-    # data of known length).
+    """One train step of `model` on `data`, as `plan` says, on `state`."""
+    # Every op waits for the batch: on data of unknown length Keras calls
+    # the train function once more per epoch, whose iterator fails inside
+    # it, and writes that read no data (a window's count) would run first.
     with tf.control_dependencies(_tensors_of(data)):
         return _train_step(model, plan, state, data)
 
@@ -133,12 +79,10 @@ def _train_step(model, plan, state, data):
 def accumulate(model, plan, state, data, gradients=None, close=None):
     """Adds `data`'s gradient to `state`'s window; the logs of Keras's train_step.
 
-    `TensorFlowTrainer.train_step` with the update replaced by accumulation
-    (keep in step with it: see the internals' fingerprints). `gradients`:
-    the `SplitBatch` `split_gradients` returned for `data`, computed in an
-    earlier call (auto_replicas.py), else computed here. `close`: given,
-    the window is closed here once full, by `close(last)`
-    (`GradientAccumulator.add_or_close`); else by the caller.
+    Keras's `train_step` with the update replaced by accumulation (kept in
+    step with it: _internals/fingerprints.py). `gradients`: the
+    `ComputedBatch` of an earlier call (across_replicas.py). `close`: given,
+    the window is closed here once full (`add_or_close`), else by the caller.
     """
     internals.build_compiled_loss(model, data)
     buffers = state.buffers
@@ -179,21 +123,20 @@ def accumulate(model, plan, state, data, gradients=None, close=None):
         return _write(model, state, split, add_measured)
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     batch = micro_batch_gradients(model, state, x, y, sample_weight, variables)
-    split = SplitBatch(x, y, sample_weight, batch, None, _measured(state, [batch]))
+    split = ComputedBatch(x, y, sample_weight, batch, None, _measured(state, [batch]))
     return _write(model, state, split, add_measured)
 
 
 def _measured(state, parts):
-    # The noise scale's per-micro-batch sums, when measured (noise_scale.py):
-    # of losses averaged over the batch only (a sum has no mean gradient).
+    # Only a loss averaged over the batch has a mean gradient to measure.
     if state.noise is None or not parts[0].normalise:
         return None
     return noise_scale.micro_batch_sums(parts)
 
 
 def _window_batches(plan, x):
-    """How many of this batch a window holds at most: `accum_steps` full
-    (first-seen) batches. Derived from shapes, so a constant under XLA."""
+    """How many of this batch a window holds at most (`accum_steps` full
+    batches): from shapes, so a constant under XLA."""
     full = plan.batch_size_seen
     if full is None:
         return plan.accum_steps
@@ -202,9 +145,8 @@ def _window_batches(plan, x):
 
 
 def batch_to_optimizer(model, plan, state, data, gradients=None):
-    """`accum_steps=1` with a split: the batch is its own window, its
-    gradient (summed over its micro-batches) applied by the window's rule
-    (`window.close_batch`); no buffers. `gradients`: as for `accumulate`."""
+    """`accum_steps=1` with a split: the batch is its own window, closed by
+    `window.close_batch`; no buffers. `gradients`: as for `accumulate`."""
     internals.build_compiled_loss(model, data)
     variables = model.trainable_variables
     split = gradients or split_gradients(model, plan, state, data, variables)
@@ -216,10 +158,9 @@ def batch_to_optimizer(model, plan, state, data, gradients=None):
 
 
 def _write(model, state, split, update):
-    """The step's one state-writing tail: BatchNormalization records,
-    `update(gradients, noise_sums)`, loss, metrics, for the `SplitBatch`
-    `split`. With records (a split batch's, deferred), every write waits for
-    all of the batch's gradients."""
+    """The step's one state-writing tail: moments, `update(gradients,
+    noise_sums)`, loss, metrics. A split batch's writes wait for all of its
+    gradients."""
     batch, records = split.gradients, split.batchnorm_records
     after = [] if records is None else microbatch.control_after(batch)
     with tf.control_dependencies(after):
@@ -237,11 +178,9 @@ def micro_batch_gradients(
 ):
     """One forward and backward pass, as Keras's train_step makes it.
 
-    Returns `microbatch.Gradients`: the gradients and the weight (what
-    Keras normalised the loss by) that make them exact to sum.
-    BatchNormalization moments go to the window, or to the list `records`
-    to be recorded later. `live` (a 0/1 float tensor) multiplies the
-    weight: 0 makes the gradient exactly zero.
+    Returns `microbatch.Gradients`, weighted by what Keras normalised the
+    loss by (normaliser.py), so that summing them is exact. Moments go to
+    the window, or to `records`. `live` (0 or 1) multiplies the weight.
     """
     loss_scale, fold = _weight_folding(model)
     normalisers = []
@@ -265,19 +204,16 @@ def micro_batch_gradients(
 
 
 def _weight_folding(model):
-    # The optimizer's loss scale, and whether the micro-batch's weight is
-    # folded into the loss: one scalar multiply instead of one per gradient
-    # element where that is safe. Not under loss scaling or float16, where
-    # it could overflow float16 gradients; there the (then needed anyway)
-    # per-element unscale carries it.
+    # The loss scale, and whether the weight is folded into the loss (one
+    # scalar multiply, not one per gradient element): not under loss scaling
+    # or float16, where it could overflow; the unscale carries it there.
     loss_scale = scaling.loss_scale_of(model.optimizer)
     return loss_scale, loss_scale is None and model.dtype_policy.compute_dtype != "float16"
 
 
 def compute_split(model, plan, state, data):
-    """The first half of a split step (auto_replicas.py): the batch's
-    `SplitBatch` as the plan splits it, no state written but by the layers'
-    forward passes."""
+    """The first half of a split step (across_replicas.py): the batch's
+    `ComputedBatch`, nothing written but by the layers' forward passes."""
     internals.build_compiled_loss(model, data)
     if plan.uses_buffers:
         variables = state.buffers.window_variables
@@ -290,17 +226,15 @@ def compute_split(model, plan, state, data):
 
 
 def write_split(model, plan, state, data, split):
-    """The second half: `split` (what `compute_split` returned for `data`)
-    written as the ordinary step writes it; the logs."""
+    """The second half: `split` (from `compute_split`) written; the logs."""
     if plan.uses_buffers:
         return accumulate(model, plan, state, data, gradients=split)
     return batch_to_optimizer(model, plan, state, data, gradients=split)
 
 
 def split_gradients(model, plan, state, data, variables):
-    """The batch's summed gradients from micro-batches of `plan.split_size`
-    samples, in tensors; no state is written but by the layers' forward
-    passes. Returns a `SplitBatch`."""
+    """The batch's gradients summed over micro-batches of `plan.split_size`,
+    as a `ComputedBatch`; nothing written but by the layers' forward passes."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
     split = microbatch.split((x, y, sample_weight), plan.split_size, plan.batch_size_seen)
     if plan.coupling is not None and plan.split_size is not None:
@@ -309,9 +243,8 @@ def split_gradients(model, plan, state, data, variables):
             model, plan.coupling, state, split, (x, y, sample_weight), variables,
             fold, loss_scale,
         )
-        # A coupled loss has no independent micro-batch gradients: no
-        # noise scale (refused with `coupled_from`).
-        return SplitBatch(x, y, sample_weight, batch, records, None)
+        # No independent micro-batch gradients: no noise scale.
+        return ComputedBatch(x, y, sample_weight, batch, records, None)
     records = []
     parts, total = [], None
     for part, live in split:
@@ -321,8 +254,8 @@ def split_gradients(model, plan, state, data, variables):
             parts.append(micro_batch_gradients(model, state, *part, variables, records))
             total = microbatch.summed(total, parts[-1])
             continue
-        # A stand-in past a short batch's end: weighs nothing, counts no
-        # sample, predicts no row, adds no BatchNormalization moments.
+        # A stand-in past a short batch's end: weighs, counts, predicts and
+        # adds nothing.
         live = tf.cast(live, tf.float32)
         first = len(records)
         step = micro_batch_gradients(model, state, *part, variables, records, live=live)
@@ -339,6 +272,6 @@ def split_gradients(model, plan, state, data, variables):
             )
         )
         total = microbatch.summed(total, parts[-1])
-    return SplitBatch(
+    return ComputedBatch(
         x, y, sample_weight, microbatch.combine(parts, total), records, _measured(state, parts)
     )

@@ -1,5 +1,4 @@
-"""Growing the batch as training goes: `AccumScheduler` (scheduler.py) and
-its strategies, the noise-scale estimate it acts on (estimate.py), the
-probe that measures it on held examples (probe.py), the learning rate
-that follows the batch (rate_rules.py) and `SampleSchedule`
-(sample_schedule.py)."""
+"""Growing the batch as training goes: `AccumScheduler` (scheduler.py) and its
+strategies (epochs.py, noise_growth.py), the noise-scale estimate (estimate.py)
+and probe (probe.py), and the learning rate that follows the batch
+(rate_rules.py, sample_schedule.py)."""

@@ -8,14 +8,8 @@ from keras_accum.arguments import check_accum_steps
 
 
 class EpochSchedule:
-    """`accum_steps` for each epoch, decided at the epoch's start.
-
-    Args:
-        schedule: a dict `{epoch: accum_steps}` (each value holds from its
-            epoch until the next key; None before the first), or a callable
-            `epoch -> accum_steps` (None keeps the current value). A dict is
-            checked here, and that a callable takes one argument.
-    """
+    """`accum_steps` for each epoch, decided at the epoch's start from
+    `schedule` (`AccumScheduler`'s dict, checked here, or callable)."""
 
     decides_within_epochs = False
 
@@ -50,8 +44,8 @@ class EpochSchedule:
         return self.value(epoch)
 
     def begin(self, engine, epochs):
-        """A fit starts: a callable is checked for every epoch before the
-        first step."""
+        """A fit starts: a callable is checked for every epoch before the first
+        step."""
         if self._table is None:
             for epoch in range(epochs):
                 self.value(epoch)

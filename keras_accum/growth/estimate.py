@@ -1,31 +1,7 @@
-"""Growing the batch to the gradient noise scale: an estimate to act on.
-
-The window measures the noise scale (window/noise_scale.py); an estimate
-over a few dozen windows is still noisy, and at a batch far below the
-noise scale its denominator (`|G|^2`) is not resolved from zero: the
-ratio is then heavy-tailed, or infinite. So the schedule acts on a
-**smoothed** estimate with a **confidence interval**:
-
-- the sums of the windows' `tr(Sigma)` and `|G|^2` estimates (numerator
-  and denominator apart, as the paper advises) are averaged across
-  decisions with exponentially decaying weights;
-- Fieller's interval for a ratio of means gives `low` and `high`; the
-  estimate is *resolved* when the signal's mean is positive beyond the
-  interval's reach (`high` finite). Unresolved, only `low` is known.
-
-`BatchGrowth` turns an estimate into `accum_steps`: resolved, to the
-estimate; unresolved, to its lower bound (the noise scale is at least
-that); at most doubling per decision, never below the value in force, up to
-the cap.
-
-Example:
-
-```python
-growth = BatchGrowth(max_accum_steps=128)
-growth.begin(noise)                # the window's NoiseScale, as a fit starts
-growth.take_windows(noise)         # at each decision: the windows since
-growth.next_accum_steps(current=4, samples_per_step=16)
-```
+"""The noise-scale estimate the growth schedule acts on: smoothed, with a
+confidence interval, since at a batch far below the noise scale `|G|^2` is
+not resolved from zero and the windows' ratio is heavy-tailed or infinite.
+`BatchGrowth` turns it into `accum_steps`.
 """
 
 import math
@@ -44,35 +20,26 @@ from keras_accum.window.noise_scale import (
 
 # Two standard errors: a 95% interval.
 Z = 2.0
-# Fewer windows than this give no spread to trust.
+# Fewer windows give no spread to trust.
 MIN_WINDOWS = 3
-# A decision keeps this share of the estimate before it (the windows since
-# then count in full): the last interval and half the one before weigh
-# about as much as all older ones.
+# The share of the smoothed sums a decision keeps (new windows count in
+# full): the last interval and half the one before weigh as much as all older.
 KEEP = 0.5
 
 
 class NoiseEstimate(NamedTuple):
-    """The noise scale `B_simple` estimated over some windows, with its interval.
+    """The noise scale `B_simple` over some windows: their `tr(Sigma)` and
+    `|G|^2` estimates summed apart (as the paper advises), with Fieller's
+    95% interval for a ratio of means.
 
     Attributes:
-        value: the ratio of the windows' summed `tr(Sigma)` and `|G|^2`
-            estimates, in samples; `inf` if the signal's sum is not
-            positive, NaN without windows.
-        low: lower end of the 95% (Fieller) interval; 0 when not even the
-            noise is resolved.
-        high: upper end; `inf` when unresolved.
+        value: the ratio of the sums, in samples; `inf` if the `|G|^2` sum
+            is not positive, NaN without windows.
+        low: the interval's lower end; 0 when not even the noise is resolved.
+        high: its upper end; `inf` when `|G|^2` is not resolved.
         windows: the windows behind it (weighted, when smoothed).
-        resolved: whether `|G|^2` is resolved from zero, so that `value`
-            can be acted on; otherwise only `low` is.
-
-    Example:
-
-    ```python
-    estimate = NoiseEstimate.of(noise.read())
-    if estimate.resolved:
-        print(estimate.value, (estimate.low, estimate.high))
-    ```
+        resolved: whether `|G|^2` is resolved from zero, so that `value` can
+            be acted on; otherwise only `low` is.
     """
 
     value: float
@@ -119,9 +86,8 @@ def _fieller(trace, signal, s_tt, s_gg, s_tg, z):
         # Bounded: the signal is resolved from zero.
         root = math.sqrt(max(disc, 0.0))
         return max((b - root) / a, 0.0), (b + root) / a
-    # Unbounded above. Where the quadratic opens downwards, the ray towards
-    # +inf starts at its larger root; if the noise itself is not resolved
-    # (c <= 0), nothing bounds it from below.
+    # Unbounded above: the ray towards +inf starts at the larger root; with
+    # the noise itself unresolved (c <= 0), nothing bounds it from below.
     if c <= 0 or disc <= 0 or a == 0:
         return 0.0, math.inf
     root = math.sqrt(disc)
@@ -129,29 +95,10 @@ def _fieller(trace, signal, s_tt, s_gg, s_tg, z):
 
 
 class BatchGrowth:
-    """The noise-scale schedule's state over one `fit`: the smoothed sums,
-    what the window's `NoiseScale` held at the last decision, and the rule.
-
-    Args:
-        max_accum_steps: the cap.
-        keep: the share of the smoothed sums kept at each decision.
-        multiple: the batch grown towards, in noise scales.
-        min_accum_steps: None: never shrinks; else the batch may shrink,
-            at most halving per decision, down to this.
-
-    Attributes:
-        smoothed: the decayed sums of the windows' estimates (NoiseScale's
-            layout), None before the first decision.
-
-    Example:
-
-    ```python
-    growth = BatchGrowth(max_accum_steps=64)
-    growth.begin(noise)                    # a fit starts
-    growth.take_windows(noise)             # at each decision
-    growth.next_accum_steps(current=2, samples_per_step=32)  # e.g. 4
-    ```
-    """
+    """The growth schedule over one `fit`, with its rule: `smoothed`,
+    the decayed sums of the windows' estimates (NoiseScale's layout; None
+    before the first decision), and what the window's `NoiseScale` held at
+    the last decision. `min_accum_steps` None: never shrinks."""
 
     def __init__(self, max_accum_steps, keep=KEEP, multiple=1.0, min_accum_steps=None):
         self.max_accum_steps = max_accum_steps
@@ -159,8 +106,7 @@ class BatchGrowth:
         self.multiple = multiple
         self.min_accum_steps = min_accum_steps
         self.smoothed = None
-        # `NoiseScale.read()` at the last decision: the windows since are
-        # the difference.
+        # `NoiseScale.read()` at the last decision.
         self._read = None
 
     def begin(self, noise):
@@ -175,8 +121,8 @@ class BatchGrowth:
         self._read = now
 
     def can_change(self, current):
-        """Whether a decision at `current` may change it: below the cap,
-        or allowed to shrink."""
+        """Whether a decision at `current` may change it: below the cap, or
+        allowed to shrink."""
         return current < self.max_accum_steps or self.min_accum_steps is not None
 
     def observe(self, sums):
@@ -195,14 +141,12 @@ class BatchGrowth:
         return NoiseEstimate.of(self.smoothed)
 
     def next_accum_steps(self, current, samples_per_step, estimate=None):
-        """`accum_steps` for the next windows: towards `multiple` times the
-        estimate (its lower bound while unresolved), at most doubling, up
-        to the cap; never shrinking, unless `min_accum_steps` is set: then
-        towards `multiple` times the interval's upper end (only a resolved
-        estimate has one: a smaller batch must be wanted whatever the
-        noise scale is within it), at most halving, down to it.
-        `estimate`: another to act on (a probe's), by default the smoothed
-        one."""
+        """`accum_steps` for the next windows (on `estimate`, a probe's, or the
+        smoothed one): towards `multiple` times the estimate (its lower bound
+        while unresolved), at most doubling, up to the cap. Only with
+        `min_accum_steps` does it shrink, at most halving, down to it: when
+        even the interval's upper end (resolved only) wants a smaller batch.
+        """
         estimate = self.estimate if estimate is None else estimate
         if not samples_per_step or estimate.windows < MIN_WINDOWS:
             return current
@@ -220,9 +164,8 @@ class BatchGrowth:
         return int(max(self.min_accum_steps, -(-current // 2), round(upper)))
 
     def state(self, noise):
-        """For a backup mid-`fit` (JSON-able): the smoothed sums, the
-        windows measured since the last decision, and the open window's
-        sums (on one replica)."""
+        """For a backup mid-`fit` (JSON-able): the smoothed sums, the windows
+        since the last decision, and the open window's sums (one replica)."""
         return {
             "smoothed": None if self.smoothed is None else self.smoothed.tolist(),
             "since_decision": (noise.read() - self._read).tolist(),

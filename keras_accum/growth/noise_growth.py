@@ -1,39 +1,24 @@
 """An `AccumScheduler` strategy: `accum_steps` grown to the measured gradient
-noise scale, decided every K updates (or N samples) at a window's end.
-
-At each decision the windows since the last one join a smoothed estimate
-(estimate.py's `BatchGrowth`), and `accum_steps` grows towards
-`multiple * estimate / samples_per_step`: from the estimate's lower bound
-while it is unresolved, at most doubling per decision, up to
-`max_accum_steps`; shrinking, at most halving, only with `min_accum_steps`.
-Where the noise scale has outgrown training's window, a probe (probe.py)
-measures it on held examples instead.
+noise scale (estimate.py's `BatchGrowth`), decided every K updates (or N
+samples) at a window's end; where the noise scale has outgrown training's
+window, a probe (probe.py) measures it on held examples instead.
 """
 
 from keras_accum import _internals as internals
 from keras_accum.arguments import AUTO, check_accum_steps, check_positive
 from keras_accum.growth.estimate import BatchGrowth
 
-# Decides this often unless told (every_updates) ...
 DEFAULT_EVERY_UPDATES = 50
-# ... and grows the batch towards this multiple of the noise scale.
 DEFAULT_NOISE_SCALE_MULTIPLE = 1.5
-# A fit's first decisions come sooner: the gap is half the fit so far, from
-# every / RAMP up to every (benchmarks/batch_growth.md measures RAMP).
+# A fit's first decisions come sooner (`_gap`).
+# Measured: benchmarks/design-notes.md, "The decision ramp".
 RAMP = 3
 
 
 class NoiseScaleGrowth:
     """`accum_steps` grown to the gradient noise scale the model measures.
-
-    Args:
-        max_accum_steps: the largest `accum_steps` to grow to (required).
-        every_updates: decide after this many updates (default 50).
-        every_samples: or after this many samples, instead.
-        multiple: the batch grown towards, in noise scales (default 1.5).
-        min_accum_steps: let the batch shrink down to this (default: never).
-        probe: a `NoiseProbe`, or None.
-    """
+    The arguments are `AccumScheduler`'s (`multiple`: `noise_scale_multiple`),
+    normalised; `probe` is a `NoiseProbe` or None."""
 
     decides_within_epochs = True
 
@@ -72,8 +57,8 @@ class NoiseScaleGrowth:
             self._probe_checked = False
 
     def epoch_begins(self, engine):
-        """The batch `fit` draws is known from the first epoch's start: a
-        probe too small for it is refused before the first step."""
+        """A probe too small for the batch `fit` draws (known from the first
+        epoch's start) is refused before the first step."""
         if self.probe is not None and not self._probe_checked:
             self._probe_checked = True
             micro_batch = _probe_micro_batch(engine)
@@ -81,8 +66,8 @@ class NoiseScaleGrowth:
                 self.probe.check(micro_batch)
 
     def due(self, updates, samples):
-        """Whether a decision is due: `updates` (or `samples`) since the last
-        decision, and since the fit's start, as `(since, elapsed)` pairs."""
+        """Whether a decision is due, from `(since the last decision, since the
+        fit's start)` pairs of `updates` and of `samples`."""
         if self.every_updates is not None:
             since, elapsed = updates
             return since >= _gap(elapsed, self.every_updates)
@@ -90,9 +75,9 @@ class NoiseScaleGrowth:
         return since >= _gap(elapsed, self.every_samples)
 
     def decide(self, epoch, engine):
-        """`(accum_steps, estimate, probed)`: the windows since the last
-        decision join the smoothed estimate; where the noise scale has
-        outgrown the window, the probe measures it instead."""
+        """`(accum_steps, estimate, probed)`: the windows since the last decision
+        join the smoothed estimate; where the noise scale has outgrown the
+        window, the probe measures it instead."""
         growth, current = self.growth, engine.settings.accum_steps
         size = engine.batch_drawn()
         growth.take_windows(engine.state.noise)
@@ -111,8 +96,8 @@ class NoiseScaleGrowth:
 
 
 def _probe_micro_batch(engine):
-    # What one device runs at once in a step: the micro-batch when the step
-    # splits its batch (memory), else the replica's share.
+    # What one device runs at once: the micro-batch when the step splits its
+    # batch, else the replica's share.
     share = engine.batch_size_seen
     setting = engine.settings.micro_batch_size
     split = engine.auto.size if setting == AUTO else setting
@@ -120,20 +105,19 @@ def _probe_micro_batch(engine):
 
 
 def _outgrown(estimate, window):
-    """Whether the noise scale has outgrown a `window` of samples: the
-    estimate unresolved, or above it."""
+    """Whether the noise scale has outgrown a `window` of samples: unresolved,
+    or above it."""
     return not estimate.resolved or estimate.value > window
 
 
 def _gap(elapsed, every):
-    """Updates (or samples) from the last decision to the next, `elapsed`
-    into the fit: `elapsed / 2`, at least `every / RAMP`, at most `every`."""
+    """Updates (or samples) from the last decision to the next, `elapsed` into
+    the fit: `elapsed / 2`, at least `every / RAMP`, at most `every`."""
     return min(every, max(every // RAMP, elapsed // 2, 1))
 
 
 def _checked(max_accum_steps, every_updates, every_samples, multiple, min_accum_steps):
-    """The arguments, normalised: `(max_accum_steps, every_updates,
-    every_samples, multiple, min_accum_steps)`."""
+    """The arguments, checked and normalised, in order."""
     if max_accum_steps is None:
         raise ValueError(
             'AccumScheduler("noise_scale") needs `max_accum_steps`, the '

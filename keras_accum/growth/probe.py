@@ -1,38 +1,7 @@
-"""A fixed probe: the noise scale measured on held examples, in windows
-bigger than training's.
-
-The windows of training measure the noise scale well while it is near
-their size; once it has outgrown them (7-12x), a window's `|G|^2` is a
-small difference of two large, noisy numbers and the estimate is
-heavy-tailed or unresolved (docs: growing the batch, Precision). Smoothing
-across windows narrows the interval only as `1 / sqrt(windows)`. A probe
-measures the same estimator at the current weights on examples the user
-holds aside, split into `windows` windows of as many samples as the probe
-allows: windows bigger than the noise scale resolve `|G|^2` however small
-training's windows are.
-
-Per probe window of `m` micro-batches of `b` samples (equal sizes; the
-probe's samples past `windows * m * b` are left out), with `S` the mean
-of the micro-batches' `|g_j|^2` and `L` the squared norm of their mean:
-
-    tr(Sigma) ~ (S - L) / (1/b - 1/(m b))    |G|^2 ~ (L/b - S/(m b)) / (1/b - 1/(m b))
-
-the window's estimators of window/noise_scale.py; the windows' sums give
-the estimate and its interval as training's do (`growth.NoiseEstimate`).
-
-It costs a forward and backward pass over the probe at each decision it
-is used at (no update, nothing written: layers' state such as
-BatchNormalization's moving statistics and dropout's seeds is put back).
-The gradients are of the loss training minimises (`compute_loss`, with
-the model's regularisation losses), in training mode.
-
-Example:
-
-```python
-probe = NoiseProbe((x_probe, y_probe), windows=8)
-estimate = probe.measure(model, micro_batch_size=16)
-print(estimate.value, estimate.low, estimate.high)
-```
+"""`NoiseProbe`: the noise scale measured on held examples, in windows bigger
+than training's, where it has outgrown training's windows: each window's
+`|G|^2` is then a small difference of two large, noisy numbers
+(docs/batch-growth.md, "Precision" and "A fixed probe").
 """
 
 import operator
@@ -46,40 +15,26 @@ from keras_accum.split.auto import StepState
 from keras_accum.growth.estimate import NoiseEstimate
 from keras_accum.window import noise_scale
 
-# The probe's windows by default: enough for an interval (growth's
-# MIN_WINDOWS is 3), few enough that each is big.
+# Enough for an interval (estimate.MIN_WINDOWS is 3), few enough that each
+# is big.
 DEFAULT_WINDOWS = 8
 
 
 class NoiseProbe:
     """Held-out examples the noise scale is measured on at the current weights.
 
-    Args:
-        data: `(x, y)` or `(x, y, sample_weight)` of NumPy arrays or
-            tensors (nested structures as `fit` takes them), all with the
-            same number of samples.
-        windows: how many windows the probe is split into (>= 3): each
-            gives one pair of estimates; their spread is the interval.
-
-    Attributes:
-        samples: the probe's number of samples.
-        windows: as given.
-
-    Example:
-
-    ```python
-    probe = NoiseProbe((x[-4096:], y[-4096:]))
-    probe.measure(model, micro_batch_size=16).value
-    ```
+    `data` is `(x, y)` or `(x, y, sample_weight)` as `fit` takes them, split
+    into `windows` (>= 3) equal groups of micro-batches, each measured as
+    training's window is (the rest left out); their spread is the interval. Each use costs a forward and backward pass of training's
+    loss, in training mode; layers' statistics and seeds are put back.
     """
 
     def __init__(self, data, windows=DEFAULT_WINDOWS):
         x, y, sample_weight = _unpacked(data)
         self.samples = _samples(x, y, sample_weight)
         self.windows = _checked_windows(windows)
-        # Windows take consecutive rows: shuffled once (a fixed order, so
-        # a fixed probe), else a probe sorted by class would put each
-        # class in a window of its own and read too little noise.
+        # Windows take consecutive rows: shuffled once (a fixed probe), else
+        # one sorted by class would read too little noise.
         self.order = np.random.default_rng(0).permutation(self.samples)
         self.x, self.y, self.sample_weight = tf.nest.map_structure(
             lambda t: None if t is None else tf.gather(t, self.order), (x, y, sample_weight))
@@ -90,8 +45,8 @@ class NoiseProbe:
         return self.samples // (self.windows * micro_batch_size)
 
     def check(self, micro_batch_size):
-        """Refuses a probe too small for `micro_batch_size`: each window
-        needs two micro-batches."""
+        """Refuses a probe too small for two micro-batches of `micro_batch_size`
+        per window."""
         if self.micro_batches_per_window(micro_batch_size) < 2:
             raise ValueError(
                 f"`probe` has {self.samples} samples: too few for {self.windows} "
@@ -104,8 +59,8 @@ class NoiseProbe:
             )
 
     def measure(self, model, micro_batch_size):
-        """The `NoiseEstimate` at `model`'s current weights, from
-        micro-batches of `micro_batch_size`; nothing of the model changes."""
+        """The `NoiseEstimate` at `model`'s current weights, from micro-batches of
+        `micro_batch_size`; nothing of the model changes."""
         self.check(micro_batch_size)
         m = self.micro_batches_per_window(micro_batch_size)
         window = m * micro_batch_size
@@ -125,9 +80,8 @@ class NoiseProbe:
 
     def _functions_for(self, model):
         # Traced once per model and compile, as the train functions are
-        # (`functions.compiled`). With the window function, the
-        # snapshot of what a training-mode forward pass and the loss write
-        # (layers' statistics and seeds; the loss's metrics).
+        # (`functions.compiled`); with it, what a training-mode pass writes
+        # (layers' statistics and seeds, the loss's metrics), to put back.
         now = (model, functions.compiled(model))
         kept = None if self._measuring is None else self._measuring[0]
         if kept is None or kept[0] is not model or not kept[1].same(now[1]):
@@ -139,19 +93,21 @@ class NoiseProbe:
 
 
 def _window_function(model, variables):
-    """A traced function `(x, y, sample_weight, m) -> estimates`: one
-    window's rows as `m` equal micro-batches, its `tr(Sigma)` and `|G|^2`
-    estimates in `NoiseScale.estimate_sums`' layout (the training window's
-    estimator, `noise_scale.window_estimates`)."""
+    """A traced function `(x, y, sample_weight, m) -> estimates`: a window's
+    rows as `m` equal micro-batches of `b`, its `tr(Sigma)` and `|G|^2`
+    estimates in `NoiseScale.estimate_sums`' layout. With `S` the mean of
+    their `|g_j|^2` and `L` the squared norm of their mean, as training's
+    window (`noise_scale.window_estimates`):
+
+        tr(Sigma) ~ (S - L) / (1/b - 1/(m b))    |G|^2 ~ (L/b - S/(m b)) / (1/b - 1/(m b))
+    """
 
     def gradient(x, y, sample_weight):
         with tf.GradientTape() as tape:
             y_pred = internals.call_for_training(model, x)
             loss = internals.compute_loss(model, x, y, y_pred, sample_weight)
-            # Scaled as training scales it (a loss-scale optimizer's factor
-            # keeps float16 gradients from underflowing): any constant
-            # factor, Keras's division by the replicas in sync too, scales
-            # tr(Sigma) and |G|^2 alike, and the ratio stays.
+            # Scaled as training's (float16 gradients must not underflow): a
+            # constant factor scales tr(Sigma) and |G|^2 alike.
             loss = model.optimizer.scale_loss(loss)
         return tape.gradient(loss, variables)
 
@@ -179,10 +135,9 @@ def _window_function(model, variables):
 
 
 def probe_argument(noise_scale, probe, probe_windows, schedule=None):
-    """`AccumScheduler`'s `probe` and `probe_windows`, normalised: a
-    `NoiseProbe`, or None without a probe. Refuses a probe with a schedule
-    other than "noise_scale" (`noise_scale` False; `schedule` the one
-    given), and `probe_windows` without a probe."""
+    """`AccumScheduler`'s `probe` and `probe_windows` as a `NoiseProbe`, or None;
+    refused with a schedule other than "noise_scale" (`noise_scale` False),
+    and `probe_windows` without a probe."""
     if probe is not None and not noise_scale:
         raise ValueError(
             '`probe` is for AccumScheduler("noise_scale"): the held examples '
@@ -223,8 +178,8 @@ def _samples(*parts):
     return counts.pop()
 
 
-# Student's t at 97.5% by degrees of freedom (a two-sided 95% interval);
-# between entries the lower one's (wider); from 30 on, 2.0 as training's.
+# Student's t at 97.5% by degrees of freedom (two-sided 95%); between
+# entries the lower one's (wider); from 30 on, 2.0 as training's.
 _T = {2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
       10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.0}
 

@@ -1,42 +1,8 @@
-"""Learning-rate rules: the rate that goes with a batch that changed.
-
-A rate tuned for one batch is wrong for a batch 16 times bigger: taken
-there unchanged, the bigger batch buys few of the steps it could; and a
-rate tuned for a big batch makes a small one diverge. A rule says by what
-factor to multiply the rate tuned for batch `tuned_batch` (by default the
-batch training starts at) when the batch is `batch`:
-
-- `"linear"`: `batch / tuned_batch` (Goyal et al. 2017; SGD while the batch
-  is well below the noise scale);
-- `"sqrt"`: `sqrt(batch / tuned_batch)` (Adam-family, Malladi et al. 2022);
-- `"adascale"`: AdaScale's gain (Johnson et al. 2020; SGD)
-  `r = (sigma^2 + mu^2) / (sigma^2 / S + mu^2)` with `S = batch /
-  tuned_batch`, `sigma^2 = tr(Sigma) / tuned_batch`, `mu^2 = |G|^2`, that
-  is `(1 + B_noise / tuned_batch) / (1 + B_noise / batch)`, from the
-  measured noise scale: linear while the noise dominates, flat once the
-  batch is past the noise scale. The same curve as McCandlish et al.'s
-  optimal rate `eps(B) = eps_max / (1 + B_noise / B)`, anchored at the
-  tuned rate;
-- `"adascale_sqrt"`: its square root (an Adam-family variant; took more
-  updates than `"sqrt"` on the Adam benchmark);
-- `"auto"`: `"adascale"` for `keras.optimizers.SGD`, `"sqrt"` for every
-  other optimizer (measured best of the four on an SGD and an Adam task:
-  docs/batch-growth.md).
-
-A rule is a function `(batch, tuned_batch, estimate) -> factor`
-(`estimate`: the schedule's `growth.NoiseEstimate`, or None), so a user's
-own is one too. Every rule gives 1 at `tuned_batch`: a schedule that does
-not change the batch does not change the rate.
-
-Example:
-
-```python
-factor = RULES["sqrt"](batch=256, tuned_batch=16, estimate=None)  # 4.0
-follower = RateFollower(RULES["sqrt"])
-follower.start(optimizer, tuned_batch=16)
-follower.follow(batch=64, estimate=None)  # the rate is now 2x the tuned one
-follower.stop()                           # the tuned rate back
-```
+"""Learning-rate rules: the factor by which to multiply the rate tuned for
+`tuned_batch` when the batch is `batch`, a function `(batch, tuned_batch,
+estimate) -> factor` (`estimate`: a `NoiseEstimate` or None), 1 at
+`tuned_batch`; a user's own is one too. `RateFollower` follows one for a
+`fit`. Which to use: docs/batch-growth.md, "The learning rate follows the batch".
 """
 
 import math
@@ -50,44 +16,20 @@ from keras_accum.growth.sample_schedule import SampleSchedule
 
 
 def linear(batch, tuned_batch, estimate=None):
-    """`batch / tuned_batch`.
-
-    Example:
-
-    ```python
-    linear(64, 16)  # 4.0
-    ```
-    """
+    """`batch / tuned_batch` (Goyal et al. 2017; SGD well below the noise scale)."""
     return batch / tuned_batch
 
 
 def square_root(batch, tuned_batch, estimate=None):
-    """`sqrt(batch / tuned_batch)`.
-
-    Example:
-
-    ```python
-    square_root(64, 16)  # 2.0
-    ```
-    """
+    """`sqrt(batch / tuned_batch)` (Adam-family, Malladi et al. 2022)."""
     return math.sqrt(batch / tuned_batch)
 
 
 def adascale(batch, tuned_batch, estimate=None):
-    """AdaScale's gain `(1 + B_noise / tuned_batch) / (1 + B_noise / batch)`.
-
-    `B_noise` is the estimate while it is resolved, else its lower bound
-    (unresolved, the noise dominates: the gain is then at least what that
-    bound gives). Without an estimate (nothing measured yet), the noise is
-    taken to dominate below the tuned batch (`batch / tuned_batch`: a
-    smaller batch gets a proportionally smaller rate) and nothing is
-    assumed above it (1).
-
-    Example:
-
-    ```python
-    adascale(64, 16, NoiseEstimate(48.0, 40.0, 60.0, 10, True))  # 1.75
-    ```
+    """AdaScale's gain (Johnson et al. 2020; SGD) `(1 + B_noise / tuned_batch) /
+    (1 + B_noise / batch)`: McCandlish et al.'s optimal rate anchored at the
+    tuned one. `B_noise`: the estimate, or its lower bound while unresolved;
+    without one, `batch / tuned_batch` below the tuned batch, 1 above it.
     """
     noise = None if estimate is None else (
         estimate.value if estimate.resolved else estimate.low)
@@ -99,17 +41,8 @@ def adascale(batch, tuned_batch, estimate=None):
 
 
 def adascale_sqrt(batch, tuned_batch, estimate=None):
-    """The square root of AdaScale's gain: for Adam-family optimizers,
-    whose rate goes with the square root of the batch while the noise
-    dominates (Malladi et al. 2022), and stays once the batch is past the
-    noise scale.
-
-    Example:
-
-    ```python
-    adascale_sqrt(64, 16, NoiseEstimate(48.0, 40.0, 60.0, 10, True))  # 1.32
-    ```
-    """
+    """The square root of AdaScale's gain: for Adam-family optimizers, whose
+    rate goes with the batch's square root while the noise dominates."""
     return math.sqrt(adascale(batch, tuned_batch, estimate))
 
 
@@ -119,17 +52,13 @@ RULES = {
     "adascale": adascale,
     "adascale_sqrt": adascale_sqrt,
 }
-# "auto": AdaScale's gain for plain SGD (with or without momentum), the
-# square root of the batch ratio for every other (adaptive) optimizer. On
-# the Adam benchmark "sqrt" and "adascale" tied and "adascale_sqrt" (the
-# earlier default, never above "sqrt") took 15% more updates; "sqrt" is
-# the one the literature gives for Adam and holds the rate further below
-# where it diverges (x8 at 64x the batch, where x64 diverged).
+# "auto" (`for_optimizer`): "adascale" for SGD, "sqrt" for adaptive ones.
+# Measured: benchmarks/design-notes.md, "Why auto is sqrt for Adam".
 
 
 def check_rule(rule, argument="learning_rate_rule"):
-    """The rule function for a name, a callable, None, or "auto" (kept
-    as the name: `for_optimizer` resolves it); refuses others."""
+    """The rule function for a name; a callable, None, or "auto" (resolved by
+    `for_optimizer`) as given; refuses others."""
     if rule is None or callable(rule) or rule == AUTO:
         return rule
     if isinstance(rule, str) and rule in RULES:
@@ -151,25 +80,10 @@ def for_optimizer(rule, optimizer):
 
 
 class RateFollower:
-    """Makes the optimizer's rate follow the batch for one `fit`: the tuned
-    rate times a rule's factor, and the tuned rate back at its end.
-
-    The tuned rate is the optimizer's at the fit's start: a number (a Keras
-    variable the traced step reads, set through the public
-    `optimizer.learning_rate`), or a `SampleSchedule`, which is told the
-    factor and the samples each update holds (its steps count samples; it
-    is followed without a rule too, with the factor 1). Another
-    `LearningRateSchedule` with a rule is refused before training.
-
-    Example:
-
-    ```python
-    follower = RateFollower(square_root)
-    follower.start(model.optimizer, tuned_batch=16)
-    follower.follow(64, None)
-    follower.stop()
-    ```
-    """
+    """Makes the optimizer's rate follow the batch for one `fit`: the tuned rate
+    (the optimizer's at the fit's start) times a rule's factor, and the tuned
+    rate back at its end. A `SampleSchedule` rate is told the factor and the
+    samples per update instead (also without a rule, at factor 1)."""
 
     def __init__(self, rule):
         self.rule = rule
@@ -180,14 +94,14 @@ class RateFollower:
 
     @staticmethod
     def needed(rule, optimizer):
-        """Whether a fit with `rule` (None: none) and `optimizer` has a rate
-        to follow: a rule, or a `SampleSchedule` to count samples for."""
+        """Whether a fit with `rule` (or None) and `optimizer` has a rate to
+        follow: a rule, or a `SampleSchedule` to count samples for."""
         return rule is not None or isinstance(
             internals.learning_rate_schedule(optimizer), SampleSchedule)
 
     def start(self, optimizer, tuned_batch=None):
-        """Remembers the tuned rate, and the batch it was tuned for (None:
-        the first batch `follow` is given)."""
+        """Remembers the tuned rate and the batch it was tuned for (None: the
+        first batch `follow` is given)."""
         schedule = internals.learning_rate_schedule(optimizer)
         if isinstance(schedule, SampleSchedule):
             self.schedule = schedule
@@ -230,8 +144,8 @@ class RateFollower:
         return float(keras.ops.convert_to_numpy(self.optimizer.learning_rate))
 
     def stop(self):
-        """The tuned rate back (a fit's end); a `SampleSchedule` keeps its
-        count and counts updates of the tuned batch from here."""
+        """The tuned rate back (a fit's end); a `SampleSchedule` keeps its count
+        and counts updates of the tuned batch from here."""
         if self.schedule is not None:
             self.schedule.follow(self._updates(), 1.0, 1.0)
         elif self.optimizer is not None and self.tuned is not None:
@@ -253,17 +167,14 @@ class RateFollower:
             self.schedule.restore(state["schedule"])
 
     def _updates(self):
-        # `.numpy()`: under a strategy the count is a MirroredVariable.
+        # `.numpy()`: `int()` refuses a MirroredVariable.
         return int(self.optimizer.iterations.numpy())
 
 
 def check_rate_is_a_number(optimizer):
-    """Refuses a `LearningRateSchedule` (or callable) rate other than a
-    `SampleSchedule` with a rule, before training.
-
-    Read from the optimizer's config (public): a number there is a rate
-    the traced step reads from a variable; a schedule is a dict.
-    """
+    """Refuses a `LearningRateSchedule` (or callable) rate with a rule, other
+    than a `SampleSchedule`, before training. Read from the public config,
+    where a rate the traced step reads from a variable is a number."""
     config = optimizer.get_config()
     if "inner_optimizer" in config:  # LossScaleOptimizer forwards the rate
         config = config["inner_optimizer"]["config"]
@@ -282,8 +193,8 @@ def check_rate_is_a_number(optimizer):
 
 
 def check_tuned_batch_used(tuned_batch, used):
-    """Refuses a `tuned_batch` that nothing in the fit uses (`used`: a rule
-    or a `SampleSchedule` follows the batch), before training."""
+    """Refuses, before training, a `tuned_batch` that nothing in the fit uses
+    (`used`: a rule or a `SampleSchedule` follows the batch)."""
     if tuned_batch is not None and not used:
         raise ValueError(
             "`tuned_batch` is the batch the learning rate was tuned for, "

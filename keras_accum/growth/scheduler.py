@@ -2,6 +2,9 @@
 of epochs (epochs.py) or grown to the measured gradient noise scale
 (noise_growth.py); the learning rate follows (rate_rules.py)."""
 
+from __future__ import annotations
+
+from collections.abc import Callable
 from typing import NamedTuple, Optional
 
 from keras_accum import _internals as internals
@@ -14,8 +17,7 @@ from keras_accum.growth.noise_growth import NoiseScaleGrowth
 from keras_accum.growth.probe import probe_argument
 
 NOISE_SCALE = "noise_scale"
-# The learning_rate_rule argument's default: "auto" with "noise_scale",
-# None with a dict or a callable.
+# learning_rate_rule's default: "auto" with "noise_scale", else None.
 DEFAULT = object()
 
 
@@ -24,21 +26,13 @@ class Decision(NamedTuple):
 
     Attributes:
         epoch: the epoch it was made in (0-based).
-        updates: `optimizer.iterations` when it was made.
-        samples: samples trained in this `fit` when it was made.
+        updates: `optimizer.iterations` then.
+        samples: samples trained in this `fit` then.
         accum_steps: the value set (or kept) for the next windows.
         learning_rate: the rate set by the rule, or None without one.
-        estimate: the `growth.NoiseEstimate` the decision acted on
-            ("noise_scale" schedule): the windows' smoothed one, or the
-            probe's; None for other schedules.
-        probed: whether `estimate` was measured on the `probe`.
-
-    Example:
-
-    ```python
-    for decision in scheduler.path:
-        print(decision.updates, decision.accum_steps, decision.learning_rate)
-    ```
+        estimate: the `NoiseEstimate` acted on ("noise_scale"; the windows'
+            smoothed one, or the probe's), else None.
+        probed: whether `estimate` was measured on the probe.
     """
 
     epoch: int
@@ -51,110 +45,48 @@ class Decision(NamedTuple):
 
 
 class AccumScheduler(FitSetting):
-    """Sets `model.accum_steps` as training goes: from a schedule of epochs,
-    or grown to the measured gradient noise scale; and the learning rate
-    with it.
+    """Sets `model.accum_steps` as training goes, from a schedule of epochs or
+    grown to the measured gradient noise scale; and the learning rate with it.
 
-    Like `keras.callbacks.LearningRateScheduler`, for the effective batch:
-    a small batch early, a larger one later. The window open at an epoch's
-    end is applied then (as always in `fit`), and a change between epochs
-    waits for the open window to be applied, so training equals a plain
-    model fed the same sequence of batches: `micro-batch x accum_steps`
-    samples per update.
-
-    `optimizer.iterations` counts updates, so learning-rate schedules see
-    the big-batch run's steps: with a growing batch, a schedule indexed by
-    steps moves more slowly per sample (`path` records the samples at each
-    decision). Wrap the schedule in `keras_accum.SampleSchedule` to count
-    its steps in samples instead (updates of `tuned_batch` samples); the
-    scheduler keeps its count, and a rule multiplies its rate. Each distinct value is traced once for the whole `fit`,
-    however often the schedule returns to it. On resume (`initial_epoch`,
-    `BackupAndRestore`) the schedule is applied for the epoch training
-    starts at. Like `fit(accum_steps=...)`, the change lasts for that `fit`
-    only: afterwards `model.accum_steps`, and the learning rate a rule set,
-    are what they were before. The value in force is logged as
-    `accum_steps` in each epoch's logs (the progress bar prints it as an
-    integer). With `fit(accum_steps=N)`, a schedule that sets another value
-    for the epoch training starts at is refused before training (`N` would
-    never be used); a schedule starting later, or "noise_scale", starts
-    from `N`.
+    Like `keras.callbacks.LearningRateScheduler`, for the effective batch. A
+    change waits for the open window to be applied, so training equals a
+    plain model fed the same batches, and lasts for that `fit` only (as
+    `fit(accum_steps=...)`); epoch logs hold the value as `accum_steps`. The
+    manual: docs/schedules-and-skipping.md and docs/batch-growth.md.
 
     Args:
         schedule: a dict `{epoch: accum_steps}` (0-based epochs; each value
-            holds from its epoch until the next key; before the first key,
-            the model's own `accum_steps`), or a callable
-            `epoch -> accum_steps` (None keeps the current value). A dict is
-            checked here, and so is that a callable takes one argument; its
-            values are checked for every epoch of the `fit` before training
-            starts.
-            Or "noise_scale": a warm-up that follows the gradient noise
-            scale the model measures (`noise_scale=True`; docs: noise
-            scale). At each decision, the windows since the last one are
-            added to a smoothed estimate (`growth.BatchGrowth`), and
-            `accum_steps` grows towards `noise_scale_multiple * estimate /
-            samples_per_step` (`samples_per_step`: the batch `fit` draws,
-            global under a strategy), from the estimate's lower bound
-            while the estimate is unresolved: at most doubling per
-            decision, up to `max_accum_steps`; never shrinking, unless
-            `min_accum_steps` is given.
-            With a `probe`, a decision at which the noise scale has
-            outgrown training's window (the smoothed estimate unresolved,
-            too few windows yet included, or above `accum_steps` times the
-            batch `fit` draws) acts on the noise scale measured on the
-            probe instead.
+            holds until the next key, the model's own before the first), a
+            callable `epoch -> accum_steps` (None keeps the value in force),
+            both checked for every epoch before training; or "noise_scale":
+            grown towards `noise_scale_multiple` times the noise scale the
+            model measures (`noise_scale=True`), at most doubling per
+            decision, up to `max_accum_steps`.
         verbose: 1 prints a message when the value changes.
-        max_accum_steps: with "noise_scale" (and only then, where it is
-            required): the largest `accum_steps` to grow to.
-        every_updates: with "noise_scale": decide after every this many
-            optimizer updates, at a window's end (default
-            `noise_growth.DEFAULT_EVERY_UPDATES`). A fit's first decisions
-            come sooner: the gap is half the updates of the fit so far,
-            from a third of `every_updates` up (at 50: decisions at
-            updates 16, 32, 63, 113, then every 50; the batch can grow
-            16-fold by update 113 instead of 200).
-        every_samples: with "noise_scale", instead of `every_updates`
-            (with the same ramp, in samples):
-            decide once this many samples were trained since the last
-            decision (at a window's end).
-        noise_scale_multiple: with "noise_scale": the batch grown towards,
-            in multiples of the noise scale (default
-            `noise_growth.DEFAULT_NOISE_SCALE_MULTIPLE`, 1.5: the measured
-            noise scale sits at 0.5-1x the critical batch, where a bigger
-            batch stops paying; docs: growing the batch).
+        max_accum_steps: with "noise_scale", where it is required: the
+            largest `accum_steps` to grow to.
+        every_updates: with "noise_scale": decide every this many updates, at
+            a window's end (default 50; a fit's first decisions come sooner).
+        every_samples: with "noise_scale", instead of `every_updates`: decide
+            once this many samples were trained since the last decision.
+        noise_scale_multiple: with "noise_scale": the batch grown towards, in
+            noise scales (default 1.5).
         min_accum_steps: with "noise_scale": let the batch shrink, at most
-            halving per decision, down to this (which may be below the
-            start), when even the estimate's upper end wants a smaller
-            one. Default None: it never shrinks.
-        learning_rate_rule: how the learning rate follows the batch
-            (keras_accum/rate_rules.py): "auto" (AdaScale's gain for SGD,
-            "sqrt" for Adam and other adaptive optimizers),
-            "adascale", "adascale_sqrt", "sqrt", "linear", a function
-            `(batch, tuned_batch, estimate) -> factor`, or None (the rate
-            is left alone). The optimizer's rate is taken as the one tuned
-            for `tuned_batch`, and multiplied by the factor at each change
-            (and from the first step when the fit starts at another batch).
-            Default: "auto" with "noise_scale", None with a dict or a
-            callable.
+            halving per decision, down to this. Default None: never shrinks.
+        learning_rate_rule: the factor the rate (tuned for `tuned_batch`)
+            is multiplied by at each change: "auto" (AdaScale's gain for SGD,
+            "sqrt" for others), "adascale", "adascale_sqrt", "sqrt",
+            "linear", a function `(batch, tuned_batch, estimate) -> factor`,
+            or None (left alone). Default: "auto" with "noise_scale", else
+            None.
         probe: with "noise_scale": `(x, y)` or `(x, y, sample_weight)`,
-            examples held aside (not trained on here) to measure the noise
-            scale on at the current weights where training's windows have
-            become too small to (keras_accum/probe.py): shuffled once,
-            split into `probe_windows` windows, each of two or more
-            micro-batches of what one device runs at once (a replica's
-            share of the batch `fit` draws, or `micro_batch_size` when the
-            step splits it). Not across workers yet. Give several times the noise scale you
-            expect per window (e.g. 8 x 1,024 samples for a batch grown to
-            1,024). Each use costs a forward and backward pass over it; it
-            changes no weight, statistic or seed. Default None: the
-            windows' estimate only.
-        probe_windows: the windows the probe is split into (>= 3; default
-            8): the spread of their estimates is the interval.
-        tuned_batch: the batch (samples per update, global) the
-            optimizer's rate was tuned for, with a `learning_rate_rule` or
-            a `keras_accum.SampleSchedule` (whose steps are updates of this
-            many samples). Default: the batch the fit starts at. Give it when starting
-            smaller than the batch the rate was tuned for: a rate tuned for
-            256 samples can make 16-sample updates diverge.
+            examples held aside to measure the noise scale on where it has
+            outgrown training's windows (several times the noise scale you
+            expect per window); not across workers yet. Default None.
+        probe_windows: the windows the probe is split into (>= 3; default 8).
+        tuned_batch: the batch (samples per update, global) the optimizer's
+            rate was tuned for, for a `learning_rate_rule` or a
+            `SampleSchedule`. Default: the batch the fit starts at.
 
     Attributes:
         path: the `Decision`s of the last `fit` (each change, and with
@@ -181,11 +113,21 @@ class AccumScheduler(FitSetting):
     ```
     """
 
-    def __init__(self, schedule, verbose=0, max_accum_steps=None, *,
-                 every_updates=None, every_samples=None,
-                 learning_rate_rule=DEFAULT, tuned_batch=None,
-                 noise_scale_multiple=None, min_accum_steps=None,
-                 probe=None, probe_windows=None):
+    def __init__(
+        self,
+        schedule: dict[int, int] | Callable[[int], int | None] | str,
+        verbose: int = 0,
+        max_accum_steps: int | None = None,
+        *,
+        every_updates: int | None = None,
+        every_samples: int | None = None,
+        learning_rate_rule: str | Callable[[int, int, NoiseEstimate | None], float] | None = DEFAULT,
+        tuned_batch: int | None = None,
+        noise_scale_multiple: float | None = None,
+        min_accum_steps: int | None = None,
+        probe: tuple | None = None,
+        probe_windows: int | None = None,
+    ) -> None:
         super().__init__()
         growth = {"max_accum_steps": max_accum_steps, "every_updates": every_updates,
                   "every_samples": every_samples, "noise_scale_multiple": noise_scale_multiple,
@@ -229,7 +171,7 @@ class AccumScheduler(FitSetting):
         self._trained = 0  # samples trained in this fit
         self._begun = False  # the rate for the fit's first batch is set
         self._started = False  # on_train_begin ran in this fit
-        self._restored = None  # a backup's state, until applied
+        self._restored = None  # a backup's, until `_apply_state`
 
     # The noise-scale strategy's arguments, as given (normalised).
     max_accum_steps = property(lambda self: getattr(self._strategy, "max_accum_steps", None))
@@ -244,9 +186,9 @@ class AccumScheduler(FitSetting):
         return None if probe is None else probe.windows
 
     def value_at_start(self, epoch):
-        """The value the schedule sets for `epoch`, as far as it is known
-        before training: None for "noise_scale" (it grows from the value in
-        force) and for a callable returning None. Checked as in `fit`."""
+        """The value the schedule sets for `epoch` as known before training,
+        checked as in `fit`: None for "noise_scale" (it grows from the value
+        in force) and for a callable returning None."""
         return self._strategy.value_at_start(epoch)
 
     def bind_fit(self, engine):
@@ -255,8 +197,7 @@ class AccumScheduler(FitSetting):
             self._started = False
             self._restored = None
             if self._follower is not None:
-                # The fit ended (or failed): the tuned rate back, with the
-                # model's own accum_steps.
+                # The fit ended (or failed): the tuned rate back.
                 self._follower.stop()
                 self._follower = None
 
@@ -279,10 +220,10 @@ class AccumScheduler(FitSetting):
     # -- backups (keras_accum.BackupAndRestore) -------------------------------
 
     def state(self):
-        """The schedule's state mid-`fit`, kept in each backup: the
-        `accum_steps` in force, the decision counters, the tuned rate, the
-        smoothed estimate and the windows measured since the last decision
-        (the open one's too, on one replica)."""
+        """What each backup keeps of the scheduler mid-`fit`: the `accum_steps`
+        in force, the decision counters, the tuned rate, the smoothed estimate
+        and the windows measured since the last decision (the open one's too,
+        on one replica)."""
         if self.engine is None or not self._started:
             return None
         state = {"class": type(self).__name__, "accum_steps": self.engine.settings.accum_steps,
@@ -309,8 +250,8 @@ class AccumScheduler(FitSetting):
         self._trained = state["trained"]
         self._begun = state["begun"]
         if self._follower is not None and "rate" in state:
-            # The optimizer's rate came back with the weights (scaled); the
-            # tuned one is the backup's, and so is a SampleSchedule's count.
+            # The weights brought the scaled rate back; the tuned one and a
+            # SampleSchedule's count are the backup's.
             self._follower.restore(state["rate"])
         if "growth" in state and isinstance(self._strategy, NoiseScaleGrowth):
             self._strategy.restore(state["growth"], self.engine)
@@ -331,8 +272,8 @@ class AccumScheduler(FitSetting):
         else:
             strategy.epoch_begins(self.engine)
         if not self._begun:
-            # The fit's first batch is known now (Keras builds the model
-            # from it before the callbacks start): the rate for it.
+            # The first batch is known now (Keras builds the model from it
+            # before the callbacks start): the rate for it.
             self._begun = True
             if self._follower is not None:
                 rate = self._follow(None)
@@ -353,8 +294,7 @@ class AccumScheduler(FitSetting):
             self._decide(self._epoch)
 
     def _updates(self):
-        # `.numpy()`: under a strategy the count is a MirroredVariable,
-        # which `int()` refuses.
+        # `.numpy()`: `int()` refuses a MirroredVariable.
         return int(self.model.optimizer.iterations.numpy())
 
     def _decide(self, epoch):
@@ -362,10 +302,9 @@ class AccumScheduler(FitSetting):
         self._since = _Since(self._updates(), self._trained)
         changed = value is not None and value != self.engine.settings.accum_steps
         if changed:
-            # A window is never open here (an epoch's start, or a window's
-            # end; a resumed mid-epoch window was opened with this value).
-            # For this fit only, as fit(accum_steps=...): not the setter,
-            # which would make the value the model's own after fit.
+            # No window is open here (an epoch's start or a window's end; a
+            # resumed one was opened with this value). For this fit only:
+            # the setter would make the value the model's own after fit.
             self.engine.set_accum_steps(value)
             if self.verbose > 0:
                 print(f"\nEpoch {epoch + 1}: AccumScheduler setting accum_steps to {value}.")

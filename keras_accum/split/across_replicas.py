@@ -1,35 +1,9 @@
-"""`micro_batch_size="auto"` across replicas and workers: a step that runs
-out of memory on any replica is retried, on every replica of every worker,
-with the one smaller micro-batch size they agree on.
-
-On one device a failed traced step simply raises (auto_micro_batch.py).
-Across replicas it must not fail while another replica waits in a
-collective: a worker that raised would leave its peers blocked in the
-gradient all-reduce forever (and a NCCL kernel waiting for a GPU that gave
-up can block its device). So each step is three calls:
-
-1. the attempt: every local replica's forward and backward passes, its
-   micro-batches' gradients summed into tensors, no state written but by the
-   layers' forward passes (put back after a failure, as on one device), and
-   no collective at all (checked on its traced graph);
-2. the agreement (across workers only): one all-gather of one integer per
-   replica, the size each worker needs: no limit if its attempt succeeded,
-   half its size if it ran out of memory, 0 if even one sample did not fit,
-   -1 if it failed otherwise. The smallest wins, on every worker alike;
-3. the commit, only if nobody failed: the attempt's gradients, moments,
-   loss and predictions written as the ordinary step writes them (window or
-   optimizer, loss tracker, metrics), the window applied once full, the
-   logs reduced: every collective of the step is here.
-
-Under MirroredStrategy (one process) the attempt of all replicas fails or
-succeeds as one call, so no agreement call is needed.
-
-Example:
-
-```python
-function = train_function(auto, model, (compute, write), after_step, written)
-function(iterator)  # what fit calls: up to steps_per_execution steps
-```
+"""`micro_batch_size="auto"` across replicas and workers: no replica may fail
+while another waits in a collective (its peers would block forever). So a step
+is an attempt (each replica's gradients in tensors, no collective, checked on
+its graph), an agreement across workers (an all-gather of the size each needs,
+the smallest wins) and, if nobody failed, a commit holding every write and
+collective. Under MirroredStrategy the attempt fails or succeeds as one call.
 """
 
 import tensorflow as tf
@@ -49,29 +23,10 @@ _COLLECTIVE_PREFIXES = ("Collective", "Nccl")
 def train_function(auto, model, halves, after_step, written):
     """A train function for `fit` under a multi-replica strategy in auto mode.
 
-    Args:
-        auto: the model's `AutoMicroBatch` (the size, kept across calls).
-        model: the model trained.
-        halves: `(compute, write)`, the step's two halves in a replica:
-            `compute(data)`, the batch's gradients in tensors, no state
-            written (step.py's `SplitBatch`, any structure `tf.nest`
-            flattens); `write(data, computed)`, what it computed written,
-            the logs. Each reads the current size when traced.
-        after_step: the cross-replica part of a step (the window applied once
-            full), or None where the step updates by itself.
-        written: a `StepState` for what an attempt may write (per replica).
-
-    Returns:
-        `function(iterator) -> logs`, as Keras's `train_function`.
-
-    Example:
-
-    ```python
-    written = StepState(lambda: written_before_gradients(model, state), strategy)
-    halves = (compute, write)  # step.compute_split, step.write_split
-    function = train_function(model._auto_micro_batch, model, halves, after_step, written)
-    model.chosen_micro_batch_size  # the same on every worker
-    ```
+    `halves`: `(compute, write)` in a replica, `compute(data)` giving the
+    batch's gradients in tensors (engine/step.py's `ComputedBatch`), nothing
+    written, and `write(data, computed)` writing them and giving the logs; each
+    reads the current size when traced. `written`: a `StepState`.
     """
     strategy = model.distribute_strategy
     agree = _agreement(strategy) if internals.multi_worker(strategy) else None
@@ -153,17 +108,15 @@ class _Phases:
         function = tf.autograph.experimental.do_not_convert(function)
         if self._model.run_eagerly:
             return function
-        # Traced per batch shape: the split is static and exact for every
-        # batch, the short last one too.
+        # Traced per batch shape: the split is static and exact, the short last too.
         return tf.function(
             function, reduce_retracing=False, jit_compile=self._model.jit_compile
         )
 
     def attempt(self, data):
         if not self._model.run_eagerly:
-            # Traced, not run, before its first run: a collective in it could
-            # block every replica as soon as one runs out of memory (across
-            # workers; and a NCCL kernel on a GPU whose peer gave up).
+            # Checked before its first run: a collective in it could block every
+            # replica once one runs out of memory (and a NCCL kernel its GPU).
             self._check_no_collectives(data)
         return self._attempt(data)
 
@@ -172,8 +125,7 @@ class _Phases:
 
     def _compute(self, data):
         computed = self._compute_split(data)
-        # The tensors leave the call; everything else (None gradients, the
-        # layers' moment windows, flags) stays here for the commit.
+        # Only tensors leave the call; the rest (None gradients, pooled moments, flags) stays.
         leaves = tf.nest.flatten(computed)
         layout = [None if _is_tensor(leaf) else (leaf,) for leaf in leaves]
         structure = tf.nest.pack_sequence_as(computed, [0] * len(leaves))
@@ -182,8 +134,7 @@ class _Phases:
 
     def _write(self, data, flat):
         structure, layout = self._layouts[_shapes(data)]
-        # Made again on this replica's device: a reduction of a tensor that
-        # came in as an argument has no device to reduce to.
+        # Remade on this replica's device: an argument's tensor has none to reduce to.
         flat = tf.nest.map_structure(tf.identity, flat, expand_composites=True)
         tensors = iter(flat)
         leaves = [next(tensors) if kept is None else kept[0] for kept in layout]

@@ -1,19 +1,11 @@
 """`micro_batch_size="auto"`: a step that runs out of memory is retried on
 smaller micro-batches, and the training does not change.
 
-Because the micro-batches of a batch are summed exactly (microbatch.py), the
-micro-batch size is a memory setting, not a training one: any size gives the
-same update. So when a step raises `tf.errors.ResourceExhaustedError`, the
-same batch is trained again with micro-batches half the size, and the size
-that worked is kept for the rest of training.
-
-Keras's `fit` hands the train function an iterator and the batch is taken
-from it inside the traced function, so a failed step would lose its batch.
-In auto mode the train function takes each step's batch from the iterator
-eagerly, in Python, and calls a traced step on it: a failed attempt leaves
-the batch in hand to retry. Whatever the failed attempt may have written
-before the error (statistics a layer updates in its forward pass, metrics)
-is put back first, so the retry starts from exactly the state before it.
+Micro-batches are summed exactly, so their size changes memory, not the update:
+on `tf.errors.ResourceExhaustedError` the same batch is trained again on
+micro-batches half the size, kept from then on. Each batch is taken from the
+iterator eagerly (Keras takes it inside the traced function, where a failed
+step would lose it), and what a failed attempt wrote is put back first.
 """
 
 import logging
@@ -27,42 +19,17 @@ from keras_accum import _internals as internals
 _log = logging.getLogger("keras_accum")
 
 class AutoMicroBatch:
-    """The micro-batch size chosen by `micro_batch_size="auto"`.
-
-    Starts from the whole batch (`size` None) or a remembered size; halves it
-    (rounding up) each time a step runs out of memory, and keeps it.
-
-    Args:
-        size: the size to start from, an integer >= 1, or None for the whole
-            batch.
-
-    Example:
-
-    ```python
-    auto = AutoMicroBatch()
-    function = auto.train_function(model, make_step)  # fit's train_function
-    auto.size  # None until a step ran out of memory, then e.g. 16
-    ```
-    """
+    """The micro-batch size chosen by `micro_batch_size="auto"`: from the whole
+    batch (`size` None) or a remembered size, halved (rounding up) each time a
+    step runs out of memory, and kept."""
 
     def __init__(self, size=None):
         self.size = size
 
     def train_function(self, model, make_step, state):
-        """A train function for `fit` that retries out-of-memory steps.
-
-        Args:
-            model: the model trained (for `steps_per_execution`).
-            make_step: returns a new step `step(data) -> logs`, traced for
-                the current `self.size`; called again after each halving.
-            state: a `StepState` for the variables a failed attempt may have
-                written.
-
-        Returns:
-            `function(iterator) -> logs`, as Keras's `train_function`: runs
-            up to `steps_per_execution` steps on batches taken from
-            `iterator`, and raises StopIteration if it holds none.
-        """
+        """A train function for `fit` that retries out-of-memory steps, as
+        Keras's `function(iterator) -> logs`; `make_step()` traces a step for
+        the current `self.size`; a `StepState` puts back what a failure wrote."""
         step = make_step()
 
         def run(data):
@@ -91,27 +58,17 @@ class AutoMicroBatch:
         self.adopt(needed, self.size or _batch_size(data))
 
     def needed(self, batch_size):
-        """The size a step needs after running out of memory at the current
-        one: half of it (rounding up); 0 if it was 1 already (nothing fits).
-
-        Args:
-            batch_size: the batch (per replica) the step trained on, used
-                while no size is chosen; None if unknown.
-        """
+        """The size a step needs after running out of memory: half the current
+        one (or of `batch_size`, per replica, while none is chosen), rounding
+        up; 0 if it was 1 already (or unknown)."""
         current = self.size or batch_size
         if current is None or current <= 1:
             return 0
         return (current + 1) // 2
 
     def adopt(self, size, current, where=""):
-        """Trains on with micro-batches of `size` (>= 1), and says so.
-
-        Args:
-            size: the new size, smaller than the one that ran out of memory.
-            current: the size that ran out of memory (for the warning).
-            where: how the warning says where memory ran out (under a
-                strategy: " on at least one replica").
-        """
+        """Trains on with micro-batches of `size`, warning that `current` ran
+        out of memory (`where`: e.g. " on at least one replica")."""
         self.size = size
         _log.warning(
             "A training step ran out of memory with micro-batches of %s "
@@ -132,25 +89,11 @@ NOTHING_FITS = (
 
 
 class StepState:
-    """Snapshot and restore of what a step may write before it fails.
-
-    A traced step's writes that depend on its gradients (the optimizer's
-    update and the accumulator's sums) cannot run before the gradients exist,
-    so a step that fails while computing them leaves them untouched (tested).
-    Writes made in the forward pass can: a `BatchNormalization` layer's
-    moving statistics, or metrics updated before a failing backward pass.
-    Those variables are small (statistics, counters, totals), so they are
-    copied before every attempt and put back after a failed one.
-
-    Under a strategy each replica's own copy is guarded: replicas may hold
-    different values (a BatchNormalization's moving statistics, updated by
-    each replica from its own share), and a failed attempt must change none.
-
-    Args:
-        variables: a callable returning the variables to guard (read at every
-            snapshot: the model builds some of them in its first step).
-        strategy: the strategy the variables were made under, or None.
-    """
+    """Snapshot and restore of what a step may write before it fails: not what
+    depends on the gradients (the update, the buffers' sums; tested), but
+    forward-pass writes (BatchNormalization's moving statistics, metrics), small
+    enough to copy before every attempt, each replica's own. `variables` is a
+    callable: the model builds some of them in its first step."""
 
     def __init__(self, variables, strategy=None):
         self._guarded = variables
@@ -170,8 +113,7 @@ class StepState:
     def snapshot(self):
         variables = tuple(self._components())
         if self._copied_for != tuple(map(id, variables)):
-            # Traced once per set of variables: one call per step, not one
-            # read per variable.
+            # Traced once per set of variables: one call per step, not one per variable.
             self._copy = tf.function(
                 tf.autograph.experimental.do_not_convert(
                     lambda: [tf.identity(v) for v in variables]
@@ -188,9 +130,8 @@ class StepState:
 
 
 def written_before_gradients(model, state):
-    """The variables a step of `model` may write before its gradients
-    exist (see `StepState`): layers' state, metrics, the moments and
-    counters of `state` (the model's `AccumState`)."""
+    """The variables a step of `model` may write before its gradients exist:
+    non-trainable ones, metrics, and the moments and counters of `state`."""
     buffers = state.buffers
     scalars = [buffers.micro_step, buffers.window_weight] if buffers.built else []
     return [

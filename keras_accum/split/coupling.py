@@ -1,46 +1,11 @@
 """Batch-coupled losses: the big batch's gradient with the micro-batch's memory.
 
-A contrastive loss (CLIP's, SigLIP's, a two-tower model's softmax over the
-batch's items, InfoNCE) is not a sum over samples: each sample's loss reads
-every other sample of the batch. Micro-batches summed as for any other loss
-would give each sample the negatives of its micro-batch only, a different
-and weaker training. `coupled_from` names the layers whose outputs are the
-per-sample representations; the model splits there:
-
-- the per-sample part (everything upstream of those layers: the encoders)
-  runs per micro-batch;
-- the coupled part (everything downstream: a similarity matrix, a logit
-  scale, the loss) runs once on the whole batch's representations.
-
-The step (Gao et al. 2021, "GradCache") then makes the big batch's gradient
-exactly, in three stages, one compiled step:
-
-1. every micro-batch forward through the per-sample part, no tape kept:
-   its representations only;
-2. the coupled part and the loss on the whole batch, under a tape: the
-   gradient of its own weights and of the loss with respect to each
-   representation;
-3. every micro-batch forward again, under a tape, backpropagating its rows
-   of that gradient: the per-sample part's gradient, summed.
-
-The first pass runs in a `keras.StatelessScope`, so what it would write
-(random seeds, moving statistics) is dropped: the second pass starts from
-the same state, dropout draws the same masks in both passes and the
-gradient is exactly the big batch's with those masks; stateful layers
-update once, in the second pass, as in an ordinary split.
-
-A subclassed model has no layer graph to split: it defines `represent`
-(inputs to representations) and `couple` (representations to outputs),
-and `coupled_from="methods"` splits it there.
-
-Example:
-
-```python
-model = keras_accum.AccumModel(
-    [queries, items], logits, micro_batch_size=32,
-    coupled_from=["query_repr", "item_repr"],
-)
-```
+A contrastive loss (CLIP's, SigLIP's, InfoNCE, a two-tower softmax) reads every
+sample of the batch. `coupled_from` names the layers whose outputs are the
+per-sample representations (or "methods": a subclassed model's `represent` and
+`couple`): upstream runs per micro-batch, downstream once on the whole batch,
+and `coupled_gradients` makes the big batch's gradient exactly, as GradCache
+(Gao et al. 2021) does.
 """
 
 import inspect
@@ -58,28 +23,9 @@ from keras_accum.normaliser import loss_normaliser, micro_batch_weight
 
 
 class Coupling:
-    """Where a model's batch couples: its two parts.
-
-    Made once per model and `coupled_from` (`Coupling.of`), eagerly; read
-    by the traced step. Not a layer: its parts share the model's layers and
-    weights, and nothing of it is saved (`coupled_from` is, in the config).
-
-    Attributes:
-        coupled_from: the setting it was made for: the layer names (a tuple),
-            or "methods".
-        per_sample: called as `per_sample(inputs, training=True)`: the
-            representations (a tensor, or a list, tuple or dict of them).
-        coupled: called as `coupled(representations, training=True)`: the
-            model's outputs.
-
-    Example:
-
-    ```python
-    coupling = Coupling.of(model, ("query_repr", "item_repr"))
-    representations = coupling.per_sample(x, training=True)
-    y_pred = coupling.coupled(representations, training=True)
-    ```
-    """
+    """Where a model's batch couples: `per_sample(inputs, training=True)` gives
+    the representations, `coupled(representations, training=True)` the outputs.
+    Not a layer: its parts share the model's layers; nothing of it is saved."""
 
     def __init__(self, coupled_from, per_sample, coupled):
         self.coupled_from = coupled_from
@@ -97,8 +43,7 @@ class Coupling:
 
     @classmethod
     def _of_methods(cls, model):
-        # A subclassed model has no graph to cut: it says where its batch
-        # couples itself, in the two methods its `call` is made of.
+        # A subclassed model has no graph to cut: its two methods say where.
         missing = [name for name in ("represent", "couple")
                    if not callable(getattr(model, name, None))]
         if missing:
@@ -172,11 +117,8 @@ class Coupling:
 
 
 def _runs_on_its_inputs(coupled, representations):
-    # Keras 3.8 makes a model whose outputs need more than its inputs, and
-    # fails only when it runs, with a KeyError for the tensor it lacks (later
-    # releases raise a ValueError when it is made): run it once, on made-up
-    # representations, writing nothing. Any other failure of made-up inputs
-    # is not this one, and is left for training to show.
+    # Keras 3.8 makes a model whose outputs need more than its inputs and fails
+    # only when run (KeyError): run it on made-up representations, writing nothing.
     try:
         with keras.StatelessScope():
             coupled([_made_up(r, rows=2) for r in representations], training=False)
@@ -186,14 +128,9 @@ def _runs_on_its_inputs(coupled, representations):
 
 
 def _layer_that_mixes_samples(per_sample):
-    # The first layer (in the graph's order) whose output for one sample
-    # depends on the others of its batch: a batch of two made-up samples
-    # against the first alone. Inference mode, so that dropout draws
-    # nothing and BatchNormalization uses its moving statistics (in
-    # training it normalises each micro-batch by its own, as any split
-    # does: docs/contrastive.md). A made-up batch the model cannot take (a
-    # lookup's vocabulary, a fixed length) leaves the check undone: it only
-    # names a mistake earlier than training would show it.
+    # The first layer whose output for a sample depends on the others of its
+    # batch, in inference mode (no dropout; moving statistics). A made-up batch
+    # the model cannot take leaves the check undone: it only names a mistake early.
     layers = [layer for layer in per_sample.layers
               if not isinstance(layer, keras.layers.InputLayer)]
     probed = [(layer, internals.output_of_its_call(layer)) for layer in layers]
@@ -205,9 +142,8 @@ def _layer_that_mixes_samples(per_sample):
         probe = keras.Model(per_sample.input, [output for _, output in probed])
         batch = tree.map_structure(lambda spec: _made_up(spec, rows=2), per_sample.input)
         alone = tree.map_structure(lambda t: t[:1], batch)
-        # Each call from the same state: a layer random even in inference
-        # (Monte Carlo dropout) draws the same numbers in each, and one
-        # that still disagrees with itself is not judged.
+        # Each call from the same seeds: a layer random even in inference
+        # (Monte Carlo dropout) draws alike; one unlike itself is not judged.
         outputs = []
         for inputs in (batch, alone, alone):
             with keras.StatelessScope():
@@ -227,8 +163,7 @@ def _layer_that_mixes_samples(per_sample):
 
 
 def _made_up(spec, rows):
-    # Samples for an input of `spec`'s shape and dtype: unknown sizes 3,
-    # integers 1 or 2 (valid ids for any lookup but an empty one).
+    # Unknown sizes 3; integers 1 or 2, valid ids for any lookup but an empty one.
     shape = [rows] + [3 if size is None else size for size in spec.shape[1:]]
     rng = np.random.default_rng(0)
     if "int" in str(spec.dtype):
@@ -239,11 +174,9 @@ def _made_up(spec, rows):
 
 
 class _Called(keras.layers.Layer):
-    """A model's `represent` or `couple` method, called as a layer is: the
-    layers it calls without a `training` argument then read it from the
-    call, as they do inside the model's `call` (Dropout drops, BatchNorm
-    uses the batch's statistics). Holds no weights; not tracked by the
-    model (made by `Coupling`, which nothing saves)."""
+    """A model's `represent` or `couple` method called as a layer is, so that
+    layers it calls without `training` read it from the call, as inside `call`.
+    Holds no weights; not tracked by the model."""
 
     def __init__(self, method):
         # No casting of the inputs: the method's layers cast their own.
@@ -274,30 +207,17 @@ def check_strategy(settings, strategy):
 
 
 def coupled_gradients(model, coupling, state, parts, batch, variables, fold, loss_scale):
-    """The whole batch's `microbatch.Gradients` from its micro-batches `parts`.
+    """The whole batch's `microbatch.Gradients` from its micro-batches `parts`,
+    and the BatchNormalization records of its coupled part and micro-batches.
 
-    Args:
-        model: the model (compiled loss, optimizer).
-        coupling: its `Coupling`.
-        state: the model's `AccumState` (BatchNormalization records).
-        parts: the micro-batches, `((x, y, sample_weight), live)` as
-            `microbatch.split` gives them.
-        batch: the whole batch, `(x, y, sample_weight)`.
-        variables: the variables to differentiate.
-        fold: whether the batch's weight is folded into the loss (see
-            `step.micro_batch_gradients`); else it scales the gradients.
-        loss_scale: the optimizer's loss scale, or None.
-
-    Returns:
-        `(gradients, records)`: the `Gradients` of the whole batch (its
-        gradient times its weight, `grad_scale` None) and the
-        BatchNormalization records of its coupled part and micro-batches.
+    Passes: each micro-batch without a tape; the coupled part and the loss once,
+    under a tape (its weights' gradient and each representation's); each
+    micro-batch again, backpropagating its rows of that gradient.
     """
     x, y, sample_weight = batch
     parts = list(parts)
-    # 1. Representations, micro-batch by micro-batch, no tape kept. What
-    # the pass would write (random seeds, moving statistics) stays in the
-    # scope, so pass 3 starts from the same state and draws the same masks.
+    # 1. No tape. What it would write (seeds, moving statistics) stays in the
+    # scope: pass 3 draws the same dropout masks, stateful layers update once.
     representations, rows = [], []
     with keras.StatelessScope():
         for (x_k, _, _), live in parts:
@@ -312,8 +232,7 @@ def coupled_gradients(model, coupling, state, parts, batch, variables, fold, los
     local = [tf.concat(r, 0) for r in zip(*representations)]
     replicas = _Replicas(internals.batch_size(x))
     whole = replicas.gather(local)
-    # 2. The coupled part and the loss, once, on the whole batch (the
-    # global batch: every replica computes it).
+    # 2. The coupled part and the loss, once, on the global batch (every replica).
     records, normalisers = [], []
     with tf.GradientTape() as tape:
         tape.watch(whole)
@@ -362,10 +281,9 @@ def coupled_gradients(model, coupling, state, parts, batch, variables, fold, los
 
 
 class _Replicas:
-    """This replica's rows of the global batch, under a strategy of several
-    replicas: the coupled part sees every replica's representations (as
-    CLIP's training on many GPUs gathers them), each replica its own rows
-    of the gradient. One replica: every method is the identity."""
+    """This replica's rows of the global batch under several replicas: the
+    coupled part sees every replica's representations (as CLIP's training
+    gathers them), each replica its own rows of the gradient. One: identity."""
 
     def __init__(self, rows):
         context = tf.distribute.get_replica_context()
@@ -383,9 +301,8 @@ class _Replicas:
     def gather(self, values):
         if self.count == 1 or values is None:
             return values
-        # Gathered from a copy made in the replica: a tensor from outside
-        # it (the batch's `y` from the dataset) has no device, and
-        # MultiWorkerMirroredStrategy gathers to the tensor's device.
+        # A copy made in the replica: MultiWorkerMirroredStrategy gathers to the
+        # tensor's device, and one from outside the replica has none.
         return tree.map_structure(
             lambda t: None if t is None else self.context.all_gather(tf.identity(t), axis=0),
             values,
@@ -400,11 +317,8 @@ class _Replicas:
         )
 
     def own_rows_of_gradient(self, upstream):
-        # The loss each replica computed is the global batch's, divided by
-        # the replicas (Keras, so that summing replicas' gradients gives a
-        # mean): the coupled part's own weights get a share from each
-        # replica; a representation's gradient comes from one replica only,
-        # so it is multiplied back.
+        # Keras divides each replica's loss (the global batch's) by the replicas:
+        # a representation's gradient comes from one replica only, so multiply back.
         if self.count == 1:
             return upstream
         return [u[self.start:self.start + self.rows] * self.count for u in upstream]
@@ -417,8 +331,7 @@ def _sum(a, b):
 
 
 def _rows_of(upstream, start, kept, reps):
-    # This micro-batch's rows of the whole batch's gradient; a stand-in past
-    # a short batch's end (kept 0) gets zeros for its one row.
+    # A stand-in past a short batch's end (kept 0) gets zeros for its one row.
     mine = upstream[start:start + kept]
     padding = tf.zeros_like(upstream[:1])[: tf.shape(reps)[0] - kept]
     return tf.concat([mine, padding], 0)

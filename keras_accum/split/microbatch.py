@@ -1,31 +1,8 @@
-"""Micro-batches inside the step: each batch `fit` draws is split, its
-gradients summed exactly, and one update made.
-
-The step runs the forward and backward pass of every micro-batch of the batch
-in turn (unrolled in the traced graph: no `tf.while_loop`, so XLA fuses it
-like any other step) and sums their gradients, each micro-batch weighted by
-what Keras normalises its loss by (normaliser.py), exactly as a window of
-`accum_steps` micro-batches is summed across steps. Only one micro-batch's
-activations and gradient are alive at a time (each micro-batch waits for
-the sum of the gradients before it: `summed`, `after`), so memory is the
-micro-batch's; the update, the logged loss and the metrics are the whole
-batch's.
-
-Everything is computed into tensors first; the step (step.py) makes every state
-write of the step (BatchNormalization's pooled moments, the loss tracker,
-the metrics, the window or the optimizer) wait for all micro-batches'
-gradients, so a step that fails part-way (out of memory) writes nothing.
-
-Example (inside a traced train step, as `AccumModel` does it):
-
-```python
-parts, total = [], None
-for part, live in split(data, 32, 256):
-    parts.append(gradients_of(*(part if total is None else after(total, part))))
-    total = summed(total, parts[-1])
-batch = combine(parts, total)
-optimizer.apply([scaled(g, 1 / batch.weight) for g in batch.grads], variables)
-```
+"""Micro-batches inside the step: each batch is split, its gradients summed
+exactly (normaliser.py), and one update made. The micro-batches are unrolled in
+the traced graph (no `tf.while_loop`: XLA fuses them as any step), each waiting
+for the sum before it, so memory is one micro-batch's; the step (engine/step.py)
+makes every write wait for all of them, so a failed step writes nothing.
 """
 
 import math
@@ -57,17 +34,8 @@ def num_micro_batches(batch_size, micro_batch_size):
 class Gradients(NamedTuple):
     """One forward and backward pass: what a micro-batch (or a batch) gives.
 
-    Attributes:
-        grads: gradients of the (scaled) loss, one per variable, None where
-            the variable has none.
-        grad_scale: multiplies `grads` into `weight * gradient` (the
-            micro-batch's weight and the loss scale's undoing), or None when
-            the weight was folded into the loss already.
-        weight: what the loss was normalised by (normaliser.py).
-        normalise: whether the update divides by the total weight (Python bool).
-        loss: the loss as Keras computed it.
-        num_samples: the number of samples.
-        y_pred: the predictions.
+    `grad_scale` multiplies `grads` into `weight * gradient` (None when the
+    weight is in the loss); `weight` is what the loss was normalised by.
     """
 
     grads: list
@@ -80,24 +48,13 @@ class Gradients(NamedTuple):
 
 
 def split(data, micro_batch_size, batch_size_seen):
-    """Cuts a batch `(x, y, sample_weight)` into micro-batches, in order.
-
-    Yields `(micro_batch, live)`: `live` is None for a real micro-batch, or a
-    boolean tensor saying whether it is one.
-
-    With a static batch size the cuts are static: `micro_batch_size` samples
-    each, the last one shorter. Otherwise (fit's batch dimension is None)
-    there are as many micro-batches as the first training batch needs, of
-    `micro_batch_size` samples each. A shorter batch (an epoch's last) has
-    fewer real ones: each one past its end is the batch's last sample alone,
-    not live, which the step weighs 0 (an empty micro-batch would give NaN
-    moments, and NaN * 0 gradients, in layers such as BatchNormalization).
-    A longer batch is cut into as many longer micro-batches, never dropping
-    a sample.
-    """
+    """Cuts a batch `(x, y, sample_weight)` into micro-batches, yielding
+    `(micro_batch, live)`, `live` None or a boolean tensor. Without a static
+    batch size, as many as the first batch needs: past a shorter batch's end
+    each is its last sample alone, not live, weighed 0 (an empty one gives NaN
+    moments, and NaN * 0 gradients); a longer batch is cut into longer ones."""
     if micro_batch_size is None:
-        # One micro-batch of the whole batch ("auto" before it has had to
-        # split): the split step's all-or-nothing writes, no cut.
+        # One micro-batch of the whole batch ("auto" before it has had to split).
         yield data, None
         return
     static = static_batch_size(data)
@@ -147,18 +104,11 @@ def drop_rows(y_pred, rows):
 
 
 def summed(total, part):
-    """`total` (the micro-batches' weighted gradients summed so far, or None
-    before the first) plus `part`'s (a `Gradients`): `weight * gradient`,
-    the first micro-batch's taken as they are, not added to zeros.
-
-    Summed micro-batch by micro-batch, each waiting for the sum before it
-    (`after`): one micro-batch's gradient alive at a time. A sum made after
-    the last micro-batch would be one chain of adds, which TensorFlow's
-    graph optimiser rewrites into one `AddN` of every micro-batch's
-    gradient, all held at once (16 micro-batches of an MLP with 43M
-    weights: 1.56 GB of tensors against the big batch's 0.70,
-    benchmarks/contrastive.md).
-    """
+    """`total` (the weighted gradients summed so far, or None) plus `part`'s
+    `weight * gradient`. Summed as they come (`after`): a sum after the last
+    would be a chain of adds that TensorFlow's graph optimiser rewrites into one
+    `AddN` holding every micro-batch's gradient (benchmarks/design-notes.md,
+    "One AddN of every micro-batch")."""
     weighted = [scaled(g, part.grad_scale) for g in part.grads]
     if total is None:
         return weighted
@@ -167,20 +117,13 @@ def summed(total, part):
 
 def combine(parts, grads):
     """The batch's `Gradients` from its micro-batches' and their `summed`
-    gradients `grads`.
-
-    `grads` are `weight * gradient` summed over micro-batches, in float32
-    for half-precision variables; `grad_scale` is None; `loss` is the
-    batch's loss as Keras logs it for the whole batch; `y_pred` the batch's
-    predictions, masks included.
-    """
+    `grads`: `loss` as Keras logs it for the whole batch, `y_pred` with masks."""
     weights = [tf.cast(p.weight, tf.float32) for p in parts]
     weight = tf.add_n(weights)
     losses = [tf.cast(p.loss, tf.float32) for p in parts]
     normalise = parts[0].normalise
     if normalise:
-        # The weighted mean is the big batch's loss: its normaliser is the
-        # sum of the micro-batches'.
+        # The weighted mean is the big batch's loss.
         loss = tf.math.divide_no_nan(
             tf.add_n([w * l for w, l in zip(weights, losses)]), weight
         )
@@ -192,11 +135,8 @@ def combine(parts, grads):
 
 
 def control_after(batch):
-    """Tensors that are ready only once every micro-batch has run.
-
-    The loss too: what it alone needs (a loss term's extra work, say) may
-    run, and fail, after the gradients are ready.
-    """
+    """Tensors ready only once every micro-batch has run; the loss too: what it
+    alone needs may run, and fail, after the gradients."""
     return _tensors(batch.grads) + [batch.weight, batch.loss]
 
 
@@ -211,20 +151,10 @@ def _tensors(grads):
 
 
 def after(previous, part):
-    """`part`, readable only once `previous` (the gradients summed so far, a
-    list as `summed` gives them) is computed.
-
-    The micro-batches of a step do not depend on each other, so the graph
-    could run several at once, holding several micro-batches' activations:
-    each waits for the sum of those before it, and memory stays the
-    micro-batch's.
-
-    Under XLA, which schedules without control dependencies and merges
-    equal computations (a coupled micro-batch's second forward pass with
-    its first, coupling.py: the first pass's activations would then be kept
-    for the second), `part` waits by data instead: it is subtracted a zero
-    that XLA cannot tell is one, made from `previous`.
-    """
+    """`part`, readable only once `previous` (the gradients `summed` so far) is,
+    lest the graph run micro-batches at once, holding several's activations.
+    Under XLA (no control dependencies; equal computations merged, as a coupled
+    micro-batch's two passes) it waits by data: minus a zero made from `previous`."""
     if not internals.in_xla_context():
         with tf.control_dependencies(_tensors(previous)):
             return tree.map_structure(lambda t: None if t is None else tf.identity(t), part)
@@ -235,16 +165,12 @@ def after(previous, part):
 
 
 def _zero_after(previous):
-    # 0.0, computed from the whole of each tensor of `previous`: a
-    # comparison no float can pass (not even NaN or an overflow to inf)
-    # selects it. XLA folds what it can prove (a constant zero, `x * 0` of
-    # integers, an optimization barrier is expanded before CSE on CPU), not
-    # this. The whole, not an element: XLA copies an elementwise sum into
-    # each reader of a part of it, so waiting on one element of the sum
-    # let it put off every add to the end, holding every micro-batch's
-    # gradient (benchmarks/xla.md's MLP, 1.6M weights, 4 micro-batches of
-    # 32: 34 MB of tensors, now 11, the big batch 13; tests/test_step_graph.py:
-    # as much at 16 micro-batches as at 4). Read as a product with ones.
+    # 0.0 from the whole of each tensor of `previous`, selected by a comparison
+    # no float passes (not NaN, not inf): XLA folds what it can prove (a zero,
+    # integer `x * 0`; an optimization barrier is expanded before CSE on CPU),
+    # not this. The whole, read as a product with ones, not one element: XLA
+    # copies an elementwise sum into each reader of a part of it, and put every
+    # add off to the end. Why: benchmarks/design-notes.md, "Waiting on the whole sum".
     reads = [_read_for_waiting(g) for g in previous if g is not None]
     if not reads:
         return tf.constant(0.0)
@@ -253,10 +179,8 @@ def _zero_after(previous):
 
 
 def _read_for_waiting(t):
-    # A sparse gradient's rows are joined, not added (`add_gradients`):
-    # nothing to put off, and the whole would be read again at every
-    # micro-batch (N^2 / 2 micro-batches' rows a step). Its newest row ends
-    # the values: waiting on it waits on the newest micro-batch.
+    # A sparse gradient's rows are joined, not added: nothing to put off, and the
+    # whole would be read again at every micro-batch. Its newest row ends the values.
     if isinstance(t, tf.IndexedSlices):
         return tf.cast(tf.reduce_sum(tf.reshape(t.values, [-1])[-1:]), tf.float32)
     return internals.whole_sum(t)

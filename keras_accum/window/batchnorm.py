@@ -1,11 +1,9 @@
-"""BatchNormalization under accumulation: moving statistics of the window.
+"""BatchNormalization under accumulation: the window's moving statistics.
 
-A micro-batch's forward pass can only normalise with that micro-batch's
-statistics ("ghost batch normalisation"). The moving statistics, which are
-what inference uses, can be the big batch's: each micro-batch's moments are
-pooled over the window, weighted by how many values they were computed from,
-and folded into `moving_mean`/`moving_variance` once per update, with the
-layer's own momentum.
+A micro-batch normalises with its own statistics ("ghost batch normalisation");
+the moving statistics, which inference uses, can be the big batch's: each
+micro-batch's moments are pooled over the window, weighted by their count of
+values, and folded in once per update with the layer's momentum.
 """
 
 import contextlib
@@ -22,15 +20,8 @@ from keras_accum.window import replicas
 
 
 class BatchNormRecord(NamedTuple):
-    """One layer's moments of one micro-batch, recorded to be added later.
-
-    Attributes:
-        window: the layer's pooled moments over the open window, which the
-            record is added to (`_LayerMoments`).
-        count: how many values each channel's moments were computed over.
-        mean: the micro-batch's mean, per channel.
-        variance: the micro-batch's variance, per channel.
-    """
+    """One layer's moments of one micro-batch, recorded to be added later to
+    `window`, that layer's `_LayerMoments`; `count`: the values per channel."""
 
     window: object
     count: object
@@ -39,20 +30,14 @@ class BatchNormRecord(NamedTuple):
 
 
 class _LayerMoments(tf.Module):
-    """One layer's pooled moments over the open window, per channel.
-
-    Held as (count, mean, m2): the number of values seen, their mean, and the
-    sum of squared deviations from it. Micro-batches are merged with Chan et
-    al.'s parallel update, which stays accurate when the mean is far from 0
-    (`E[x^2] - E[x]^2` would not).
-    """
+    """One layer's moments pooled over the open window, per channel: count, mean
+    and m2 (the sum of squared deviations), merged by Chan et al.'s parallel
+    update, accurate when the mean is far from 0 (`E[x^2] - E[x]^2` is not)."""
 
     def __init__(self, shape, dtype, strategy, initial=None, name="bn_moments"):
         super().__init__(name=name)
-        # Each replica pools its own micro-batches, as the gradient buffers
-        # do. Read across replicas (saving), counts and m2 sum, means
-        # average: exact for synchronized layers, whose replicas hold the
-        # same global moments.
+        # Each replica pools its own. Read across replicas, counts and m2 sum and
+        # means average: exact for synchronized layers (the same global moments).
         total = replicas.variable_arguments(strategy, replicas.SUMMED)
         mean = replicas.variable_arguments(strategy, replicas.AVERAGED)
         with tf.init_scope(), replicas.scope_of(strategy):
@@ -61,8 +46,8 @@ class _LayerMoments(tf.Module):
             self.mean = tf.Variable(zeros, trainable=False, name="mean", **mean)
             self.m2 = tf.Variable(zeros, trainable=False, name="m2", **total)
             if initial is not None:
-                # Assigned, not initialised: across replicas an assigned sum
-                # is shared out, as when the window was read for saving.
+                # Assigned, not initialised: across replicas an assigned sum is
+                # shared out, as when it was read for saving.
                 for v, value in zip(self.state(), initial):
                     v.assign(tf.constant(value, dtype))
 
@@ -89,60 +74,27 @@ class _LayerMoments(tf.Module):
 class BatchNormMoments(tf.Module, internals.SavedState):
     """Pools each BatchNormalization's micro-batch moments over a window.
 
-    `AccumModel` runs every micro-batch's forward pass inside `micro_batch()`
-    and calls `apply()` with each optimizer update. Inside `micro_batch()`,
-    every pooled layer's own moving-statistics update is made a no-op (its
-    momentum reads 1.0: `moving * 1 + batch * 0` is exactly `moving`) and its
-    batch moments are recorded instead; `apply()` folds the pooled window
-    into the moving statistics:
-
-        mean = sum(n_i * mean_i) / sum(n_i)
-        variance = sum(n_i * (var_i + (mean_i - mean)^2)) / sum(n_i)
-        moving_mean = moving_mean * momentum + mean * (1 - momentum)
-
-    with `n_i` the number of values (samples x spatial positions, or unmasked
-    positions) micro-batch `i` normalised each channel over: for a layer
-    whose input does not depend on another batch-normalised layer, this is
-    the big batch's update exactly.
-
-    Layers are found in the model when its step is traced, nested models
-    included; frozen layers (`trainable=False`, which run in inference mode)
-    compute no moments and are left alone. Layers with `renorm=True`, or of a
-    subclass that overrides `call` or `_moments`, keep Keras's per-micro-batch
-    update.
-
-    The pooled moments are training state: saved with a pending window by
-    `model.save`, `save_weights` and restored by `load_weights`.
-
-    Args:
-        model: the model whose layers to pool; held by weak reference.
-        mode: 'window' or 'micro_batch' (then this does nothing).
-
-    Example:
-
-    ```python
-    bn = BatchNormMoments(model)
-    with bn.micro_batch():
-        y_pred = model(x, training=True)  # every micro-batch
-    bn.apply()                            # with each optimizer update
-    ```
+    Inside `micro_batch()` a pooled layer's own moving-statistics update is a
+    no-op (momentum reads 1.0: `moving * 1 + batch * 0` is `moving`) and its
+    moments are recorded; `apply()`, run with each optimizer update, folds in
+    `mean = sum(n_i mean_i) / sum(n_i)` and `variance = sum(n_i (var_i +
+    (mean_i - mean)^2)) / sum(n_i)`: the big batch's update exactly, for a
+    layer whose input does not depend on another batch-normalised layer.
+    Frozen layers, `renorm=True` and subclasses overriding `call` or
+    `_moments` keep Keras's own update. `mode='micro_batch'`: does nothing.
     """
 
     def __init__(self, model, mode=BATCHNORM_PER_WINDOW, name="batchnorm_window"):
         super().__init__(name=name)
         self.mode = check_batchnorm(mode)
         self._model = weakref.ref(model)
-        # Each layer's pooled moments (`_LayerMoments`), by the layer's
-        # position among the model's BatchNormalization layers: the same in
-        # any model of the same architecture, unlike layer names, which
-        # Keras numbers per process. The attribute's name is a key of
-        # `tf.train.Checkpoint` files, so it stays `_windows`.
+        # Keyed by position among the BatchNormalization layers (Keras numbers
+        # names per process). `_windows` is a key of `tf.train.Checkpoint` files.
         self._windows = {}
         # Restored from a file before the layer was built: used when built.
         self._restored = {}
         self._patches = internals.SharedPatches()
-        # Per thread (replica): the moving statistics as they were before this
-        # micro-batch, put back after it (see micro_batch).
+        # Per thread (replica): the moving statistics before this micro-batch.
         self._before = threading.local()
 
     def _layers(self):
@@ -152,13 +104,8 @@ class BatchNormMoments(tf.Module, internals.SavedState):
         return list(internals.batch_normalization_layers(model))
 
     def build(self, strategy=None):
-        """Creates the windows of the layers already built, outside any trace.
-
-        Under a strategy the model is built before training and
-        this must run then: per-replica variables cannot be made from inside
-        a replica's step. Otherwise windows are also made as layers are first
-        traced.
-        """
+        """Makes the pooled moments of the layers already built, eagerly: under a
+        strategy they cannot be made inside a replica's step."""
         for index, (layer, plain) in enumerate(self._layers()):
             if plain and layer.built and layer.trainable:
                 self._layer_moments(index, layer, strategy)
@@ -179,18 +126,11 @@ class BatchNormMoments(tf.Module, internals.SavedState):
 
     @contextlib.contextmanager
     def micro_batch(self, deferred=None):
-        """Records the moments of every pooled layer's forward pass in the block.
-
-        With a list `deferred`, the moments are appended to it as
-        `BatchNormRecord`s instead of being added to the window: `record(deferred)` adds them
-        later (micro-batches inside one step write no window state until
-        every one of them has run).
-
-        Reentrant across threads: under MirroredStrategy each replica's step
-        is traced in a thread of its own, which all enter this block, and
-        they may interleave at cross-replica calls. The first to enter
-        patches the layers, the last to leave restores them.
-        """
+        """Records the moments of every pooled layer's forward pass in the block,
+        or appends them to a list `deferred`, for `record(deferred)` once every
+        micro-batch of the step has run. Reentrant across threads (under
+        MirroredStrategy each replica traces in its own): the first in patches
+        the layers, the last out restores them."""
         def patches():
             return [
                 internals.moments_recorded_not_applied(layer, self._recorder(index, layer))
@@ -203,10 +143,8 @@ class BatchNormMoments(tf.Module, internals.SavedState):
             self._before.deferred = deferred
             try:
                 yield
-                # Keras's own update with momentum 1 leaves the moving
-                # statistics as they were, but for a non-finite micro-batch
-                # (nan * 0 is nan): put back what they were, so that only
-                # the window decides them.
+                # Momentum 1 leaves the moving statistics as they were, but for a
+                # non-finite micro-batch (nan * 0 is nan): put back what they were.
                 for variable, value in self._before.values:
                     variable.assign(value)
             finally:
@@ -241,11 +179,8 @@ class BatchNormMoments(tf.Module, internals.SavedState):
         return record
 
     def record(self, deferred):
-        """Adds moments collected by `micro_batch(deferred)` to their windows.
-
-        A micro-batch with no values (an empty trailing slice of a short
-        batch) has NaN moments and count 0: it adds nothing.
-        """
+        """Adds moments collected by `micro_batch(deferred)` to the pooled ones;
+        an empty micro-batch (NaN moments, count 0) adds nothing."""
         for moments in deferred:
             seen = moments.count > 0
             moments.window.add(
@@ -255,12 +190,9 @@ class BatchNormMoments(tf.Module, internals.SavedState):
             )
 
     def apply(self, finite_only=False):
-        """Folds the window into each layer's moving statistics; a new window starts.
-
-        A layer that saw nothing this window (count 0) is left unchanged, and
-        with `finite_only` also one whose window statistics are not finite
-        (for `skip_nonfinite`: a NaN sample's window is not applied).
-        """
+        """Folds the pooled moments into each layer's moving statistics; a new
+        window starts. A layer that saw nothing is left unchanged, and with
+        `finite_only` (`skip_nonfinite`) one whose statistics are not finite."""
         layers = self._layers()
         for key, pooled in self._windows.items():
             layer = layers[int(key)][0]
@@ -350,7 +282,7 @@ class BatchNormMoments(tf.Module, internals.SavedState):
                 self._restored[index] = value
 
     def snapshot(self):
-        """All state as numpy, for `restore` after a failed load."""
+        """The pooled and restored moments as numpy, for `restore` after a failed load."""
         return (
             {k: [v.numpy() for v in w.state()] for k, w in self._windows.items()},
             dict(self._restored),

@@ -1,18 +1,9 @@
 """Which variables a window belongs to, and whether an open window may go on.
 
-A window is only ever applied to the variables it was computed for: bound
-by identity when the step is made, or, for a window restored from a file,
-by position (as Keras pairs weights) once the model's variables are known.
-An open window met with other variables or another window length is
-refused, naming what differs and what to do; it is never applied where it
-does not belong.
-
-Example:
-
-```python
-if bind(buffers, model.trainable_variables, accum_steps=4):
-    ...  # new buffers: functions traced with the old ones are stale
-```
+A window is only ever applied to the variables it was computed for: bound by
+identity when the step is made or, restored from a file, by position (as Keras
+pairs weights). Other variables or another window length are refused, naming
+what differs and what to do.
 """
 
 from typing import NamedTuple
@@ -23,31 +14,9 @@ from keras_accum.window import slices
 
 
 class GradientLayout(NamedTuple):
-    """The shape of the gradient a window sums, variable by variable.
-
-    A fact of the traced step, not a setting: which gradients are None or
-    `tf.IndexedSlices` is known only once the step's gradient is traced
-    (an `Embedding`'s is sparse, a variable the loss does not reach has
-    none), so the step records it as it adds (`GradientLayout.of`). It is
-    saved with the window (file_format.py): a window restored from a file
-    is applied as it began, before any step is traced.
-
-    Attributes:
-        absent: indices of variables whose gradient is None: the optimizer
-            must see None for them, as for a big batch, not a zero gradient
-            (which would still move Adam or decay).
-        sparse: indices of variables whose gradient is `tf.IndexedSlices`:
-            their window is kept as slices (slices.py).
-        statistic: what the optimizer reads of sparse occurrences
-            (`slices.SQUARE` or `slices.ABS`: the plan's `statistic`).
-
-    Example:
-
-    ```python
-    layout = GradientLayout.of(grads, plan.statistic)
-    layout.sparse  # frozenset({0}): an Embedding's table, first
-    ```
-    """
+    """Which of a window's gradients are None (`absent`) and which sparse: known
+    once the step is traced, saved with the window. The optimizer must see None
+    for an absent gradient, as for a big batch: a zero would still move Adam."""
 
     absent: frozenset = frozenset()
     sparse: frozenset = frozenset()
@@ -65,13 +34,7 @@ class GradientLayout(NamedTuple):
 
 class Binding:
     """Holds the window's variables out of sight of `tf.Module` tracking, so
-    that they are neither saved with the buffers nor listed in their
-    `variables`.
-
-    Attributes:
-        variables: the variables, in the buffers' order; None when not
-            yet bound (a window restored from a file).
-    """
+    they are neither saved with the buffers nor listed in their `variables`."""
 
     __slots__ = ("variables",)
 
@@ -80,18 +43,9 @@ class Binding:
 
 
 def bind(buffers, variables, accum_steps, strategy=None):
-    """Makes `buffers` the window of `variables`, `accum_steps` micro-batches long.
-
-    Eager only. With no window open, buffers are made for `variables`
-    unless they are this window's already. An open window must have been
-    computed for exactly these variables (or, restored from a file, for
-    variables of the same shapes in the same order) and for the same window
-    length; otherwise a ValueError says which differ and what to do.
-
-    Returns:
-        True if buffers were replaced (functions traced with the old ones
-        must be traced again).
-    """
+    """Makes `buffers` the window of `variables`, `accum_steps` micro-batches long;
+    eager. An open window must be of these variables (or, restored from a file,
+    of the same shapes in order) and length. True if buffers were replaced."""
     variables = list(variables)
     if buffers.open_micro_batches():
         check_fits(buffers, variables, accum_steps)
@@ -157,7 +111,7 @@ def check_fits(buffers, variables, accum_steps):
 
 def check_gradients(buffers, grads, variables=None):
     """Raises unless `grads` (for `variables`, if known) are for the buffers'
-    variables: checked when a step is traced."""
+    variables; checked when a step is traced."""
     if not buffers.built:
         raise ValueError(
             "The accumulator has no buffers yet: `bind` it to the "

@@ -1,32 +1,9 @@
-"""How a window is written to and read from Keras files (`model.save`,
-`save_weights`, `load_weights`): the entries of the gradient buffers' store.
+"""The gradient buffers' entries in Keras files (`model.save`, `save_weights`).
 
-Each process writes its share of the window (the sum over its own
-replicas) and `shares`, how many processes' files together hold the
-window, and `replicas`, so that a window is only ever resumed in the setup
-that made it (replicas.py). Entries, all optional but the first four for
-files written by earlier releases:
-
-- `micro_step`, `window_weight`, `accum_steps`: the counters;
-- `acc_grad_<i>`: buffer i's dense sum (zeros when it holds slices);
-- `normalise`: int8, whether the window is a mean (1) or a sum (0);
-- `has_gradient`: int8 per buffer, 0 where the step gave no gradient;
-- `shares`, `replicas`: int64, see above;
-- `sparse`: int8 per buffer, 1 where the buffer holds slices;
-- `slice_counts_<i>`, `slice_indices_<i>`, `slice_values_<i>`: each local
-  replica's slice count, then the live slices one replica after another;
-- `slice_stats_<i>`, `row_counts_<i>`: for the replicas whose window is
-  kept as row sums (count `slices.ROW_SUMS`), the sums of their statistic
-  and their occurrence counts per row (their sums are `acc_grad_<i>`);
-- `statistic`: int8, 1 where the statistic is the absolute value (Adamax),
-  0 for squares.
-
-Example:
-
-```python
-save_window(accumulator, store)   # GradientAccumulator.save_own_variables
-load_window(accumulator, store)   # GradientAccumulator.load_own_variables
-```
+Each process writes its share of the window (its replicas' sum), with `shares`
+and `replicas`, so a window is only resumed in the setup that made it. Entries
+beyond `micro_step`, `window_weight`, `accum_steps`, `acc_grad_<i>` are
+optional: older files lack them.
 """
 
 import numpy as np
@@ -60,9 +37,8 @@ def save_window(acc, store):
 
 
 def _save_slices(acc, store, i):
-    # Each of this process's replicas keeps its own slices (they cannot
-    # be summed): saved one after the other with each replica's count;
-    # the replicas that spilled into a dense sum give `acc_grad_i`.
+    # A replica's slices cannot be summed with another's: saved one replica
+    # after the other, with each one's count; dense spills give `acc_grad_i`.
     here = lambda v: replicas.local(acc.strategy, v)  # noqa: E731
     storages = here(acc.acc_grads[i])
     counts = [int(c.numpy()) for c in here(acc.slice_counts[i])]
@@ -76,8 +52,8 @@ def _save_slices(acc, store, i):
         sum(dense[1:], dense[0]) if dense else np.zeros(shape, dtype)
     )
     if slices.ROW_SUMS in counts:
-        # Row sums add up over replicas: saved as their sum. A replica
-        # still holding an older file's dense sum counts one per row.
+        # Row sums add up over replicas: saved as their sum. A replica still
+        # holding an older file's dense sum counts one occurrence per row.
         stats = here(acc.stats_of(i))
         statistic = lambda v: np.abs(v) if acc.layout.statistic == slices.ABS else v**2  # noqa: E731
         store[f"slice_stats_{i}"] = sum(
@@ -130,7 +106,7 @@ def load_window(acc, store):
             f"gradient buffers have shapes {[v.shape for v in values]}, "
             f"this model's trainable variables have {acc.shapes()}."
         )
-    # np.asarray: older Keras (3.8) hands back h5py datasets, not arrays.
+        # np.asarray: older Keras (3.8) hands back h5py datasets, not arrays.
     entry = lambda key: np.asarray(store[key])  # noqa: E731
     micro_step = int(entry("micro_step"))
     strategy = acc.strategy
@@ -141,8 +117,8 @@ def load_window(acc, store):
     )
     here = (replicas.shares(strategy), replicas.replicas(strategy))
     if micro_step and saved != here:
-        # Buffers hold each process's share, summed over replicas whose
-        # losses Keras divided by their number: neither can be re-split.
+        # Buffers hold each process's share, summed over replicas whose losses
+        # Keras divided by their number: neither can be re-split.
         raise ValueError(
             f"The checkpoint's pending window ({micro_step} micro-batches) "
             f"was saved by {saved[0]} process(es) with {saved[1]} "
@@ -166,8 +142,7 @@ def load_window(acc, store):
     if "has_gradient" in keys:
         has = entry("has_gradient")
         layout = layout._replace(absent=frozenset(int(i) for i in np.flatnonzero(has == 0)))
-    # Files written before slices existed hold every window as a dense
-    # sum: count -1 says so, and such a window is applied as that sum.
+    # Files from before slices hold a dense sum (count -1), applied as such.
     legacy = "sparse" not in keys
     layout = layout._replace(sparse=frozenset(
         () if legacy else (int(i) for i in np.flatnonzero(entry("sparse")))
@@ -190,8 +165,7 @@ def _load_slices(acc, store, i):
         local(acc.acc_grads[i]), local(acc.slice_indices[i]), local(acc.slice_counts[i])
     ))
     if len(counts) != len(components):
-        # Only a window saved with no micro-batch gets here (the
-        # replica check above refuses others): nothing to restore.
+        # Only a window of no micro-batch gets here (others are refused above).
         return
     indices = np.asarray(store[f"slice_indices_{i}"])
     values = np.asarray(store[f"slice_values_{i}"])
@@ -207,8 +181,8 @@ def _load_slices(acc, store, i):
     for r, ((storage, index, count), n) in enumerate(zip(components, counts)):
         count.assign(n)
         if n < 0:
-            # The dense share (or row sums) on the first replica that
-            # spilled, zeros on the others: summed over replicas, the saved.
+            # The dense share (or row sums) on the first replica that spilled,
+            # zeros on the others: summed over replicas, the saved value.
             if row_sums:
                 share = shares[0] if not dense_given else [np.zeros_like(a) for a in shares[0]]
                 storage.assign(share[0])
@@ -224,7 +198,7 @@ def _load_slices(acc, store, i):
 
 
 def snapshot(acc):
-    """This process's window state as numpy (None if unbuilt), for `restore`."""
+    """This process's part of the window as numpy (None if unbuilt), for `restore`."""
     if not acc.built:
         return None
     values = [[c.numpy() for c in replicas.local(acc.strategy, v)] for v in acc.state()]

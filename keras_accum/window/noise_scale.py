@@ -1,53 +1,11 @@
-"""The gradient noise scale, measured from the window: how big a batch pays.
+"""The gradient noise scale `B_simple = tr(Sigma) / |G|^2`, measured from windows.
 
-A window holds what McCandlish et al. (2018, "An Empirical Model of
-Large-Batch Training", appendix A) need to estimate the *simple noise
-scale* `B_simple = tr(Sigma) / |G|^2`, the batch size beyond which a bigger
-batch stops buying fewer steps: the gradients of its micro-batches (batch
-`b_j`) and of the window (batch `B`). For a micro-batch's mean gradient
-`E|g_j|^2 = |G|^2 + tr(Sigma) / b_j`, and for the window's
-`E|G_B|^2 = |G|^2 + tr(Sigma) / B`. With `S` the mean of `|g_j|^2` over the
-window's micro-batches, `a` the mean of `1 / b_j`, `c = 1 / B` and
-`L = |G_B|^2`:
-
-    tr(Sigma) ~ (S - L) / (a - c)        |G|^2 ~ (L a - S c) / (a - c)
-
-which, with equal micro-batches, is the paper's pair of estimators (its
-`B_small = b`, `B_big = B`). Each window's ratio is far too noisy to read,
-so an estimate over many windows (an epoch's, or the scheduler's since its
-last decision) is the ratio of the sums of the windows' estimates (a ratio
-of means, as the paper advises). The sums of their squares and product are
-kept beside them, for the estimate's spread (keras_accum/growth.py).
-
-What is measured, and where:
-
-- per micro-batch, in the step: the squared norm of its mean gradient over
-  every trainable variable, unscaled (loss scale, weight and Keras's
-  division by the number of replicas taken out), one pass over the
-  gradients it computed anyway; a sparse gradient's norm is of the dense
-  rows it touches (its occurrences summed per row first);
-- per window, when it is applied: the squared norm of the window's
-  gradient (across replicas, the global one: one all-reduce of the
-  gradient more per update, only when measuring);
-- under a strategy, each replica's micro-batch is a micro-batch: `b_j` is
-  the per-replica micro-batch and `B` the global window.
-
-A window with fewer than two micro-batches (in all), a window skipped or
-discarded, one whose gradient is not finite (a loss scale settling), or one
-resumed from a file (its first micro-batches were not measured), adds
-nothing. Measuring writes only its own variables: the
-training is bit-identical with it on and off (tested).
-
-Example:
-
-```python
-noise = NoiseScale()
-noise.build(strategy)                    # eagerly, before the step is traced
-noise.record(micro_batch_sums(parts))    # in the step, per micro-batch(es)
-noise.close(closed)                      # when the window is applied
-noise.end_epoch()                        # B_simple of the epoch, a float
-noise.read()                             # the sums so far (NoiseEstimate.of)
-```
+McCandlish et al. (2018, "An Empirical Model of Large-Batch Training", app. A):
+from micro-batch gradients `g_j` (batch `b_j`) and the window's `G_B` (batch
+`B`), with `S` the mean of `|g_j|^2`, `a` the mean of `1 / b_j`, `c = 1 / B`
+and `L = |G_B|^2`, a window estimates `tr(Sigma) ~ (S - L) / (a - c)` and
+`|G|^2 ~ (L a - S c) / (a - c)`. One window is far too noisy: an estimate over
+many is the ratio of their sums (spread: growth/estimate.py).
 """
 
 import math
@@ -68,37 +26,16 @@ TRACE, SIGNAL, WINDOWS, TRACE_SQUARES, SIGNAL_SQUARES, PRODUCTS = range(6)
 class NoiseScale:
     """The window's measurement of the gradient noise scale (module doc).
 
-    Not saved in files: it is a measurement, made again from the windows
-    trained after a resume, not training state.
-
-    Attributes:
-        window_sums: float64 vector, per replica (summed across replicas):
-            over the open window's micro-batches, the sum of their mean
-            gradients' squared norms (`SQUARES`), of `1 / b_j`
-            (`INVERSE_SIZES`), their number (`MICRO_BATCHES`) and samples
-            (`SAMPLES`), and the train steps that recorded them (`STEPS`:
-            a window whose steps were not all recorded is not estimated).
-        estimate_sums: float64 vector, the same on every replica: since
-            it was built, the sums over the windows estimated of their
-            `tr(Sigma)` (`TRACE`) and `|G|^2` (`SIGNAL`) estimates, of 1
-            (`WINDOWS`), and of the estimates' squares and product. Only
-            ever added to: an estimate over some windows is the difference
-            of two reads (`read`), so the epoch's and a scheduler's
-            readers do not reset each other's.
-
-    Example:
-
-    ```python
-    noise = NoiseScale()
-    noise.build(None)
-    noise.end_epoch()  # nan: no window measured
-    ```
+    Not saved: made again from the windows after a resume. Writes only its own
+    variables, so training is bit-identical with it on and off. Under a
+    strategy, `b_j` is the per-replica micro-batch and `B` the global window.
+    `estimate_sums` is only ever added to: an estimate over some windows is the
+    difference of two `read`s, so its readers do not reset each other's.
     """
 
     def __init__(self):
         self.window_sums = None
         self.estimate_sums = None
-        # The strategy the variables were made under (None: none).
         self._strategy = None
         # `estimate_sums` at this epoch's start, read eagerly.
         self._epoch_start = None
@@ -108,8 +45,7 @@ class NoiseScale:
         return self.window_sums is not None
 
     def build(self, strategy):
-        """Makes the variables, outside any `tf.function` (per replica under
-        a strategy, as the window's); once."""
+        """Makes the variables once, eagerly (per replica under a strategy)."""
         if self.built:
             return
         self._strategy = strategy
@@ -132,15 +68,13 @@ class NoiseScale:
         return [self.window_sums, self.estimate_sums] if self.built else []
 
     def record(self, sums):
-        """Adds one train step's `micro_batch_sums` to the open window (in
-        the replica: no collective)."""
+        """Adds one train step's `micro_batch_sums` to the open window (no collective)."""
         self.window_sums.assign_add(sums)
 
     def close(self, closed):
-        """The window is applied: its estimates are added to the epoch's and
-        a new window starts. In each replica (`state.ClosedWindow` `closed`):
-        the window's gradient and sums are summed across replicas, the one
-        all-reduce of the gradient measuring adds."""
+        """The window is applied: its estimates are added, a new window starts.
+        In each replica; summing the gradient across replicas is the one
+        all-reduce measuring adds."""
         grads = [g for g in closed.gradients if g is not None]
         sums = closed.noise_sums
         recorded = sums is None
@@ -155,8 +89,7 @@ class NoiseScale:
         norm = squared_norm(grads)
         if closed.loss_scale is not None:
             norm = norm / tf.square(tf.cast(closed.loss_scale, tf.float64))
-        # A window whose steps were not all recorded (resumed from a file)
-        # says nothing.
+        # A window whose steps were not all recorded (resumed from a file) says nothing.
         measured = tf.equal(sums[STEPS], tf.cast(closed.micro_steps, tf.float64))
         self.estimate_sums.assign_add(window_estimates(sums, norm, measured))
         if recorded:
@@ -168,20 +101,17 @@ class NoiseScale:
             self.window_sums.assign(tf.zeros_like(self.window_sums))
 
     def read(self):
-        """Eagerly: `estimate_sums` now, a float64 numpy vector (zeros if not
-        built). The difference of two reads is the windows between them."""
+        """Eagerly: `estimate_sums` as numpy (zeros if not built)."""
         if not self.built:
             return np.zeros([6])
         return self.estimate_sums.numpy()
 
     def open_window(self):
-        """Eagerly: the open window's `window_sums` (a list), for a backup
-        of a schedule that acts on the estimate; None under a strategy of
-        several replicas (each holds its own share: the resumed window is
-        then left out of the estimate, as a file's)."""
-        # Eagerly, outside the strategy's scope: `get_strategy()` would be
-        # the default one here; the variable's own strategy says how many
-        # shares of it this worker holds.
+        """Eagerly: the open window's `window_sums` (a list), for a backup of a
+        schedule acting on the estimate; None with several replicas, each
+        holding its own share (the resumed window is then left out)."""
+        # The variable's own strategy, not `get_strategy()` (the default one
+        # here), says how many shares this worker holds.
         shares = (
             (self.window_sums,) if self._strategy is None
             else self._strategy.experimental_local_results(self.window_sums)
@@ -191,8 +121,7 @@ class NoiseScale:
         return self.window_sums.numpy().tolist()
 
     def resume_window(self, sums):
-        """Eagerly: the open window's sums back (`open_window`'s), so that a
-        window resumed from a backup is measured whole."""
+        """Eagerly: `open_window`'s sums back, so a resumed window is measured whole."""
         if self.built and sums is not None:
             self.window_sums.assign(tf.constant(sums, tf.float64))
 
@@ -201,14 +130,10 @@ class NoiseScale:
         self._epoch_start = self.read()
 
     def end_epoch(self):
-        """Eagerly: the epoch's `B_simple` in samples (a float), and a new
-        epoch begins.
-
-        `nan` if no window of the epoch had two micro-batches; `inf` if the
-        noise was measured but the signal's estimate is not positive (the
-        noise dominates at every batch the windows resolve). A negative
-        value means the noise is below what the windows resolve.
-        """
+        """Eagerly: the epoch's `B_simple` in samples; a new epoch begins.
+        `nan` if no window had two micro-batches; `inf` if the signal's estimate
+        is not positive (noise dominates at every batch the windows resolve);
+        negative: the noise is below what the windows resolve."""
         if not self.built:
             return math.nan
         now = self.read()
@@ -223,10 +148,9 @@ class NoiseScale:
 
 
 def window_estimates(sums, squared_norm, measured=True):
-    """`[tr(Sigma), |G|^2, 1, tr(Sigma)^2, |G|^2^2, tr(Sigma) |G|^2]` of
-    one window from its `window_sums` and `|G_B|^2`, or zeros for a window
-    that says nothing (fewer than two micro-batches, not `measured`, or not
-    finite)."""
+    """`[tr(Sigma), |G|^2, 1, tr(Sigma)^2, |G|^2^2, tr(Sigma) |G|^2]` of one
+    window, or zeros for one that says nothing (fewer than two micro-batches,
+    not `measured`, or not finite)."""
     squares = sums[SQUARES]
     count = sums[MICRO_BATCHES]
     known = tf.logical_and(count >= 2, measured)
@@ -239,9 +163,8 @@ def window_estimates(sums, squared_norm, measured=True):
     estimates = tf.stack(
         [(mean_square - norm) / gap, (norm * a - mean_square * c) / gap, 1.0]
     )
-    # A window with an overflowed gradient (a loss scale still settling, a
-    # NaN sample) is left out: the optimizer skips it too, or it would make
-    # the whole epoch's estimate NaN.
+    # A window with an overflowed gradient (a loss scale settling, a NaN sample)
+    # is left out, as the optimizer skips it: else the epoch's estimate is NaN.
     known = tf.logical_and(known, tf.reduce_all(tf.math.is_finite(estimates)))
     trace, signal = estimates[0], estimates[1]
     estimates = tf.concat([estimates, [trace * trace, signal * signal, trace * signal]], 0)
@@ -249,14 +172,10 @@ def window_estimates(sums, squared_norm, measured=True):
 
 
 def micro_batch_sums(parts, steps=1.0):
-    """`window_sums` of micro-batches `parts` (`microbatch.Gradients`).
-
-    Each part's mean gradient is `grads * grad_scale * replicas / weight`:
-    the window holds `weight * gradient` of a loss Keras divided by the
-    number of replicas. A stand-in past a short batch's end (no samples)
-    counts for nothing. The parts' scalars are stacked into vectors, so the
-    graph is the same few ops whatever the number of parts.
-    """
+    """`window_sums` of micro-batches `parts` (`microbatch.Gradients`): a part's
+    mean gradient is `grads * grad_scale * replicas / weight`, as the window
+    holds `weight * gradient` of a loss Keras divided by the replicas. Scalars
+    are stacked: the same few ops for any number of parts."""
     replicas_in_sync = tf.distribute.get_strategy().num_replicas_in_sync
     sizes = _stacked([p.num_samples for p in parts])
     scales = tf.math.divide_no_nan(
@@ -280,22 +199,20 @@ def _stacked(scalars):
 
 
 def squared_norm(grads):
-    """The squared norm over all of `grads` (float64; None skipped); an
-    `IndexedSlices`' of the dense gradient it stands for."""
+    """The squared norm over all of `grads` (float64), an `IndexedSlices`' of
+    the dense gradient it stands for."""
     return squared_norms([grads])[0]
 
 
 def squared_norms(grads_lists):
-    """`squared_norm` of each list in `grads_lists` (lists of gradients of
-    the same variables), as one float64 vector."""
+    """`squared_norm` of each list of gradients (of the same variables), as a vector."""
     halves = [
         [_half_square(g) for g in grads if g is not None] for grads in grads_lists
     ]
     if not halves[0]:
         return tf.zeros([len(grads_lists)], tf.float64)
-    # One fused pass per gradient (L2Loss: no squared temporary), in float32
-    # (a float16 square overflows), then summed in float64: the estimator
-    # subtracts close sums.
+    # One fused pass per gradient (L2Loss: no squared temporary), in float32 (a
+    # float16 square overflows), summed in float64: the estimator subtracts close sums.
     table = tf.cast(tf.stack([tf.stack(row) for row in halves]), tf.float64)
     return 2.0 * tf.reduce_sum(table, axis=1)
 
@@ -309,27 +226,19 @@ def _half_square(g):
 def _half_square_dense(g):
     if not internals.in_xla_context():
         return tf.nn.l2_loss(g)
-    # XLA on a CPU reduces to a scalar on one thread: summed as a product
-    # with ones instead, the squares fused into it.
+    # XLA on a CPU reduces to a scalar on one thread: a product with ones instead.
     return 0.5 * internals.whole_sum(g * g)
 
 
 def _sparse_half_square(slices):
-    # Half the squared norm of the dense gradient: occurrences summed per
-    # row first, in float32 (a float16 sum overflows). XLA has no `Unique`:
-    # there each row's first occurrence is found through a table-sized map,
-    # or the rows are sorted where the table is too large for one.
+    # Occurrences summed per row first, in float32 (a float16 sum overflows).
     values = tf.cast(slices.values, tf.float32)
     indices = tf.reshape(slices.indices, [-1])
     if internals.in_xla_context():
         return _half_square_dense(_rows_summed_under_xla(values, indices, slices.dense_shape))
-    # A hash of the rows (`Unique`): about half the time of sorting them.
-    # Summing rows (a segment sum, ~70 ns a row on a CPU) costs more than
-    # the rest together, and a row seen once is its own sum. With `k` rows
-    # for `n` occurrences, at most `2 (n - k)` occurrences are in repeated
-    # rows: when `k > 3n / 4` (a large table) only those are summed, about
-    # twice as fast; otherwise all are, as before
-    # (benchmarks/noise_scale_cost.md, "Sparse gradients").
+    # Only the occurrences in repeated rows are summed when `k > 3n / 4` (k rows,
+    # n occurrences): a row seen once is its own sum. Why:
+    # benchmarks/design-notes.md, "Sparse gradients: a hash, not a sort".
     rows, segments, counts = tf.unique_with_counts(indices, out_idx=tf.int32)
 
     def every_row():
@@ -351,13 +260,9 @@ def _sparse_half_square(slices):
 
 
 def _rows_summed_under_xla(values, indices, dense_shape):
-    # XLA's sort on a CPU compares one pair at a time: 1.2 ms for a window
-    # of 4096 occurrences, against 0.5 ms through a map of the table's rows
-    # (each row's first occurrence, by a scatter of positions), whose cost
-    # is a fill of the table's rows: the map while the table has at most
-    # 256 rows an occurrence (both measured on a 200,000-row table at 1024
-    # and 4096 occurrences; benchmarks/xla.md). Decided on shapes: a
-    # constant when XLA compiles.
+    # A map of the table's rows while it has at most 256 rows an occurrence, else
+    # a sort (XLA has no `Unique`); decided on shapes, a constant under XLA.
+    # Why: benchmarks/design-notes.md, "Summing sparse rows under XLA".
     rows = tf.cast(dense_shape[0], tf.int64)
     count = tf.shape(indices, out_type=tf.int64)[0]
     return tf.cond(
@@ -368,8 +273,7 @@ def _rows_summed_under_xla(values, indices, dense_shape):
 
 
 def _rows_summed_mapped(values, indices, rows):
-    # Each occurrence's segment is its row's first occurrence: a row seen
-    # once is its own sum, unused segments zero.
+    # Each occurrence's segment is its row's first occurrence; unused ones zero.
     indices = tf.cast(indices, tf.int64)
     count = tf.shape(indices, out_type=tf.int64)[0]
     first = tf.tensor_scatter_nd_min(

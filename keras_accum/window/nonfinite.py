@@ -1,10 +1,7 @@
-"""Skipping windows whose gradient is not finite (`skip_nonfinite=True`):
-the skip policy of `state.close`, as optax's `should_skip_update_fn`.
-
-`state.close` asks the policy once per window; the policy decides for all
-of the window's state at once (the gradient, the BatchNormalization
-moments, the noise scale), so a skipped window moves nothing.
-"""
+"""The skip policy of `state.close` for `skip_nonfinite=True`, as optax's
+`should_skip_update_fn`: asked once per window, it decides for the gradient,
+the BatchNormalization moments and the noise scale, so a skipped window moves
+nothing."""
 
 import keras
 import numpy as np
@@ -15,11 +12,7 @@ from keras_accum.window import slices
 
 
 def all_finite(tensors):
-    """A boolean scalar: every element of every tensor (None skipped) is finite.
-
-    For a `tf.IndexedSlices`, its values: a window kept as slices (slices.py)
-    holds nothing else.
-    """
+    """Whether every element of every tensor (None skipped; slices' values) is finite."""
     checks = [
         tf.reduce_all(tf.math.is_finite(slices.values_of(t)))
         for t in tensors
@@ -39,24 +32,8 @@ def _loss_scaled(optimizer):
 class NonFiniteWindows(tf.Module, internals.SavedState):
     """Skips a window whose gradient holds a NaN or an Inf, and counts it.
 
-    A skipped window makes no update: weights, optimizer state and
-    `optimizer.iterations` are untouched; its micro-batches are discarded
-    and the next window starts afresh. Under mixed_float16 the
-    `LossScaleOptimizer` keeps doing what it does (skip and lower its
-    scale); the window is counted all the same.
-
-    The count is a `tf.Variable`, saved by `tf.train.Checkpoint` and by
-    Keras's `save`/`save_weights` with the rest of the training state.
-
-    Attributes:
-        skipped: int64 scalar; windows skipped so far.
-
-    Example:
-
-    ```python
-    guard = NonFiniteWindows()
-    guard(lambda: all_finite(grads), optimizer, apply, discard)  # apply() unless not finite
-    ```
+    Under mixed_float16 the `LossScaleOptimizer` skips and lowers its scale
+    itself; the window is counted all the same. The count is saved.
     """
 
     def __init__(self, name="nonfinite_windows"):
@@ -71,14 +48,8 @@ class NonFiniteWindows(tf.Module, internals.SavedState):
             )
 
     def __call__(self, finite, optimizer, apply, discard):
-        """The skip policy (state.py): `apply()` if `finite()` (the window's
-        gradient has no NaN or Inf, agreed across replicas), else
-        `discard()`; counted either way.
-
-        All the window state that `apply` and `discard` touch (gradients,
-        BatchNormalization moments, the noise scale) follows the one
-        decision.
-        """
+        """`apply()` if `finite()` (agreed across replicas), else `discard()`;
+        counted either way."""
         finite = finite()
         if _loss_scaled(optimizer):
             apply()
@@ -95,8 +66,6 @@ class NonFiniteWindows(tf.Module, internals.SavedState):
 
     def restore(self, snapshot):
         self.skipped.assign(snapshot)
-
-    # -- Keras saving -------------------------------------------------------------
 
     def save_own_variables(self, store):
         store["skipped_windows"] = self.skipped.numpy()

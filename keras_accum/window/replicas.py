@@ -1,20 +1,7 @@
-"""Window state under a `tf.distribute` strategy: per-replica variables and
-this process's share of them.
-
-Every variable of the window (gradient buffers, slices, BatchNormalization
-moments, counters) is made the same way: on one device, a plain variable;
-under a strategy (one replica included), sync-on-read, so that each replica
-accumulates its own micro-batches locally and nothing crosses devices until
-the window is applied. Saving and loading touch only this process's
-replicas: across workers a cross-replica read is a collective, which would
-make every save wait for (and fail with) a dead peer.
-
-Example:
-
-```python
-with tf.init_scope(), scope_of(strategy):
-    total = tf.Variable(0.0, **variable_arguments(strategy, SUMMED))
-```
+"""Window variables under a `tf.distribute` strategy: sync-on-read (one replica
+included), so each replica accumulates locally until the window is applied.
+Saving and loading touch only this process's replicas: a cross-replica read is
+a collective, which would tie every save to a dead peer.
 """
 
 import contextlib
@@ -31,7 +18,7 @@ FIRST_REPLICAS = tf.VariableAggregation.ONLY_FIRST_REPLICA
 
 
 def variable_arguments(strategy, aggregation):
-    """`tf.Variable` keyword arguments for window state under `strategy`:
+    """`tf.Variable` keyword arguments for a window variable under `strategy`:
     none on one device, else sync-on-read with `aggregation`."""
     if not internals.replicated(strategy):
         return {}
@@ -49,9 +36,8 @@ def scope_of(strategy):
 
 
 def in_cross_replica_context(make):
-    """`make()`, called in cross-replica context: from inside a replica
-    (a step being traced under a strategy), through `merge_call`, where a
-    strategy's variables can be made."""
+    """`make()` in cross-replica context (through `merge_call` from inside a
+    replica), where a strategy's variables can be made."""
     context = tf.distribute.get_replica_context()
     if tf.distribute.has_strategy() and context is not None:
         return context.merge_call(lambda _: make())

@@ -1,36 +1,11 @@
-"""Sparse (`tf.IndexedSlices`) gradients over a window: the occurrences
-while they fit, per-row sums beyond.
+"""Sparse (`tf.IndexedSlices`) gradients over a window, exact for Keras's optimizers.
 
-Keras's optimizers apply an `IndexedSlices` gradient occurrence by
-occurrence: Adam, RMSprop, Adagrad and the others square each occurrence's
-values before summing the occurrences of a row, so a token seen k times in
-a batch adds `sum(g_i**2)` to its second moment, not `(sum g_i)**2`.
-Summing a window's slices into a dense buffer loses that. A window keeps,
-per sparse variable, one of two exact representations in the variable's
-gradient buffer (`storage`, the shape of the variable), an int vector with
-one entry per row (`indices`) and a `count`:
-
-- `count >= 0`, **slices**: the window's `count` occurrences, slice `k`'s
-  values in `storage[k]` and its table row in `indices[k]`; rows beyond are
-  stale and never read. Handed to the optimizer as ONE `IndexedSlices` of
-  all of them, which is the big batch's gradient: exact for every
-  optimizer and option (`clipvalue` too). Starting a new window is
-  `count = 0`: no pass over the table.
-- `count == ROW_SUMS`, **row sums**: once a window has more occurrences than
-  the table has rows, it is kept as per-row sums: `storage[r]` the sum of
-  row r's occurrences, `stats[r]` the sum of their statistic (each
-  occurrence squared, or its absolute value for Adamax: `statistic_of`),
-  and `indices[r]` how many there were. Keras's sparse updates read a row's
-  occurrences only through these sums (checked per optimizer in
-  tests/test_small_tables.py), so the window is handed to the optimizer as
-  an `IndexedSlices` synthesised to have the same per-row sums:
-  `synthesised`. O(table) memory however many tokens the window holds.
-- `count == DENSE`: the dense sum alone, one occurrence per row; only a
-  window from a file written before row sums existed (applied as it was).
-
-Where the row sums are not enough, the README says so: `clipvalue` clips
-each occurrence, and Adamax with `clipnorm`/`global_clipnorm` needs both
-statistics.
+Keras's sparse updates square (Adamax: take the absolute value of) each
+occurrence before summing a row's: a token seen k times adds `sum(g_i**2)`, not
+`(sum g_i)**2`. So a window keeps its occurrences while they fit in the buffer
+(`count >= 0`), then per-row sums of values, statistic and occurrences
+(`ROW_SUMS`), handed over as `synthesised` occurrences; `DENSE`: an older file's
+dense sum. Not enough for `clipvalue`, or Adamax with clipping (README).
 """
 
 import keras
@@ -48,12 +23,8 @@ ABS = "abs"
 
 
 def statistic_of(optimizer):
-    """The statistic of its occurrences `optimizer`'s sparse update reads.
-
-    Adamax's infinity norm reads `sum(|g_i|)` per row; every other Keras
-    optimizer `sum(g_i**2)` (or nothing beyond the sum: SGD, Lion).
-    Wrappers (`LossScaleOptimizer`, `AccumOptimizer`) are looked through.
-    """
+    """The statistic of its occurrences `optimizer`'s sparse update reads: `ABS`
+    for Adamax's infinity norm, else `SQUARE`; wrappers are looked through."""
     inner = internals.innermost(optimizer)
     return ABS if isinstance(inner, keras.optimizers.Adamax) else SQUARE
 
@@ -69,19 +40,14 @@ def index_dtype(rows):
 
 
 def append(storage, indices, count, slices, values, stats, kind=SQUARE):
-    """Adds one micro-batch's `slices` (with scaled `values`) to the window.
-
-    Appended as slices while they fit in `storage`; otherwise the window
-    becomes (or stays) per-row sums: sums in `storage`, the sums of
-    `statistic(values, kind)` in `stats`, occurrence counts in `indices`.
-    """
+    """Adds one micro-batch's `slices` (with scaled `values`) to the window: as
+    slices while they fit in `storage`, else as row sums (module doc)."""
     rows = storage.shape[0]
     idx = tf.cast(slices.indices, indices.dtype)
     n = tf.cast(tf.shape(idx)[0], count.dtype)
 
     def to_slices():
-        # Scatter updates at count + range(n): no dynamic-size slice, so the
-        # same code runs under XLA.
+        # Scatters at count + range(n), no dynamic-size slice: runs under XLA.
         positions = count + tf.range(n, dtype=count.dtype)
         storage.scatter_update(tf.IndexedSlices(values, positions))
         indices.scatter_update(tf.IndexedSlices(idx, positions))
@@ -99,8 +65,7 @@ def append(storage, indices, count, slices, values, stats, kind=SQUARE):
             indices.assign(tf.math.unsorted_segment_sum(live, rows_of, rows))
 
         def from_dense():
-            # A dense sum from an older file: one occurrence per row, as it
-            # would have been applied.
+            # A dense sum from an older file: one occurrence per row.
             stats.assign(statistic(storage, kind))
             indices.assign(tf.ones_like(indices))
 
@@ -119,12 +84,8 @@ def append(storage, indices, count, slices, values, stats, kind=SQUARE):
 
 
 def _padded(storage, indices, count):
-    """The window's slices padded to the whole buffer: stale rows zeroed.
-
-    Zero-valued occurrences change nothing in Keras's updates (each sums
-    the occurrences of a row, after squaring them where it squares), so
-    this is exact and has static shapes (for XLA).
-    """
+    """The window's slices padded to the whole buffer, stale rows zeroed: exact
+    (zero occurrences change nothing in Keras's updates) and static (XLA)."""
     rows = tf.shape(indices, out_type=count.dtype)[0]
     live = tf.range(rows, dtype=count.dtype) < count
     mask = tf.reshape(live, [-1] + [1] * (len(storage.shape) - 1))
@@ -133,15 +94,9 @@ def _padded(storage, indices, count):
 
 
 def compact_window(storage, indices, count, size):
-    """A window of slices (`0 <= count <= size`) as one `IndexedSlices` of
-    the buffer's first `size` slots, those past `count` zero-valued at row
-    0 (as `_padded`'s: exact).
-
-    Under XLA, `size` is what the traced step's window can fill (a
-    constant there, `GradientAccumulator.compact_sizes`): the update then
-    reads and scatters the window's occurrences, not a table's worth of
-    padding (benchmarks/xla.md).
-    """
+    """A window of slices (`0 <= count <= size`) as one `IndexedSlices` of the
+    buffer's first `size` slots, those past `count` zero-valued at row 0: under
+    XLA, the window's occurrences, not a table of padding (benchmarks/xla.md)."""
     values, idx = _padded(storage[:size], indices[:size], count)
     dense_shape = tf.constant(storage.shape.as_list(), tf.int64)
     return tf.IndexedSlices(values, idx, dense_shape)
@@ -170,35 +125,24 @@ def write_slices(storage, indices, count, values, rows):
 
 
 def synthesised(sums, stats, counts, kind=SQUARE, capacity=None):
-    """`(values, rows)` of occurrences whose per-row sums of values and of
-    `statistic(values, kind)` are `sums` and `stats`, with no more
-    occurrences per row than `counts`: as an `IndexedSlices`, what Keras's
-    sparse update makes the same step of as of the window's real ones.
+    """Occurrences `(values, rows)` whose per-row sums of values and of
+    `statistic(values, kind)` are `sums` and `stats`, at most `counts` a row:
+    Keras's sparse update makes the same step of them as of the real ones
+    (checked per optimizer in tests/test_small_tables.py).
 
-    Row r gets m_r occurrences: for squares, m_r - 1 copies of
-    `a = (S - d) / m` and one `b = S - (m - 1) a`, with
-    `d = sqrt((m Q - S**2) / (m - 1))`, which sum to S with squares
-    summing to Q. Real numbers exist for any `m >= S**2 / Q` (Cauchy-
-    Schwarz: the row's own occurrence count is one), so m_r is the smallest
-    such over the row's elements, and at least two (one leaves no freedom)
-    unless the row had one occurrence. For absolute values two suffice:
-    `(A + S) / 2` and `(S - A) / 2`.
-
-    `capacity` (XLA, which needs static shapes): how many occurrences the
-    window can have had; handed over as every row once (touched or not)
-    plus `capacity` slots for the extra ones, unused ones zero-valued. A
-    row whose extra occurrences do not fit gets fewer, with its sum kept
-    exact (its statistic then the nearest reachable). None: exactly the
-    occurrences needed, for the touched rows only, never more than the
-    window really had.
+    Squares: m - 1 copies of `a = (S - d) / m` and one `S - (m - 1) a`, with
+    `d = sqrt((m Q - S**2) / (m - 1))`, sum S and squares Q; real for
+    `m >= S**2 / Q` (Cauchy-Schwarz). Absolute values: `(A + S) / 2`, `(S - A) / 2`.
+    `capacity` (XLA): every row once plus `capacity` extra slots, zero-valued if
+    unused; a row whose extras do not fit keeps its sum exact, its statistic
+    the nearest reachable. None: the touched rows only.
     """
     rows = sums.shape[0]
     dtype = sums.dtype
     counts = tf.cast(counts, tf.int32)
     axes = list(range(1, len(sums.shape)))
     if capacity is None:
-        # Only the rows the window touched: no more occurrences than the
-        # big batch's gradient has.
+        # Only the touched rows: no more occurrences than the big batch's gradient.
         touched = tf.cast(tf.where(counts > 0)[:, 0], tf.int32)
         sums, stats, counts = (tf.gather(t, touched) for t in (sums, stats, counts))
     else:
@@ -209,8 +153,7 @@ def synthesised(sums, stats, counts, kind=SQUARE, capacity=None):
         ratio = tf.math.divide_no_nan(tf.square(sums), stats)
         # The tolerance: a ratio a rounding above an integer needs no more.
         needed = tf.cast(tf.math.ceil(tf.reduce_max(ratio, axis=axes) * (1 - 1e-6)), tf.int32)
-        # At least two: one occurrence has no freedom (its square is the
-        # sum's), unless the row had just one.
+        # At least two (one has no freedom), unless the row had just one.
         needed = tf.minimum(tf.maximum(needed, 2), tf.maximum(counts, 1))
     extra = tf.maximum(needed - 1, 0)
     ends = tf.cumsum(extra)
@@ -249,12 +192,10 @@ def synthesised(sums, stats, counts, kind=SQUARE, capacity=None):
 
 
 def _owners(ends, slots):
-    """For each slot j < `slots`, the number of `ends` (sorted) at most j:
-    `searchsorted(ends, range(slots), side="right")`, counted through a
-    histogram of the ends. XLA compiles `searchsorted` into a comparison of
-    every slot with every row: 3.3 GB for a 200,000-row table at 4,096
-    slots, allocated by every sparse step under XLA (its fallback branch)
-    whether it runs or not; the histogram is rows + slots."""
+    """For each slot j < `slots`, how many `ends` (sorted) are at most j,
+    counted through a histogram of the ends: not `searchsorted`, which XLA
+    compiles into a comparison of every slot with every row, allocated whether
+    its branch runs or not (benchmarks/design-notes.md, "A histogram, not searchsorted")."""
     # Ends past the last slot count for none: one bucket past the end.
     buckets = tf.minimum(ends, slots)
     marks = tf.math.unsorted_segment_sum(tf.ones_like(buckets), buckets, slots + 1)
@@ -263,15 +204,9 @@ def _owners(ends, slots):
 
 def window_slices(storage, indices, count, padded=False, stats=None, kind=SQUARE,
                   capacity=None):
-    """The window's gradient as one `IndexedSlices` (unscaled sums).
-
-    Slices: the window's occurrences in order. Row sums: `synthesised` from
-    the per-row sums. Dense (older files): every row once, which Keras's
-    sparse update applies as it would the dense sum. `padded` (XLA, which
-    needs static shapes) hands a fixed number: the whole buffer for slices
-    (stale ones zero-valued), every row plus `capacity` for row sums; both
-    padded to the larger, with zero-valued occurrences.
-    """
+    """The window's gradient as one `IndexedSlices` (unscaled sums): occurrences,
+    `synthesised` ones, or every row once for a dense sum. `padded` (XLA): the
+    whole buffer for slices, every row plus `capacity` for row sums."""
     rows = storage.shape[0]
     dense_shape = tf.constant(storage.shape.as_list(), tf.int64)
     every_row = tf.range(rows, dtype=indices.dtype)

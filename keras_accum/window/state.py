@@ -1,34 +1,9 @@
-"""The accumulation state, and the one rule by which a window closes.
-
-`AccumState` is everything a model (or an `AccumOptimizer`) accumulates
-between two optimizer updates, held as one object and handed to the step's
-functions as an argument. Closing a window is one rule, `close`, whatever
-produced it:
-
-1. the skip policy (always present: `ALWAYS_APPLY` unless `skip_nonfinite`)
-   decides, once for the whole window, whether it is applied;
-2. applied: in each replica, the window's gradient is computed, every
-   observer closes its part of the window (`ClosedWindow`), the optimizer
-   applies the gradient, and the buffers start a new window;
-3. skipped: every part of the window is discarded, nothing moves.
-
-A batch split inside the step without buffers (`micro_batch_size` with
-`accum_steps=1`) is a window of one step, closed by the same rule in its
-replica (`close_batch`): it never has a skip policy (one implies buffers).
-
-Observers are the window's other state, each a module of its own: the
-BatchNormalization moments pooled over the window (batchnorm.py) and the
-gradient noise scale measured from it (noise_scale.py). Each has
-`record(...)` (its part of a step), `close(closed)` (the window applied) and
-`discard()` (the window dropped).
-
-Example:
-
-```python
-state = AccumState(GradientAccumulator(), BatchNormMoments(model), NonFiniteWindows())
-state.buffers.add(grads, weight)                   # every micro-batch
-state.when_full(4, lambda: close(state, optimizer, strategy))
-```
+"""`AccumState`, and the one rule by which a window closes (`close`): the skip
+policy decides once; applied, in each replica every observer closes its part
+(`ClosedWindow`), the optimizer applies the gradient and the buffers start
+anew; skipped, every part is discarded. A batch split without buffers is a
+window of one step (`close_batch`). Observers (batchnorm.py, noise_scale.py)
+have `record(...)`, `close(closed)` and `discard()`.
 """
 
 from typing import NamedTuple
@@ -44,23 +19,15 @@ from keras_accum.window.buffers import GradientAccumulator
 class AlwaysApply:
     """The skip policy without `skip_nonfinite`: every window is applied.
 
-    A skip policy is called as `policy(finite, optimizer, apply, discard)`,
-    `finite()` giving the window's verdict (a boolean scalar), and runs
-    `apply()` or `discard()` (as optax's `should_skip_update_fn`, with the
-    two outcomes handed in, since a traced conditional needs both).
-
-    Example:
-
-    ```python
-    ALWAYS_APPLY(finite, optimizer, apply, discard)  # apply(); finite() unread
-    ```
+    A policy is called as `policy(finite, optimizer, apply, discard)` and runs
+    `apply()` or `discard()`: both handed in, as a traced conditional needs both.
     """
 
     def __call__(self, finite, optimizer, apply, discard):
         apply()
 
     def snapshot(self):
-        """Nothing: the policy has no state."""
+        """Nothing: the policy holds nothing."""
         return None
 
     def restore(self, snapshot):
@@ -71,19 +38,10 @@ ALWAYS_APPLY = AlwaysApply()
 
 
 class ClosedWindow(NamedTuple):
-    """What a window's observers learn as it is applied (in a replica).
-
-    Attributes:
-        gradients: the window's gradient as the optimizer receives it (this
-            replica's share of it, loss scale included).
-        loss_scale: the optimizer's loss scale, or None.
-        micro_steps: the train steps the window held, over all replicas.
-        noise_sums: the noise scale's sums, over all replicas, of a batch
-            that is its own window (`close_batch`); None for a buffered
-            window, whose sums the noise scale recorded step by step.
-        skipping: whether a skip policy is in force: then moments that are
-            not finite are kept out of the moving statistics too.
-    """
+    """What a window's observers learn as it is applied (in a replica):
+    `gradients` as the optimizer receives them (this replica's share, loss scale
+    included); `micro_steps` and `noise_sums` over all replicas, the latter
+    None unless the batch is its own window (`close_batch`)."""
 
     gradients: list
     loss_scale: object
@@ -93,45 +51,22 @@ class ClosedWindow(NamedTuple):
 
 
 class AccumState:
-    """A model's accumulation state: one window of gradients and its observers.
-
-    Attributes:
-        buffers: the `GradientAccumulator`: the window's sum of weighted
-            gradients, its weight and its position (`micro_step`).
-        moments: the `BatchNormMoments` pooled over the window, or None
-            (an `AccumOptimizer` has no layers).
-        skip: the skip policy: `ALWAYS_APPLY`, or a `NonFiniteWindows`.
-        noise: the `NoiseScale` measured from the window, or None.
-
-    Example:
-
-    ```python
-    state = AccumState(GradientAccumulator(), skip=NonFiniteWindows())
-    close(state, optimizer)  # applied unless its gradient is not finite
-    ```
-    """
+    """A model's accumulation state: one window of gradients and its observers
+    (`moments` None for an `AccumOptimizer`, which has no layers)."""
 
     def __init__(self, buffers, moments=None, skip=None, noise=None):
         self.buffers = buffers
         self.moments = moments
         self.skip = ALWAYS_APPLY if skip is None else skip
         self.noise = noise
-        # Held by the buffers too only so that files keep their layout: Keras
-        # saves an object at the first attribute path that reaches it, and
-        # the skip count has always been reached through the buffers.
+        # Also held by the buffers so files keep their layout: Keras saves an
+        # object at the first attribute path that reaches it.
         buffers.nonfinite = skip
 
     @classmethod
     def new(cls, accum_dtype=None, skip_nonfinite=False, moments=None, noise=None):
         """A fresh state: buffers summing in `accum_dtype`, the skip policy
-        `skip_nonfinite` asks for, and the observers given.
-
-        Example:
-
-        ```python
-        state = AccumState.new("float32", skip_nonfinite=True)
-        ```
-        """
+        `skip_nonfinite` asks for, and the observers given."""
         skip = nonfinite.NonFiniteWindows() if skip_nonfinite else None
         return cls(GradientAccumulator(dtype=accum_dtype), moments, skip, noise)
 
@@ -151,13 +86,8 @@ class AccumState:
         return self.skip is not ALWAYS_APPLY
 
     def bind(self, variables, accum_steps, strategy, optimizer):
-        """Makes the window the trainable `variables`' and builds `optimizer`.
-
-        Eager, before a step is traced: the step trains the window's
-        variables (a trainable change takes effect at the next `compile()`,
-        as in Keras), and an open window computed for other variables is
-        refused with an error naming them (binding.py).
-        """
+        """Makes the window the trainable `variables`' and builds `optimizer`,
+        eagerly; an open window computed for other variables is refused."""
         self.buffers.bind(variables, accum_steps=accum_steps, strategy=strategy)
         self.build_observers(strategy)
         if not optimizer.built:
@@ -171,20 +101,14 @@ class AccumState:
             observer.build(strategy)
 
     def prepare_flush(self, variables, optimizer, strategy):
-        """Eagerly, before an open window is closed outside a step (`flush`).
-
-        A window restored from a file and not stepped since is paired with
-        `variables` by position, as Keras pairs weights; the optimizer is
-        built in the strategy's scope if it is not; a window holding
-        gradients for variables the optimizer was not built for (compiled
-        again after what is trainable changed) is refused, naming them.
-        """
+        """Eagerly, before an open window is closed outside a step (`flush`): a
+        restored window is paired with `variables` by position, the optimizer
+        built, and a window of variables it was not built for refused."""
         buffers = self.buffers
         if buffers.window_variables is None:
             buffers.bind(variables, accum_steps=buffers.window_length())
         if not optimizer.built:
-            # Under a strategy, the optimizer's variables must be made in
-            # its scope (flush is called outside it).
+            # `flush` runs outside the strategy's scope, where these must be made.
             with strategy.scope():
                 optimizer.build(buffers.window_variables)
         unknown = internals.unknown_variables(optimizer, buffers.window_variables)
@@ -213,9 +137,8 @@ class AccumState:
             observer.discard()
 
     def snapshot(self):
-        """All of this process's window state as numpy, for `restore`: the
-        buffers, the BatchNormalization moments and the skip count (a file
-        can fail to load after its count has loaded)."""
+        """This process's buffers, BatchNormalization moments and skip count as
+        numpy, for `restore` (a file can fail to load after its count loaded)."""
         moments = None if self.moments is None else self.moments.snapshot()
         return self.buffers.snapshot(), moments, self.skip.snapshot()
 
@@ -231,19 +154,15 @@ class AccumState:
 def close(state, optimizer, strategy=None, last=None):
     """Closes `state`'s window: applied, or skipped as its policy decides.
 
-    Under a strategy (one replica included) this runs in cross-replica
-    context: a replica's optimizer update is a `merge_call`, which cannot
-    run in a conditional traced inside the replica. `last`: on one device,
-    the `MicroBatch` that completes the window without having been added
-    to it (`GradientAccumulator.add_or_close`).
+    Under a strategy (one replica included) this runs in cross-replica context:
+    a replica's optimizer update is a `merge_call`, which cannot run in a
+    conditional traced inside the replica. `last`: see `add_or_close`.
     """
     buffers = state.buffers
     loss_scale = scaling.loss_scale_of(optimizer)
     if internals.replicated(strategy):
-        # Read here, across replicas: the window's weight over all replicas.
-        # Keras divides each replica's loss by the number of replicas (so
-        # that summing replica gradients gives a mean); the window's total
-        # weight is divided likewise to undo it.
+        # Keras divides each replica's loss by the replicas (summed, their
+        # gradients give a mean): the window's total weight is divided likewise.
         replicas = strategy.num_replicas_in_sync
         total = buffers.window_weight.read_value() / replicas
         gradients = lambda: buffers.window_gradients(loss_scale, total)  # noqa: E731
@@ -263,11 +182,9 @@ def close(state, optimizer, strategy=None, last=None):
     if sizes is None:
         on_one_device(None)
     else:
-        # Under XLA, a sparse window of the traced step's own slices is
-        # handed over in the size that step can fill, not the table's
-        # (slices.compact_window); any other (a window kept as row sums,
-        # or begun by a step of other shapes) in the table's size, as
-        # before. Two updates in the graph; one runs.
+        # Under XLA a sparse window of the traced step's own slices is handed
+        # over in the size that step can fill (slices.compact_window), any other
+        # in the table's: two updates in the graph, one runs.
         tf.cond(
             buffers.within(sizes),
             lambda: on_one_device(sizes),
@@ -276,7 +193,6 @@ def close(state, optimizer, strategy=None, last=None):
 
 
 def _decide(state, optimizer, loss_scale, replicas, run, gradients, finite, last):
-    # The window's policy decides; applied, in each replica (`run`).
     buffers = state.buffers
 
     def apply():
@@ -294,15 +210,13 @@ def _decide(state, optimizer, loss_scale, replicas, run, gradients, finite, last
 
 
 def close_batch(state, optimizer, batch, noise_sums, variables):
-    """A batch split without buffers is its own window: `batch`'s gradient
-    (`microbatch.Gradients`, summed over its micro-batches) is applied to
-    `variables` by the same rule, in its replica; no skip policy."""
+    """A batch split without buffers is its own window: `batch`'s gradient is
+    applied to `variables` by the same rule, in its replica; no skip policy."""
     total = batch.weight
     context = tf.distribute.get_replica_context()
     replicas = context.num_replicas_in_sync
     if replicas > 1:
-        # As for a window across replicas (`close`): the optimizer sums
-        # replicas' gradients of losses Keras divided by the replicas.
+        # As in `close`: Keras divided each replica's loss by the replicas.
         total = context.all_reduce(tf.distribute.ReduceOp.SUM, total) / replicas
         if noise_sums is not None:
             noise_sums = context.all_reduce(tf.distribute.ReduceOp.SUM, noise_sums)
@@ -314,8 +228,7 @@ def close_batch(state, optimizer, batch, noise_sums, variables):
     ]
     observers = state.observers
     if noise_sums is None:
-        # A sum loss has no mean gradient: the noise scale has nothing to
-        # measure, and the step no norm to compute for it.
+        # A sum loss has no mean gradient: nothing for the noise scale to measure.
         observers = tuple(o for o in observers if o is not state.noise)
     closed = ClosedWindow(grads, loss_scale, float(replicas), noise_sums, False)
     _apply(observers, closed, optimizer, variables)
@@ -329,8 +242,7 @@ def _apply(observers, closed, optimizer, variables):
 
 
 def _finite_across(strategy, gradients):
-    # One scalar per replica crosses devices to agree: every replica skips
-    # or none does.
+    # One scalar per replica crosses devices: every replica skips or none does.
     flags = strategy.run(
         lambda: tf.cast(tf.logical_not(nonfinite.all_finite(gradients())), tf.float32)
     )

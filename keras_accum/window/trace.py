@@ -1,28 +1,13 @@
-"""What the step being traced adds to a window's buffers, for the apply
-traced in the same graph.
-
-Example:
-
-```python
-trace = StepTrace()
-trace.record(dense_indices, {i: occurrences_bound})   # GradientAccumulator.add
-trace.holds(i), trace.capacity(i)                     # window_gradients
-```
-"""
+"""What the step being traced adds to a window's buffers, read by the update
+traced in the same graph."""
 
 from keras_accum import _internals as internals
 
 
 class StepTrace:
-    """What the graph being traced adds to the buffers.
-
-    Recorded by `GradientAccumulator.add` when traced; a window applied in
-    that graph (or a branch inside it) reads the buffers given dense
-    gradients as dense sums, and hands a sparse buffer's row sums over in
-    the static size recorded for it (XLA). Out of sight of `tf.Module`
-    tracking; the graph by weak reference, so a window does not keep a
-    traced function's graph alive.
-    """
+    """What the graph being traced adds to the buffers, recorded by `add`: dense
+    sums to read as such, sparse sizes for XLA. The graph is held by weak
+    reference: a window keeps no traced function's graph alive."""
 
     __slots__ = ("graph", "indices", "capacities")
 

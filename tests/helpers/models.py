@@ -149,37 +149,37 @@ def _seeded(make):
     return seeded
 
 
-# Every way into keras_accum, as users take it: (accumulating model, plain
-# twin), both made from the same seed and neither built nor called, except
-# where the way in starts from a built model. `WAYS_IN[name](**kwargs)`
-# returns the pair's two makers; `kwargs` (accum_steps=..., ...) go to the
-# accumulating one.
-WAYS_IN = {
-    "functional": lambda **kw: (
-        lambda: functional(keras_accum.AccumModel, **kw),
-        functional,
-    ),
-    "subclass": lambda **kw: (
-        _seeded(lambda: AccumNet(**kw)),
-        _seeded(PlainNet),
-    ),
-    "wrap_functional": lambda **kw: (
-        lambda: keras_accum.wrap(functional(), **kw),
-        functional,
-    ),
-    "wrap_subclassed": lambda **kw: (
-        _seeded(lambda: keras_accum.wrap(PlainNet(), **kw)),
-        _seeded(PlainNet),
-    ),
-    "wrap_built_subclassed": lambda **kw: (
+def ways_in(functional, plain_class, accum_class, **more):
+    """Every way into keras_accum for one model family, as users take it:
+    `{name: (**settings) -> (make_accum, make_plain)}`, both makers from the
+    same seed, neither model built nor called (unless the way in starts from
+    a built model). `functional(cls=keras.Model, **kwargs)` makes the
+    family's functional model; `more` adds ways of its own."""
+    return {
+        "functional": lambda **kw: (lambda: functional(keras_accum.AccumModel, **kw), functional),
+        "subclass": lambda **kw: (_seeded(lambda: accum_class(**kw)), _seeded(plain_class)),
+        "wrap_functional": lambda **kw: (lambda: keras_accum.wrap(functional(), **kw), functional),
+        "wrap_subclassed": lambda **kw: (
+            _seeded(lambda: keras_accum.wrap(plain_class(), **kw)),
+            _seeded(plain_class),
+        ),
+        **more,
+    }
+
+
+# The small MLP's ways in: `WAYS_IN[name](**settings)` gives the pair's two
+# makers; the settings (accum_steps=..., ...) go to the accumulating one.
+WAYS_IN = ways_in(
+    functional, PlainNet, AccumNet,
+    wrap_built_subclassed=lambda **kw: (
         lambda: keras_accum.wrap(subclassed(), **kw),
         subclassed,
     ),
-    "wrap_sequential_without_input": lambda **kw: (
+    wrap_sequential_without_input=lambda **kw: (
         _seeded(lambda: keras_accum.wrap(_sequential_without_input(), **kw)),
         _seeded(_sequential_without_input),
     ),
-}
+)
 
 
 def initial_weights(make, x):

@@ -1,5 +1,7 @@
 """Plain big-batch references, and a callback that interrupts training."""
 
+from typing import NamedTuple
+
 import keras
 
 from helpers.models import OPTIMIZERS, built_before_fit, functional, loss
@@ -32,23 +34,39 @@ class InterruptAt(keras.callbacks.Callback):
             raise KeyboardInterrupt
 
 
-def fit_pair(make_accum, make_plain, x, y, make_optimizer, big_batch, accum_batch,
-             epochs=2, **compile_kwargs):
-    """The plain model on the big batch and the accumulating one on
-    `accum_batch`, each compiled with its own `make_optimizer()` and the
-    tests' loss, trained alike: `(plain, accum)`."""
-    plain = fit_alone(make_plain, x, y, make_optimizer, big_batch, epochs, **compile_kwargs)
-    accum = fit_alone(make_accum, x, y, make_optimizer, accum_batch, epochs, **compile_kwargs)
-    return plain, accum
+class Trained(NamedTuple):
+    """A plain model trained on the big batch, an accumulating one on its
+    micro-batches, and their histories."""
+
+    plain: keras.Model
+    accum: keras.Model
+    plain_history: dict
+    accum_history: dict
 
 
-def fit_alone(make_model, x, y, make_optimizer, batch_size, epochs=2, **compile_kwargs):
-    """One model of `fit_pair`, trained as `fit_pair` trains it."""
+def fit_pair(make_accum, make_plain, x, y, make_optimizer, *, big_batch, accum_batch,
+             epochs=2, fit_kwargs=None, **compile_kwargs):
+    """The plain model on `big_batch` and the accumulating one on
+    `accum_batch`, each compiled with its own `make_optimizer()` (and the
+    tests' loss unless `compile_kwargs` gives one), trained alike: `Trained`."""
+    plain, plain_history = fit_alone(
+        make_plain, x, y, make_optimizer, big_batch, epochs, fit_kwargs, **compile_kwargs
+    )
+    accum, accum_history = fit_alone(
+        make_accum, x, y, make_optimizer, accum_batch, epochs, fit_kwargs, **compile_kwargs
+    )
+    return Trained(plain, accum, plain_history, accum_history)
+
+
+def fit_alone(make_model, x, y, make_optimizer, batch_size, epochs=2, fit_kwargs=None,
+              **compile_kwargs):
+    """One model of `fit_pair`, trained as `fit_pair` trains it: `(model, history)`."""
     model = make_model()
-    model.compile(make_optimizer(), loss(), **compile_kwargs)
+    model.compile(make_optimizer(), **{"loss": loss(), **compile_kwargs})
     build_plain_optimizer(model, x)
-    model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0)
-    return model
+    fit = {"epochs": epochs, "shuffle": False, "verbose": 0, **(fit_kwargs or {})}
+    history = model.fit(x, y, batch_size=batch_size, **fit)
+    return model, history.history
 
 
 def build_plain_optimizer(model, x):
