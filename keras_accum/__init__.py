@@ -33,10 +33,10 @@ if keras.backend.backend() != "tensorflow":
     )
 
 from keras_accum.backup import BackupAndRestore  # noqa: E402
-from keras_accum.model import AccumModel  # noqa: E402
-from keras_accum.optimizer import AccumOptimizer  # noqa: E402
 from keras_accum.growth.sample_schedule import SampleSchedule  # noqa: E402
 from keras_accum.growth.scheduler import AccumScheduler  # noqa: E402
+from keras_accum.model import AccumModel  # noqa: E402
+from keras_accum.optimizer import AccumOptimizer  # noqa: E402
 from keras_accum.wrap import wrap  # noqa: E402
 
 __version__ = "0.1.0"

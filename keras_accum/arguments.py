@@ -30,9 +30,7 @@ def check_accum_steps(accum_steps):
     """`accum_steps` as a Python int. Rejects bools (a `True` is a mistake, not
     1), and floats and strings even when integral (`2.0` from a config file
     is caught, not guessed)."""
-    if isinstance(accum_steps, bool) or not isinstance(
-        accum_steps, numbers.Integral
-    ):
+    if isinstance(accum_steps, bool) or not isinstance(accum_steps, numbers.Integral):
         raise TypeError(
             "`accum_steps` must be an integer >= 1. "
             f"Received: accum_steps={accum_steps!r} "
@@ -56,13 +54,9 @@ def check_accum_steps(accum_steps):
 def check_micro_batch_size(micro_batch_size):
     """`micro_batch_size` as a Python int, None or "auto"; rejects bools,
     floats and other strings, as `check_accum_steps` does."""
-    if micro_batch_size is None or (
-        isinstance(micro_batch_size, str) and micro_batch_size == AUTO
-    ):
+    if micro_batch_size is None or (isinstance(micro_batch_size, str) and micro_batch_size == AUTO):
         return micro_batch_size
-    if isinstance(micro_batch_size, bool) or not isinstance(
-        micro_batch_size, numbers.Integral
-    ):
+    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, numbers.Integral):
         raise TypeError(
             "`micro_batch_size` must be an integer >= 1, 'auto' or None. "
             f"Received: micro_batch_size={micro_batch_size!r} "
@@ -95,8 +89,7 @@ def check_skip_nonfinite(skip_nonfinite):
     """`skip_nonfinite`, a bool."""
     if not isinstance(skip_nonfinite, bool):
         raise TypeError(
-            "`skip_nonfinite` must be True or False. "
-            f"Received: skip_nonfinite={skip_nonfinite!r}."
+            f"`skip_nonfinite` must be True or False. Received: skip_nonfinite={skip_nonfinite!r}."
         )
     return skip_nonfinite
 
@@ -224,15 +217,17 @@ def accum_settings(
     coupled_from=None,
 ):
     """Checks every setting of an `AccumModel`; returns them as `AccumSettings`."""
-    return check_coupled_settings(AccumSettings(
-        accum_steps=check_accum_steps(accum_steps),
-        accum_dtype=check_accum_dtype(accum_dtype),
-        skip_nonfinite=check_skip_nonfinite(skip_nonfinite),
-        batchnorm=check_batchnorm(batchnorm),
-        micro_batch_size=check_micro_batch_size(micro_batch_size),
-        noise_scale=check_noise_scale(noise_scale),
-        coupled_from=check_coupled_from(coupled_from),
-    ))
+    return check_coupled_settings(
+        AccumSettings(
+            accum_steps=check_accum_steps(accum_steps),
+            accum_dtype=check_accum_dtype(accum_dtype),
+            skip_nonfinite=check_skip_nonfinite(skip_nonfinite),
+            batchnorm=check_batchnorm(batchnorm),
+            micro_batch_size=check_micro_batch_size(micro_batch_size),
+            noise_scale=check_noise_scale(noise_scale),
+            coupled_from=check_coupled_from(coupled_from),
+        )
+    )
 
 
 def settings_from_config(config):

@@ -75,9 +75,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         delete_checkpoint: bool = True,
     ) -> None:
         if save_freq != "epoch" and (
-            isinstance(save_freq, bool)
-            or not isinstance(save_freq, int)
-            or save_freq < 1
+            isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1
         ):
             raise ValueError(
                 "`save_freq` must be 'epoch' or an integer >= 1 (a backup "
@@ -146,9 +144,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def _restore_points(self):
         """(epoch, batch) of each committed backup here that opens, oldest first."""
-        points = [
-            p for p in self._restore_points_on_disk() if _readable(self._weights_file(p))
-        ]
+        points = [p for p in self._restore_points_on_disk() if _readable(self._weights_file(p))]
         return points if self.double_checkpoint else points[-1:]
 
     def _agree(self, strategy, own):
@@ -336,4 +332,3 @@ def _all_gather(strategy, row):
     table = strategy.gather(rows, axis=0).numpy()
     # Each worker contributed one identical row per local replica.
     return table[::local]
-

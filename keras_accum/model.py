@@ -15,7 +15,6 @@ from keras_accum import _internals as internals
 from keras_accum import arguments
 from keras_accum.engine import Engine, files, held_functions
 
-
 # The keyword arguments Keras's Model takes (a Layer's, and a functional
 # model's graph): a misspelling of ours is refused, these go to Keras.
 _KERAS_MODEL_ARGUMENTS = frozenset(
@@ -100,11 +99,17 @@ class AccumModel(
         coupled_from: str | list[str] | None = None,
         **kwargs,
     ) -> None:
-        arguments.check_keywords(kwargs, type(self).__name__, arguments.MODEL_ARGUMENTS,
-                                 passed_on=_KERAS_MODEL_ARGUMENTS)
+        arguments.check_keywords(
+            kwargs, type(self).__name__, arguments.MODEL_ARGUMENTS, passed_on=_KERAS_MODEL_ARGUMENTS
+        )
         settings = arguments.accum_settings(
-            accum_steps, accum_dtype, skip_nonfinite, batchnorm, micro_batch_size,
-            noise_scale, coupled_from,
+            accum_steps,
+            accum_dtype,
+            skip_nonfinite,
+            batchnorm,
+            micro_batch_size,
+            noise_scale,
+            coupled_from,
         )
         internals.init_model(self, super().__init__, args, kwargs)
         # Not a Keras object: saving passes it by; the window's parts are

@@ -30,9 +30,7 @@ def loss_normaliser(loss_fn, y_true, y_pred, sample_weight):
     # losses are computed again, outside the gradient, for shape and mask only.
     in_mask = internals.get_keras_mask(y_pred)
     convert = lambda t: ops.convert_to_tensor(t, dtype=loss_fn.dtype)  # noqa: E731
-    values = loss_fn.call(
-        tree.map_structure(convert, y_true), tree.map_structure(convert, y_pred)
-    )
+    values = loss_fn.call(tree.map_structure(convert, y_true), tree.map_structure(convert, y_pred))
     out_mask = internals.get_keras_mask(values)
     masks = [m for m in (in_mask, out_mask) if m is not None]
     mask = None if not masks else masks[0] if len(masks) == 1 else masks[0] & masks[1]

@@ -59,9 +59,7 @@ def _check_weight(weight):
         )
     shape = getattr(weight, "shape", ())
     if shape is not None and len(shape) > 0:
-        raise ValueError(
-            f"`weight` must be a scalar. Received: weight of shape {tuple(shape)}."
-        )
+        raise ValueError(f"`weight` must be a scalar. Received: weight of shape {tuple(shape)}.")
     # A traced tensor's value is known only at run time: not checked.
     if isinstance(weight, tf.Variable):
         value = weight.numpy() if tf.executing_eagerly() else None
@@ -126,8 +124,7 @@ class AccumOptimizer(keras.optimizers.Optimizer):
             raise TypeError(
                 "`optimizer` must be a keras.optimizers.Optimizer. "
                 f"Received: optimizer={optimizer!r} "
-                f"(of type {type(optimizer).__name__})."
-                + internals.legacy_keras_hint(optimizer)
+                f"(of type {type(optimizer).__name__})." + internals.legacy_keras_hint(optimizer)
             )
         check_not_accumulating(optimizer, accum_steps)
         check_skip_nonfinite(skip_nonfinite)
@@ -340,4 +337,3 @@ class AccumOptimizer(keras.optimizers.Optimizer):
             config.pop("optimizer"), custom_objects=custom_objects
         )
         return cls(optimizer, **config)
-

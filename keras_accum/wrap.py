@@ -8,8 +8,8 @@ import keras
 
 from keras_accum import _internals as internals
 from keras_accum.arguments import MODEL_ARGUMENTS, check_keywords
-from keras_accum.model import AccumModel
 from keras_accum.engine.files import check_config_is_faithful
+from keras_accum.model import AccumModel
 
 
 class _CompiledAsItsModel:
@@ -255,10 +255,7 @@ def _check_no_step_overrides(model):
     cls = type(model).__name__
     names = ", ".join(f"`{name}`" for name in overridden)
     if isinstance(model, (internals.Functional, keras.Sequential)):
-        how = (
-            "wrap() rebuilds a functional model from its layer graph, with "
-            "the accumulating step"
-        )
+        how = "wrap() rebuilds a functional model from its layer graph, with the accumulating step"
         build = (
             f" (built the same way, `{cls}(inputs, outputs)`)"
             if isinstance(model, internals.Functional)

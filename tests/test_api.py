@@ -1,18 +1,18 @@
 """The public surface, the accum_steps argument, subclassing AccumModel,
 flush(), weights and serialisation (wrap(): test_wrap.py)."""
 
-import io
 import contextlib
+import io
 
 import keras
 import numpy as np
 import pytest
+
+import keras_accum
 from helpers import internals
 from helpers.assertions import assert_weights_close
 from helpers.data import make_data
 from helpers.models import AccumNet, NetBody, functional, loss, subclassed
-
-import keras_accum
 from keras_accum import AccumModel
 
 BAD_ACCUM_STEPS = [
@@ -126,20 +126,27 @@ MADE_WITH = {
 @pytest.mark.parametrize("misspelt,meant", MISSPELT)
 @pytest.mark.parametrize("way", sorted(MADE_WITH))
 def test_a_misspelt_argument_is_refused_naming_the_close_match(way, misspelt, meant):
-    with pytest.raises(TypeError, match=rf"unexpected keyword argument `{misspelt}`\. "
-                                        rf"Did you mean `{meant}`\?.*Received: {misspelt}=4"):
+    with pytest.raises(
+        TypeError,
+        match=rf"unexpected keyword argument `{misspelt}`\. "
+        rf"Did you mean `{meant}`\?.*Received: {misspelt}=4",
+    ):
         MADE_WITH[way](**{misspelt: 4})
 
 
-@pytest.mark.parametrize("misspelt,meant", [("accum_step", "accum_steps"),
-                                            ("micro_batch", "micro_batch_size")])
+@pytest.mark.parametrize(
+    "misspelt,meant", [("accum_step", "accum_steps"), ("micro_batch", "micro_batch_size")]
+)
 def test_a_misspelt_fit_argument_is_refused_before_training(misspelt, meant):
     x, y = make_data(32)
     model = functional(AccumModel, accum_steps=2)
     model.compile(keras.optimizers.SGD(0.1), loss())
     before = model.get_weights()
-    with pytest.raises(TypeError, match=rf"fit\(\) got an unexpected keyword argument "
-                                        rf"`{misspelt}`\. Did you mean `{meant}`\?"):
+    with pytest.raises(
+        TypeError,
+        match=rf"fit\(\) got an unexpected keyword argument "
+        rf"`{misspelt}`\. Did you mean `{meant}`\?",
+    ):
         model.fit(x, y, batch_size=8, verbose=0, **{misspelt: 4})
     with pytest.raises(TypeError, match=r"`noise_scale` is an argument of AccumModel"):
         model.fit(x, y, batch_size=8, verbose=0, noise_scale=True)
@@ -221,9 +228,16 @@ def test_accum_steps_set_from_a_callback_during_fit_takes_effect_and_stays(fit_a
         if epoch == 1:
             model.accum_steps = 4
 
-    model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
-              accum_steps=fit_accum_steps,
-              callbacks=[keras.callbacks.LambdaCallback(on_epoch_begin=set_at_second_epoch)])
+    model.fit(
+        x,
+        y,
+        batch_size=8,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        accum_steps=fit_accum_steps,
+        callbacks=[keras.callbacks.LambdaCallback(on_epoch_begin=set_at_second_epoch)],
+    )
     first = fit_accum_steps or 2
     assert int(model.optimizer.iterations) == 8 // first + 2
     assert model.accum_steps == 4  # the user's own value, not fit's
@@ -244,8 +258,15 @@ def test_fit_interrupted_with_its_own_accum_steps_leaves_the_window_to_choose():
             raise RuntimeError("interrupted")
 
     with pytest.raises(RuntimeError):
-        model.fit(x, y, batch_size=8, verbose=0, shuffle=False, accum_steps=8,
-                  callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=interrupt)])
+        model.fit(
+            x,
+            y,
+            batch_size=8,
+            verbose=0,
+            shuffle=False,
+            accum_steps=8,
+            callbacks=[keras.callbacks.LambdaCallback(on_train_batch_end=interrupt)],
+        )
     assert model.accum_steps == 2 and internals.pending(model) == 5
     with pytest.raises(ValueError, match=r"accumulated with accum_steps=8"):
         model.train_on_batch(x[:8], y[:8])
@@ -376,9 +397,13 @@ def test_steps_per_epoch_that_ends_each_epoch_mid_window_warns():
     assert "window of 2 micro-batches" in told[0]
     assert not [m for m in _warnings_of(fit(8)) if "steps_per_epoch" in m]
     model.accum_steps = 1
-    told = [m for m in _warnings_of(
-        lambda: model.fit(x, y, batch_size=8, steps_per_epoch=6, accum_steps=3, verbose=0)
-    ) if "steps_per_epoch" in m]
+    told = [
+        m
+        for m in _warnings_of(
+            lambda: model.fit(x, y, batch_size=8, steps_per_epoch=6, accum_steps=3, verbose=0)
+        )
+        if "steps_per_epoch" in m
+    ]
     assert not told  # fit's own accum_steps: 6 is a multiple of 3
 
 

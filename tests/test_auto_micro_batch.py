@@ -15,15 +15,15 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers.tiers import wide
+
+import keras_accum
 from helpers import internals, replicas
 from helpers.assertions import assert_history_close, assert_trained, assert_weights_close
 from helpers.data import CLASSES, FEATURES, make_data
 from helpers.models import WAYS_IN, functional, initial_weights
 from helpers.oom import Limit, LimitedLoss
 from helpers.project import ROOT
-
-import keras_accum
+from helpers.tiers import wide
 
 B = 16  # the batch fit draws
 K = 8  # the most samples the limited model holds at once
@@ -100,8 +100,7 @@ def _uneven_batches(x, y, sizes):
     """A dataset of batches of the given sizes, in order."""
     bounds = np.cumsum([0, *sizes])
     parts = [
-        tf.data.Dataset.from_tensors((x[a:b], y[a:b]))
-        for a, b in zip(bounds[:-1], bounds[1:])
+        tf.data.Dataset.from_tensors((x[a:b], y[a:b])) for a, b in zip(bounds[:-1], bounds[1:])
     ]
     dataset = parts[0]
     for part in parts[1:]:
@@ -140,9 +139,7 @@ def test_out_of_memory_in_the_middle_of_an_epoch_is_recovered(caplog):
 def test_auto_with_accum_steps():
     # Windows of 2 batches of 16, the last epoch's window a single batch
     # of 8: the reference is the plain model with batches of 32.
-    make_accum, make_plain = WAYS_IN["functional"](
-        micro_batch_size="auto", accum_steps=2
-    )
+    make_accum, make_plain = WAYS_IN["functional"](micro_batch_size="auto", accum_steps=2)
     data = make_data(2 * 2 * B + K)
     plain, h_plain = train_reference(make_plain, data, batch_size=2 * B)
     model, h_model = train_auto(make_accum, data)
@@ -167,9 +164,7 @@ def test_auto_under_a_one_replica_strategy(accum_steps):
     # MirroredStrategy() on a one-GPU or CPU-only machine: one replica,
     # where 'auto' trains as on one device, out-of-memory retry included.
     strategy = replicas.mirrored(1)
-    make_accum, make_plain = WAYS_IN["functional"](
-        micro_batch_size="auto", accum_steps=accum_steps
-    )
+    make_accum, make_plain = WAYS_IN["functional"](micro_batch_size="auto", accum_steps=accum_steps)
     data = make_data(2 * 2 * B + K)
     plain, h_plain = train_reference(make_plain, data, batch_size=accum_steps * B)
     with strategy.scope():
@@ -280,9 +275,7 @@ def test_save_resume_and_flush_in_auto_mode(tmp_path):
     plain.train_on_batch(x[2 * B :], y[2 * B :])
 
     def auto_model():
-        model = functional(
-            keras_accum.AccumModel, accum_steps=2, micro_batch_size="auto"
-        )
+        model = functional(keras_accum.AccumModel, accum_steps=2, micro_batch_size="auto")
         model.compile(adam(), LimitedLoss(K))
         return model
 
@@ -326,7 +319,13 @@ def test_readme_auto_snippet_runs():
     keras.utils.set_random_seed(0)
     inputs = keras.Input((FEATURES,))
     outputs = keras.layers.Dense(CLASSES, activation="softmax")(inputs)
-    namespace = {"keras_accum": keras_accum, "inputs": inputs, "outputs": outputs, "x_train": x, "y_train": y}
+    namespace = {
+        "keras_accum": keras_accum,
+        "inputs": inputs,
+        "outputs": outputs,
+        "x_train": x,
+        "y_train": y,
+    }
     exec(block, namespace)
     model = namespace["model"]
     assert int(model.optimizer.iterations) == 2

@@ -9,15 +9,15 @@ on the test run's one cluster (`cluster` in tests/conftest.py), each
 worker bounded by a timeout (a hang fails the test).
 """
 
+import keras
 import numpy as np
 import pytest
+
+from helpers import replicas
 from helpers.assertions import ATOL, RTOL
+from helpers.auto_replicas import AutoRuns
 from helpers.data import make_data
 from helpers.models import functional, loss
-from helpers import replicas
-from helpers.auto_replicas import AutoRuns
-
-import keras
 
 
 @pytest.fixture(

@@ -12,7 +12,8 @@ import inspect
 import keras
 import numpy as np
 import pytest
-from helpers.tiers import wide
+
+import keras_accum
 from helpers import internals, training
 from helpers.assertions import (
     ATOL,
@@ -23,8 +24,7 @@ from helpers.assertions import (
 )
 from helpers.data import BN_SHAPES, bn_data
 from helpers.models import BN_MOMENTUM, bn_layer, bn_net, bn_of, loss, moving, subclassed_bn_net
-
-import keras_accum
+from helpers.tiers import wide
 from keras_accum import AccumModel
 
 MICRO, N = 8, 4
@@ -52,8 +52,13 @@ def fit_pair(make, x, y, compile_kwargs=None, **kwargs):
     """`make(cls, **kwargs)`'s plain big batch and its micro-batches with
     accumulation, both trained with SGD: `(plain, accum)`."""
     trained = training.fit_pair(
-        lambda: make(AccumModel, accum_steps=N, **kwargs), lambda: make(keras.Model, **kwargs),
-        x, y, lambda: keras.optimizers.SGD(0.1), big_batch=MICRO * N, accum_batch=MICRO,
+        lambda: make(AccumModel, accum_steps=N, **kwargs),
+        lambda: make(keras.Model, **kwargs),
+        x,
+        y,
+        lambda: keras.optimizers.SGD(0.1),
+        big_batch=MICRO * N,
+        accum_batch=MICRO,
         **(compile_kwargs or {}),
     )
     return trained.plain, trained.accum
@@ -229,9 +234,7 @@ def test_renorm_layers_keep_the_per_micro_batch_update():
     x, y = bn_data(92)
     moving_stats = []
     for mode in ("window", "micro_batch"):
-        model = bn_net(
-            AccumModel, accum_steps=N, batchnorm=mode, bn_kwargs={"renorm": True}
-        )
+        model = bn_net(AccumModel, accum_steps=N, batchnorm=mode, bn_kwargs={"renorm": True})
         model.compile(keras.optimizers.SGD(0.1), loss())
         model.fit(x, y, batch_size=MICRO, epochs=1, shuffle=False, verbose=0)
         moving_stats.append(moving(model))
@@ -352,6 +355,7 @@ def test_a_failed_load_leaves_the_pending_statistics_unchanged(tmp_path):
 
 
 # -- precision, XLA, steps_per_execution ------------------------------------------------
+
 
 def test_mixed_float16():
     keras.mixed_precision.set_global_policy("mixed_float16")

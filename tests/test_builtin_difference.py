@@ -7,10 +7,10 @@ built-in departs from the reference while AccumModel does not.
 
 import keras
 import numpy as np
+
 from helpers.assertions import assert_weights_close
 from helpers.data import make_data
 from helpers.models import functional, loss
-
 from keras_accum import AccumModel
 
 MICRO, N = 8, 4
@@ -41,9 +41,7 @@ def sgd(**kwargs):
 
 def test_builtin_counts_schedule_steps_in_micro_batches():
     schedule = keras.optimizers.schedules.ExponentialDecay(0.5, 1, 0.5)
-    plain, builtin, ours = three_runs(
-        lambda **kw: keras.optimizers.SGD(schedule, **kw), n=64
-    )
+    plain, builtin, ours = three_runs(lambda **kw: keras.optimizers.SGD(schedule, **kw), n=64)
     # Two updates: the reference's schedule is at step 2 ...
     assert float(plain.optimizer.learning_rate) == 0.5 * 0.5**2
     assert float(ours.optimizer.learning_rate) == 0.5 * 0.5**2

@@ -16,6 +16,8 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+
+import keras_accum
 from helpers import internals
 from helpers.assertions import (
     assert_moved,
@@ -26,8 +28,6 @@ from helpers.assertions import (
 from helpers.data import bn_data, make_data, token_data
 from helpers.models import OPTIMIZERS, bn_net, functional, initial_weights, loss, text_net
 from helpers.training import InterruptAt, plain_on_batches
-
-import keras_accum
 from keras_accum import AccumModel, AccumOptimizer, AccumScheduler
 
 FIT = dict(shuffle=False, verbose=0)
@@ -76,7 +76,9 @@ def test_micro_batches_with_batchnorm_and_a_schedule():
     assert_weights_close(micro, step)
     assert_moving_close(micro, plain)
     assert_moved(micro)
-    assert int(micro.optimizer.iterations.numpy()) == int(plain.optimizer.iterations.numpy()) == 3 + 2
+    assert (
+        int(micro.optimizer.iterations.numpy()) == int(plain.optimizer.iterations.numpy()) == 3 + 2
+    )
 
 
 def test_micro_batches_with_batchnorm_resumed_from_a_batch_backup(tmp_path):
@@ -162,8 +164,9 @@ def test_sparse_with_a_schedule_resumed_from_a_batch_backup(tmp_path):
 
     def fit(made, *extra):
         backup = keras_accum.BackupAndRestore(tmp_path, save_freq=15)
-        return made.fit(x, y, batch_size=8, epochs=2,
-                        callbacks=[AccumScheduler({1: 4}), backup, *extra], **FIT)
+        return made.fit(
+            x, y, batch_size=8, epochs=2, callbacks=[AccumScheduler({1: 4}), backup, *extra], **FIT
+        )
 
     with pytest.raises(KeyboardInterrupt):
         fit(model(), InterruptAt(1, 6))
@@ -258,8 +261,9 @@ def test_skipping_with_a_schedule_and_saving(tmp_path):
     model.save(tmp_path / "m.keras")
     loaded = keras.models.load_model(tmp_path / "m.keras")
     assert loaded.skip_nonfinite and loaded.skipped_windows == 1
-    loaded.fit(x, y, batch_size=8, epochs=2, initial_epoch=1,
-               callbacks=[AccumScheduler({1: 4})], **FIT)
+    loaded.fit(
+        x, y, batch_size=8, epochs=2, initial_epoch=1, callbacks=[AccumScheduler({1: 4})], **FIT
+    )
     plain = functional()
     plain.compile(OPTIMIZERS["adam"](), loss())
     for start in range(0, 92, 8):

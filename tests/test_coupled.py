@@ -6,25 +6,26 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+
+import keras_accum
 from helpers.assertions import assert_history_close, assert_weights_close
 from helpers.coupled import (
-    FEATURES,
-    DIM,
     BATCH,
-    MICRO,
+    DIM,
+    FEATURES,
     FIT,
+    MICRO,
     TOWERS,
+    Clip,
     InBatchSoftmax,
     Similarity,
-    Clip,
-    two_tower,
     data,
+    two_tower,
 )
 from helpers.internals import keras_internals
 from helpers.replicas import mirrored
-
-import keras_accum
 from keras_accum import AccumModel
+
 
 def train(model, loss=None, **fit):
     model.compile(keras.optimizers.Adam(0.01), loss or InBatchSoftmax())
@@ -40,9 +41,7 @@ def reference():
 
 def test_in_batch_softmax_is_the_big_batch(reference):
     plain, h_plain = reference
-    model, history = train(
-        two_tower(AccumModel, micro_batch_size=MICRO, coupled_from=TOWERS)
-    )
+    model, history = train(two_tower(AccumModel, micro_batch_size=MICRO, coupled_from=TOWERS))
     assert_weights_close(plain, model)
     assert_history_close(h_plain, history)
     assert int(model.optimizer.iterations) == int(plain.optimizer.iterations)
@@ -76,9 +75,13 @@ def test_under_xla_the_second_forward_pass_is_not_merged_with_the_first():
     model.train_on_batch(*batch)
     step = tf.function(model.train_step, jit_compile=True)
     hlo = step.experimental_get_compiler_ir(batch)(stage="optimized_hlo")
-    first_layer = [line for line in hlo.splitlines()
-                   if " dot(" in line and "query_hidden" in line
-                   and f"f32[{MICRO},16]" in line.split("=", 1)[1].split("dot(")[0]]
+    first_layer = [
+        line
+        for line in hlo.splitlines()
+        if " dot(" in line
+        and "query_hidden" in line
+        and f"f32[{MICRO},16]" in line.split("=", 1)[1].split("dot(")[0]
+    ]
     assert len(first_layer) == 2 * (BATCH // MICRO), first_layer
 
 
@@ -119,8 +122,9 @@ def test_a_subclassed_model_is_refused_naming_what_to_do():
             self.item_repr = keras.layers.Dense(DIM, name="item_repr")
 
         def call(self, inputs):
-            return tf.matmul(self.query_repr(inputs[0]), self.item_repr(inputs[1]),
-                             transpose_b=True)
+            return tf.matmul(
+                self.query_repr(inputs[0]), self.item_repr(inputs[1]), transpose_b=True
+            )
 
     model = Towers()
     model.compile("adam", InBatchSoftmax())
@@ -151,8 +155,10 @@ class Towers(keras.Model):
         self.only_in_training = OnlyInTraining()
 
     def represent(self, inputs, training=None):
-        return {"query": self.query_tower(self.only_in_training(inputs[0]), training=training),
-                "item": self.item_tower(inputs[1], training=training)}
+        return {
+            "query": self.query_tower(self.only_in_training(inputs[0]), training=training),
+            "item": self.item_tower(inputs[1], training=training),
+        }
 
     def couple(self, representations, training=None):
         return self.similarity([representations["query"], representations["item"]])
@@ -240,7 +246,7 @@ def _one_tape_gradient(model, x, y):
     per_sample = keras.Model(model.input, [model.get_layer(n).output for n in TOWERS])
     with tf.GradientTape() as tape:
         parts = [
-            per_sample([t[s:s + MICRO] for t in x], training=True)
+            per_sample([t[s : s + MICRO] for t in x], training=True)
             for s in range(0, len(y), MICRO)
         ]
         whole = [tf.concat(r, 0) for r in zip(*parts)]
@@ -252,8 +258,9 @@ def _one_tape_gradient(model, x, y):
 def test_dropout_and_batchnorm_in_a_tower_replay_the_first_pass():
     # The second pass draws the first pass's dropout masks, and
     # BatchNormalization moves once per step, pooled over the batch.
-    model = two_tower(AccumModel, dropout=0.5, batchnorm=True, micro_batch_size=MICRO,
-                      coupled_from=TOWERS)
+    model = two_tower(
+        AccumModel, dropout=0.5, batchnorm=True, micro_batch_size=MICRO, coupled_from=TOWERS
+    )
     model.compile(keras.optimizers.SGD(1.0), InBatchSoftmax())
     x, y = data()
     x, y = [t[:BATCH] for t in x], y[:BATCH]
@@ -273,8 +280,10 @@ def test_dropout_and_batchnorm_in_a_tower_replay_the_first_pass():
     plain.train_on_batch(x, y)
     # The first layer's moving statistics: the big batch's update, once.
     bn, plain_bn = (m.get_layer("query_bn") for m in (model, plain))
-    for a, b in ((bn.moving_mean, plain_bn.moving_mean),
-                 (bn.moving_variance, plain_bn.moving_variance)):
+    for a, b in (
+        (bn.moving_mean, plain_bn.moving_mean),
+        (bn.moving_variance, plain_bn.moving_variance),
+    ):
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
 
 
@@ -386,9 +395,7 @@ def test_with_skip_nonfinite_and_after_a_recompile_it_is_the_big_batch(reference
     # skip_nonfinite keeps a window (of one step) in buffers: the coupled
     # gradient goes through the buffers' path; a recompile makes a new step.
     plain, h_plain = reference
-    model = two_tower(
-        AccumModel, micro_batch_size=MICRO, coupled_from=TOWERS, skip_nonfinite=True
-    )
+    model = two_tower(AccumModel, micro_batch_size=MICRO, coupled_from=TOWERS, skip_nonfinite=True)
     model.compile("sgd", InBatchSoftmax())
     x, y = data()
     model.fit(x, y, **{**FIT, "epochs": 1})
@@ -409,9 +416,7 @@ def test_mixed_float16_is_the_big_batch_in_float16():
     keras.mixed_precision.set_dtype_policy("mixed_float16")
     try:
         plain, h_plain = train(two_tower())
-        model, history = train(
-            two_tower(AccumModel, micro_batch_size=MICRO, coupled_from=TOWERS)
-        )
+        model, history = train(two_tower(AccumModel, micro_batch_size=MICRO, coupled_from=TOWERS))
     finally:
         keras.mixed_precision.set_dtype_policy("float32")
     for a, b in zip(plain.get_weights(), model.get_weights()):

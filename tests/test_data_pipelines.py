@@ -18,6 +18,8 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+
+import keras_accum
 from helpers import internals
 from helpers.assertions import assert_history_close, assert_trained, assert_weights_close
 from helpers.coupled import TOWERS, InBatchSoftmax, two_tower
@@ -26,8 +28,6 @@ from helpers.models import WAYS_IN, functional, initial_weights, loss
 from helpers.replicas import mirrored
 from helpers.tiers import WAYS, wide
 from helpers.training import InterruptAt
-
-import keras_accum
 
 # 92 samples at micro-batch 8 and N=4: windows of 32, 32 and 28 samples.
 SAMPLES, MICRO, N = 92, 8, 4
@@ -102,13 +102,12 @@ CASES = {
     "fit_accum_steps": (dict(), dict(batch=MICRO, fit=dict(accum_steps=N))),
     "micro_batch_size": (dict(micro_batch_size=MICRO), dict(batch=BIG)),
     "micro_batch_size_and_accum_steps": (
-        dict(micro_batch_size=MICRO // 2, accum_steps=2), dict(batch=BIG // 2)
+        dict(micro_batch_size=MICRO // 2, accum_steps=2),
+        dict(batch=BIG // 2),
     ),
     "auto": (dict(micro_batch_size="auto", accum_steps=N), dict(batch=MICRO)),
     "xla_split": (dict(micro_batch_size=MICRO), dict(batch=BIG, jit_compile=True)),
-    "steps_per_execution": (
-        dict(accum_steps=N), dict(batch=MICRO, steps_per_execution=3)
-    ),
+    "steps_per_execution": (dict(accum_steps=N), dict(batch=MICRO, steps_per_execution=3)),
     "two_fits": (dict(micro_batch_size=MICRO), dict(batch=BIG, fits=2)),
 }
 
@@ -118,17 +117,13 @@ CASES = {
 )
 def test_a_seeded_shuffle_trains_as_the_plain_model_in_every_mode(case):
     settings, how = CASES[case]
-    compile_kwargs = {
-        k: how[k] for k in ("jit_compile", "steps_per_execution") if k in how
-    }
+    compile_kwargs = {k: how[k] for k in ("jit_compile", "steps_per_execution") if k in how}
     fits = how.get("fits", 1)
     plain, expected, reference = _fit_plain(functional, epochs=2, fits=fits, **compile_kwargs)
     data = Counted()
     model = _compile(functional(keras_accum.AccumModel, **settings), **compile_kwargs)
     dataset = data.batches(how["batch"])
-    history = [
-        model.fit(dataset, epochs=2, verbose=0, **how.get("fit", {})) for _ in range(fits)
-    ]
+    history = [model.fit(dataset, epochs=2, verbose=0, **how.get("fit", {})) for _ in range(fits)]
     assert data.drawn == reference.drawn
     assert data.read == reference.read == 2 * fits * SAMPLES
     assert_weights_close(plain, model)
@@ -149,10 +144,10 @@ def test_a_schedule_trains_what_the_plain_model_draws_in_its_order():
     assert data.drawn == reference.drawn and data.read == reference.read
     plain = _compile(functional())
     for epoch, accum_steps in enumerate((2, N)):
-        order = np.array(reference.drawn[epoch * SAMPLES:(epoch + 1) * SAMPLES])
+        order = np.array(reference.drawn[epoch * SAMPLES : (epoch + 1) * SAMPLES])
         big = MICRO * accum_steps
         for start in range(0, SAMPLES, big):
-            batch = order[start:start + big]
+            batch = order[start : start + big]
             plain.train_on_batch(X[batch], Y[batch])
     assert_weights_close(plain, model)
 
@@ -161,9 +156,11 @@ def test_coupled_losses_train_each_pass_in_the_pipelines_order():
     queries, items = np.random.default_rng(0).normal(size=(2, SAMPLES, 6)).astype("float32")
 
     def pipeline():
-        return tf.data.Dataset.from_tensor_slices(
-            ((queries, items), np.zeros(SAMPLES, "float32"))
-        ).shuffle(SAMPLES, seed=SEED).batch(BIG)
+        return (
+            tf.data.Dataset.from_tensor_slices(((queries, items), np.zeros(SAMPLES, "float32")))
+            .shuffle(SAMPLES, seed=SEED)
+            .batch(BIG)
+        )
 
     plain = two_tower()
     plain.compile(keras.optimizers.Adam(0.01), InBatchSoftmax())
@@ -189,7 +186,8 @@ def test_a_source_read_once_trains():
         return tf.data.Dataset.from_generator(
             once,
             output_signature=(
-                tf.TensorSpec((X.shape[1],), tf.float32), tf.TensorSpec((), tf.int64)
+                tf.TensorSpec((X.shape[1],), tf.float32),
+                tf.TensorSpec((), tf.int64),
             ),
         ).batch(batch)
 
@@ -252,12 +250,14 @@ def test_the_spec_of_a_pipeline_with_optional_entries_builds():
         for start in itertools.count(0, MICRO):
             if start >= SAMPLES:
                 return
-            yield X[start:start + MICRO], Y[start:start + MICRO], None
+            yield X[start : start + MICRO], Y[start : start + MICRO], None
 
     plain = _compile(functional())
     plain.fit(
-        ((X[s:s + BIG], Y[s:s + BIG]) for s in range(0, SAMPLES, BIG)),
-        epochs=1, steps_per_epoch=3, verbose=0,
+        ((X[s : s + BIG], Y[s : s + BIG]) for s in range(0, SAMPLES, BIG)),
+        epochs=1,
+        steps_per_epoch=3,
+        verbose=0,
     )
     model = _compile(functional(keras_accum.AccumModel, accum_steps=N))
     model.fit(batches(), epochs=1, steps_per_epoch=12, verbose=0)

@@ -13,9 +13,9 @@ the step, where a one-replica bug would hide (issue 23).
 import json
 
 import keras
-
 import numpy as np
 import pytest
+
 from helpers import internals
 from helpers import mirrored as mirrored_runs
 from helpers.assertions import ATOL, FLOAT16_ATOL, FLOAT16_RTOL, RTOL, assert_history_close
@@ -185,7 +185,13 @@ def test_small_tables_across_workers_match_the_one_process_big_batch(workers):
 
 
 def test_noise_scale_across_workers_is_agreed_and_changes_nothing(workers):
-    from helpers.noise import estimate, per_example_gradients, regression_data, regression_net, windows_of
+    from helpers.noise import (
+        estimate,
+        per_example_gradients,
+        regression_data,
+        regression_net,
+        windows_of,
+    )
 
     for worker in workers:
         on, off = worker["noise_scale"]["on"], worker["noise_scale"]["off"]
@@ -194,7 +200,10 @@ def test_noise_scale_across_workers_is_agreed_and_changes_nothing(workers):
         assert {k: v for k, v in on["history"].items() if k != "noise_scale"} == off["history"]
         assert not any(np.isnan(on["history"]["noise_scale"]))
         # Every worker logs the same value: read from the global window.
-        assert on["history"]["noise_scale"] == workers[0]["noise_scale"]["on"]["history"]["noise_scale"]
+        assert (
+            on["history"]["noise_scale"]
+            == workers[0]["noise_scale"]["on"]["history"]["noise_scale"]
+        )
     if len(workers) == 1:
         # One worker: the estimator on the one-process windows, exactly.
         x, y = regression_data(92, noise=1.0)
@@ -231,7 +240,8 @@ def test_plain_keras_fit_fails_across_workers(workers):
 
 
 @pytest.mark.parametrize(
-    "optimizer, data", [("adam", "tf.data"), ("sgd_momentum", "tf.data"), ("adamw", "tf.data"), ("adam", "numpy")]
+    "optimizer, data",
+    [("adam", "tf.data"), ("sgd_momentum", "tf.data"), ("adamw", "tf.data"), ("adam", "numpy")],
 )
 def test_two_workers_match_one_process_big_batch(workers, optimizer, data):
     # Global micro-batch 8 (4 per worker), N=4, 76 samples: windows of

@@ -40,6 +40,7 @@ import sys
 
 import numpy as np
 import pytest
+
 from helpers.internals import WRAPPED_CLASSES
 from helpers.internals import keras_internals as internals
 from helpers.processes import run_python
@@ -129,9 +130,12 @@ def test_readme_custom_loop_flushes_the_partial_window():
     # The names the quickstart above it defines; 150 samples are 5
     # micro-batches of 32 (the last of 22): one window of 4, and one of 1
     # that flush applies.
-    namespace = dict(keras=keras, keras_accum=keras_accum,
-                     x_train=rng.normal(size=(150, 784)).astype("float32"),
-                     y_train=rng.integers(0, 10, size=150))
+    namespace = dict(
+        keras=keras,
+        keras_accum=keras_accum,
+        x_train=rng.normal(size=(150, 784)).astype("float32"),
+        y_train=rng.integers(0, 10, size=150),
+    )
     exec(block, namespace)
     assert int(namespace["opt"].iterations) == 2
 
@@ -161,7 +165,9 @@ def api_names():
 def test_every_code_block_is_of_a_kind_the_tests_cover():
     for path in PAGES:
         text = path.read_text()
-        assert text.count("```") == 2 * len(blocks(text)), f"{page_id(path)}: a fence the tests do not see"
+        assert text.count("```") == 2 * len(blocks(text)), (
+            f"{page_id(path)}: a fence the tests do not see"
+        )
         for block in blocks(text):
             where = f"{page_id(path)}: {block.code[:60]!r}"
             assert block.lang in LANGUAGES, f"{where}: language {block.lang!r}"
@@ -172,20 +178,28 @@ def test_every_code_block_is_of_a_kind_the_tests_cover():
                 )
                 # The multi-worker tests run every such block of these two
                 # languages; one of another would be run by none.
-                assert block.lang in {"python", "bash"}, f"{where}: a multi-worker block no test runs"
+                assert block.lang in {"python", "bash"}, (
+                    f"{where}: a multi-worker block no test runs"
+                )
             if block.marker in NEEDS:
                 module = NEEDS[block.marker]
                 assert block.lang == "python" and f"import {module}" in block.code, where
                 # The reader is told what to install, before the block.
                 package = module.replace("_", "-")
-                assert f"pip install {package}" in text[:text.index(block.code)], (
+                assert f"pip install {package}" in text[: text.index(block.code)], (
                     f"{where}: the page does not say `pip install {package}`"
                 )
             if block.marker == "two-devices":
                 # First thing, before any other TensorFlow work.
-                assert python_blocks(path)[0].marker == "two-devices", f"{where}: two-devices on a later block"
+                assert python_blocks(path)[0].marker == "two-devices", (
+                    f"{where}: two-devices on a later block"
+                )
                 assert "set_logical_device_configuration" in block.code, where
-            if block.lang == "python" and block.marker is None and ".MirroredStrategy(" in block.code:
+            if (
+                block.lang == "python"
+                and block.marker is None
+                and ".MirroredStrategy(" in block.code
+            ):
                 # A reader without two GPUs sees the setup, and the page is
                 # tested with two replicas.
                 assert python_blocks(path)[0].marker == "two-devices", (
@@ -210,18 +224,33 @@ def _bound_and_free(code):
 
     bound, imported, free = set(), set(), set()
     for statement in ast.parse(code).body:
-        stored = {n.id for n in ast.walk(statement) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        stored = {
+            n.id
+            for n in ast.walk(statement)
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+        }
         stored |= {n.arg for n in ast.walk(statement) if isinstance(n, ast.arg)}
-        free |= {
-            n.id for n in ast.walk(statement)
-            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
-        } - bound - imported - stored - set(dir(builtins))
+        free |= (
+            {
+                n.id
+                for n in ast.walk(statement)
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)
+            }
+            - bound
+            - imported
+            - stored
+            - set(dir(builtins))
+        )
         if isinstance(statement, (ast.Import, ast.ImportFrom)):
             imported |= {(a.asname or a.name).split(".")[0] for a in statement.names}
         elif isinstance(statement, (ast.FunctionDef, ast.ClassDef)):
             bound.add(statement.name)
         else:
-            bound |= {n.id for n in ast.walk(statement) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+            bound |= {
+                n.id
+                for n in ast.walk(statement)
+                if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+            }
     return bound, free
 
 
@@ -235,8 +264,10 @@ def test_no_block_reads_what_an_optional_block_defines():
         for i, block in enumerate(page):
             if block.marker in NEEDS:
                 binds, _ = _bound_and_free(block.code)
-                _, reads = _bound_and_free("\n".join(b.code for b in page[i + 1:]))
-                assert not binds & reads, f"{page_id(path)}: {sorted(binds & reads)} after the {block.marker} block"
+                _, reads = _bound_and_free("\n".join(b.code for b in page[i + 1 :]))
+                assert not binds & reads, (
+                    f"{page_id(path)}: {sorted(binds & reads)} after the {block.marker} block"
+                )
 
 
 def _installed(module):
@@ -280,7 +311,9 @@ def test_page_runs_top_to_bottom_in_a_fresh_python(path, tmp_path):
         workdir = tmp_path / name
         workdir.mkdir()
         result = run_program("\n".join(codes) + checks, workdir)
-        assert result.returncode == 0, f"{page_id(path)} ({workdir / 'program.py'}):\n{result.stderr[-3000:]}"
+        assert result.returncode == 0, (
+            f"{page_id(path)} ({workdir / 'program.py'}):\n{result.stderr[-3000:]}"
+        )
 
 
 def multi_worker_blocks(lang):
@@ -319,8 +352,13 @@ def test_multi_worker_block_runs_on_two_workers(code, tmp_path):
     program.write_text(code)
     backups = tmp_path / "backups"
     results = run_workers(
-        "-c", _WORKER, str(program), timeout=300, logs=tmp_path / "logs",
-        BACKUP_DIR=str(backups), TF_CPP_MIN_LOG_LEVEL="3",
+        "-c",
+        _WORKER,
+        str(program),
+        timeout=300,
+        logs=tmp_path / "logs",
+        BACKUP_DIR=str(backups),
+        TF_CPP_MIN_LOG_LEVEL="3",
     )
     for result in results:
         assert result.returncode == 0, result.stderr[-3000:]
@@ -364,9 +402,16 @@ def test_tf_config_commands_name_one_cluster_and_each_worker(code, tmp_path, mon
     (bin_dir / "python").chmod(0o755)
     invocations = tmp_path / "invocations"
     result = subprocess.run(
-        ["bash", "-euo", "pipefail", "-c", code], capture_output=True, text=True, timeout=60,
-        cwd=tmp_path, env={**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-                           "INVOCATIONS": str(invocations)},
+        ["bash", "-euo", "pipefail", "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        env={
+            **os.environ,
+            "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+            "INVOCATIONS": str(invocations),
+        },
     )
     assert result.returncode == 0, result.stderr
     runs = [json.loads(line) for line in invocations.read_text().splitlines()]
@@ -379,7 +424,9 @@ def test_tf_config_commands_name_one_cluster_and_each_worker(code, tmp_path, mon
     assert list(cluster) == ["worker"], cluster
     # Each worker of the cluster once, as the tests' local clusters (which
     # run the multi-worker python blocks) hand them out.
-    assert sorted((t, i) for _, t, i in parsed) == [("worker", i) for i in range(len(cluster["worker"]))]
+    assert sorted((t, i) for _, t, i in parsed) == [
+        ("worker", i) for i in range(len(cluster["worker"]))
+    ]
     local = [_cluster_and_task(c, monkeypatch) for c in tf_configs(len(runs))]
     assert [(t, i) for _, t, i in local] == sorted((t, i) for _, t, i in parsed)
     assert all(list(c) == ["worker"] and len(c["worker"]) == len(runs) for c, _, _ in local)
@@ -427,7 +474,7 @@ def _check_command(words, errors):
         options = shlex.split(options)
         for i, option in enumerate(options):
             if option == "-s":
-                for name in options[i + 1:]:
+                for name in options[i + 1 :]:
                     if name not in sessions:
                         errors.append(f"no nox session {name}")
         _check_test_paths(shlex.split(pytest_args), errors)
@@ -496,7 +543,9 @@ def test_every_page_is_in_the_nav_and_every_public_name_in_the_api_reference():
         if name != "__version__":
             # Under its own name, or (`wrap`, whose function hides its
             # module's name) under a heading giving the name it has.
-            assert f"::: keras_accum.{name}\n" in api or f"heading: keras_accum.{name}\n" in api, name
+            assert f"::: keras_accum.{name}\n" in api or f"heading: keras_accum.{name}\n" in api, (
+                name
+            )
     assert "keras_accum.__version__" in api
     readme = README.split("## The four ways in", 1)[1]
     names = re.search(r"`__all__` is (.*?)\.\s", readme, flags=re.S)[1]
@@ -532,7 +581,8 @@ def test_docstring_examples_run(tmp_path, monkeypatch):
                 module = base.__module__
                 if module.startswith("keras_accum") and "_internals" not in module:
                     members += [
-                        m for n, m in vars(base).items()
+                        m
+                        for n, m in vars(base).items()
                         if not n.startswith("_") and not any(m is k for k in members)
                     ]
     ran = 0
@@ -557,7 +607,10 @@ def test_docstring_examples_run(tmp_path, monkeypatch):
 def test_site_builds_strictly_without_warnings(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -580,9 +633,14 @@ def test_noise_scale_example_grows_the_batch_by_the_rule():
     number = r"(-?[\d.]+|inf|nan)"
     decisions = re.findall(
         rf"^\s*(\d+)\s+{number}\s+\({number}, {number}\)\s+(True|False)\s+(\d+)\s*([\d.]*)$",
-        result.stdout, flags=re.M)
-    epochs = [line for line in result.stdout.splitlines()
-              if re.match(r"\s*\d+\s+\S+\s+\d+\s+\d+\s+\S+$", line)]
+        result.stdout,
+        flags=re.M,
+    )
+    epochs = [
+        line
+        for line in result.stdout.splitlines()
+        if re.match(r"\s*\d+\s+\S+\s+\d+\s+\d+\s+\S+$", line)
+    ]
     assert len(epochs) == 4 and len(decisions) >= 3, result.stdout
     steps = 2
     for update, value, low, _, resolved, accum_steps, rate in decisions:

@@ -4,7 +4,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers.tiers import wide
+
 from helpers import internals
 from helpers.assertions import (
     RTOL,
@@ -15,8 +15,8 @@ from helpers.assertions import (
 )
 from helpers.data import CLASSES, FEATURES, make_data
 from helpers.models import OPTIMIZERS, functional, loss, subclassed
+from helpers.tiers import wide
 from helpers.training import build_plain_optimizer
-
 from keras_accum import AccumModel
 
 
@@ -49,8 +49,10 @@ def train_both(
 
 @pytest.mark.parametrize(
     "name",
-    wide(sorted(OPTIMIZERS), ["adam", "sgd_momentum", "adam_exponential_decay",
-                              "schedule_free_adamw"]),
+    wide(
+        sorted(OPTIMIZERS),
+        ["adam", "sgd_momentum", "adam_exponential_decay", "schedule_free_adamw"],
+    ),
 )
 def test_matches_big_batch_with_uneven_last_window(name):
     # 76 samples, b=8, N=4: windows of 32, 32 and 12 (8 + 4) samples each
@@ -116,9 +118,7 @@ def test_weights_move_only_when_a_window_completes():
         shuffle=False,
         verbose=0,
         callbacks=[
-            keras.callbacks.LambdaCallback(
-                on_train_begin=snapshot, on_train_batch_end=snapshot
-            )
+            keras.callbacks.LambdaCallback(on_train_begin=snapshot, on_train_batch_end=snapshot)
         ],
     )
     moved = [not np.array_equal(a, b) for a, b in zip(seen, seen[1:])]
@@ -134,11 +134,19 @@ def test_other_callbacks_see_the_window_applied_at_epoch_end():
     model.compile(keras.optimizers.SGD(0.1), loss())
     seen = []
     model.fit(
-        x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
-        callbacks=[keras.callbacks.LambdaCallback(
-            on_epoch_end=lambda epoch, logs: seen.append(
-                (internals.pending(model), int(model.optimizer.iterations))
-            ))],
+        x,
+        y,
+        batch_size=8,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        callbacks=[
+            keras.callbacks.LambdaCallback(
+                on_epoch_end=lambda epoch, logs: seen.append(
+                    (internals.pending(model), int(model.optimizer.iterations))
+                )
+            )
+        ],
     )
     assert seen == [(0, 4), (0, 8)]
 
@@ -149,9 +157,17 @@ def test_logged_metrics_update_every_micro_batch():
     model.compile(keras.optimizers.SGD(0.1), loss(), metrics=["accuracy"])
     seen = []
     model.fit(
-        x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
-        callbacks=[keras.callbacks.LambdaCallback(
-            on_train_batch_end=lambda batch, logs: seen.append(logs["loss"]))],
+        x,
+        y,
+        batch_size=8,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
+        callbacks=[
+            keras.callbacks.LambdaCallback(
+                on_train_batch_end=lambda batch, logs: seen.append(logs["loss"])
+            )
+        ],
     )
     # Within the first window the weights are fixed, so the running loss is
     # the mean over the micro-batches seen so far: it changes every step.
@@ -207,9 +223,7 @@ def multi_io(cls=keras.Model, **kwargs):
     keras.utils.set_random_seed(0)
     a = keras.Input((FEATURES,), name="a")
     b = keras.Input((2,), name="b")
-    h = keras.layers.Dense(8, activation="tanh", name="h")(
-        keras.layers.Concatenate()([a, b])
-    )
+    h = keras.layers.Dense(8, activation="tanh", name="h")(keras.layers.Concatenate()([a, b]))
     cls_out = keras.layers.Dense(CLASSES, name="cls")(h)
     reg_out = keras.layers.Dense(1, name="reg")(h)
     return cls(inputs={"a": a, "b": b}, outputs={"cls": cls_out, "reg": reg_out}, **kwargs)
@@ -242,6 +256,7 @@ def test_multi_input_multi_output_with_loss_weights(n):
         for key in ("cls_loss", "reg_loss"):
             hp.history.pop(key), ha.history.pop(key)
     assert_history_close(hp, ha)
+
 
 def test_subclassed_model():
     plain, acc, hp, ha = train_both(OPTIMIZERS["adamw"], build=subclassed)
@@ -297,7 +312,6 @@ def test_accum_steps_1_is_ordinary_training(build):
     for a, b in zip(plain.get_weights(), acc.get_weights()):
         np.testing.assert_array_equal(a, b)
     assert hp.history == ha.history
-
 
 
 def test_shuffled_numpy_input_with_the_same_seed():

@@ -16,6 +16,8 @@ import time
 import keras
 import numpy as np
 import pytest
+
+import keras_accum
 from helpers import internals, references
 from helpers import mirrored as mirrored_runs
 from helpers.assertions import ATOL, RTOL, assert_no_open_window, assert_weights_close
@@ -24,8 +26,6 @@ from helpers.models import OPTIMIZERS, AccumNet, PlainNet, functional, loss, sub
 from helpers.processes import Cluster, run_python, run_workers, script, wait_for_file
 from helpers.project import DOCS, blocks
 from helpers.training import InterruptAt
-
-import keras_accum
 
 WORKER = script("fault_tolerance_worker.py")
 EPOCHS = 4  # as in the worker script
@@ -108,8 +108,12 @@ def test_worker_killed_then_both_restarted_end_as_uninterrupted(tmp_path, case):
     else:
         point, (task, held_0, held_1) = case, KILL_POINTS[case]
     with Cluster(
-        WORKER, logs=tmp_path / "first", OUT=str(tmp_path / "first"),
-        PAUSE_AT=point, PAUSE_TASK=str(task), **env,
+        WORKER,
+        logs=tmp_path / "first",
+        OUT=str(tmp_path / "first"),
+        PAUSE_AT=point,
+        PAUSE_TASK=str(task),
+        **env,
     ) as cluster:
         reached = wait_for_file(signals / f"reached-{point}", REACH, cluster.processes)
         assert reached, cluster.error(0)[-3000:] + cluster.error(1)[-3000:]
@@ -128,8 +132,11 @@ def test_worker_killed_then_both_restarted_end_as_uninterrupted(tmp_path, case):
     print(f"\n{case}: survivor exited {seconds:.1f} s after its peer was killed")
 
     results = run_workers(
-        WORKER, timeout=RUN, logs=tmp_path / "second",
-        OUT=str(tmp_path / "second"), **env,
+        WORKER,
+        timeout=RUN,
+        logs=tmp_path / "second",
+        OUT=str(tmp_path / "second"),
+        **env,
     )
     for result in results:
         assert result.returncode == 0, result.stderr[-3000:]
@@ -151,8 +158,12 @@ def test_worker_killed_then_both_restarted_end_as_uninterrupted(tmp_path, case):
 @pytest.mark.multi_worker
 def test_misuse_across_workers_is_refused_before_training(tmp_path):
     results = run_workers(
-        WORKER, timeout=RUN, logs=tmp_path / "logs", MODE="misuse",
-        BACKUP_ROOT=str(tmp_path), OUT=str(tmp_path / "out"),
+        WORKER,
+        timeout=RUN,
+        logs=tmp_path / "logs",
+        MODE="misuse",
+        BACKUP_ROOT=str(tmp_path),
+        OUT=str(tmp_path / "out"),
     )
     for result in results:
         assert result.returncode == 0, result.stderr[-3000:]
@@ -173,9 +184,14 @@ def test_saving_and_loading_need_no_peer(tmp_path):
     signals = tmp_path / "signals"
     signals.mkdir()
     with Cluster(
-        WORKER, logs=tmp_path / "logs", MODE="save_alone", BACKUP_ROOT=str(tmp_path),
-        OUT=str(tmp_path / "out"), SIGNAL_DIR=str(signals),
-        PAUSE_AT="save_alone", PAUSE_TASK="1",
+        WORKER,
+        logs=tmp_path / "logs",
+        MODE="save_alone",
+        BACKUP_ROOT=str(tmp_path),
+        OUT=str(tmp_path / "out"),
+        SIGNAL_DIR=str(signals),
+        PAUSE_AT="save_alone",
+        PAUSE_TASK="1",
     ) as cluster:
         reached = wait_for_file(signals / "reached-save_alone", REACH, cluster.processes)
         assert reached, cluster.error(1)[-3000:]
@@ -223,7 +239,9 @@ def test_restore_point_refuses_what_cannot_resume(workers, expected):
 
 @pytest.mark.unit
 def test_restore_point_across_workers_needs_double_checkpoint():
-    with pytest.raises(ValueError, match="double_checkpoint=True.*Received: double_checkpoint=False"):
+    with pytest.raises(
+        ValueError, match="double_checkpoint=True.*Received: double_checkpoint=False"
+    ):
         internals.restore_point([("/b/w0", []), ("/b/w1", [])], double_checkpoint=False)
 
 
@@ -239,7 +257,12 @@ def accum_fit(model, backup, callbacks=(), epochs=3):
     # 92 samples at 8: windows of 8+8+8+8, 8+8+8+8, 8+8+8+4 samples.
     x, y = make_data(92)
     return model.fit(
-        x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0,
+        x,
+        y,
+        batch_size=8,
+        epochs=epochs,
+        shuffle=False,
+        verbose=0,
         callbacks=[*callbacks, backup],
     )
 
@@ -302,7 +325,9 @@ def test_backup_cut_short_leaves_the_previous_one(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         accum_fit(model, backup)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "epoch-1.json", "epoch-1.weights.h5", "partial-epoch-2.weights.h5"
+        "epoch-1.json",
+        "epoch-1.weights.h5",
+        "partial-epoch-2.weights.h5",
     ]
     resumed = accum_model()
     listing = Listing(tmp_path)
@@ -373,6 +398,7 @@ def test_batch_level_backup_resumes_exactly(tmp_path, save_freq, steps_per_execu
             "last: batch-level backups with steps_per_execution > 1 are "
             "untested here"
         )
+
     # 12 micro-batches an epoch; Ctrl-C after 6 of the second. With a backup
     # every 5 batches the newest is 3 batches into it (a window 3/4 full),
     # with every 6, 6 (a window half full): those batches are skipped.
@@ -464,13 +490,12 @@ def test_the_documented_worker_program_leaves_nothing_in_the_temporary_directory
     # worker), with BACKUP_DIR unset: its backups go to the temporary
     # directory and must all be gone when training ends.
     (code,) = [
-        b.code for b in blocks((DOCS / "fault-tolerance.md").read_text())
+        b.code
+        for b in blocks((DOCS / "fault-tolerance.md").read_text())
         if b.marker == "multi-worker" and b.lang == "python"
     ]
     temporary = tmp_path / "tmp"
     temporary.mkdir()
-    result = run_python(
-        "-c", code, timeout=RUN, TMPDIR=str(temporary), TF_CPP_MIN_LOG_LEVEL="3"
-    )
+    result = run_python("-c", code, timeout=RUN, TMPDIR=str(temporary), TF_CPP_MIN_LOG_LEVEL="3")
     assert result.returncode == 0, result.stderr[-3000:]
     assert not [p.name for p in temporary.iterdir() if "keras_accum" in p.name]

@@ -33,10 +33,10 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers.assertions import ATOL, RTOL, assert_trained
-from helpers.project import ROOT
 
 import keras_accum
+from helpers.assertions import ATOL, RTOL, assert_trained
+from helpers.project import ROOT
 
 _spec = importlib.util.spec_from_file_location(
     "make_file_fixtures", ROOT / "tests" / "scripts" / "make_file_fixtures.py"
@@ -49,8 +49,7 @@ _spec.loader.exec_module(fixtures)
 FIXTURES = ROOT / "tests" / "fixtures"
 FOLDERS = ("files_0_1", "files_main_a577af5")
 VERSIONS = {
-    folder: json.loads((FIXTURES / folder / "versions.json").read_text())
-    for folder in FOLDERS
+    folder: json.loads((FIXTURES / folder / "versions.json").read_text()) for folder in FOLDERS
 }
 # Where training goes on: the first sample after the saved micro-batches.
 RESUME_AT = fixtures.SAVED_AFTER * fixtures.MICRO_BATCH
@@ -58,7 +57,9 @@ RESUME_AT = fixtures.SAVED_AFTER * fixtures.MICRO_BATCH
 # window has a NaN sample weight and is skipped, so the big-batch twin
 # starts at the second.
 FIRST_UPDATE = {
-    "accum": 0, "skip_nonfinite": fixtures.BIG_BATCH, "wrap_subclassed": 0,
+    "accum": 0,
+    "skip_nonfinite": fixtures.BIG_BATCH,
+    "wrap_subclassed": 0,
     "optimizer": fixtures.BIG_BATCH,
 }
 SKIPPED = {"accum": 0, "skip_nonfinite": 1, "wrap_subclassed": 0, "optimizer": 1}
@@ -219,9 +220,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("folder, variant, kind", CASES)
-def test_a_mid_window_file_resumes_as_the_big_batch(
-    folder, variant, kind, big_batches, tmp_path
-):
+def test_a_mid_window_file_resumes_as_the_big_batch(folder, variant, kind, big_batches, tmp_path):
     directory = FIXTURES / folder / variant
     model = KINDS[kind](variant, directory, tmp_path)
     plain = big_batches(variant, directory)
@@ -231,4 +230,3 @@ def test_a_mid_window_file_resumes_as_the_big_batch(
         np.testing.assert_allclose(a, b, rtol=RTOL, atol=ATOL, err_msg=f"weight {i}")
     assert int(model.optimizer.iterations.numpy()) == int(plain.optimizer.iterations.numpy())
     assert fixtures.accumulating(model).skipped_windows == SKIPPED[variant]
-

@@ -16,14 +16,21 @@ pytestmark = pytest.mark.unit
 def _sums(trace, signal):
     """NoiseScale's sums of windows with these estimates."""
     trace, signal = np.asarray(trace, float), np.asarray(signal, float)
-    return np.array([trace.sum(), signal.sum(), len(trace), (trace**2).sum(),
-                     (signal**2).sum(), (trace * signal).sum()])
+    return np.array(
+        [
+            trace.sum(),
+            signal.sum(),
+            len(trace),
+            (trace**2).sum(),
+            (signal**2).sum(),
+            (trace * signal).sum(),
+        ]
+    )
 
 
 def _windows(rng, n, trace=400.0, signal=2.0, spread=(100.0, 1.0)):
     # Per-window estimates scatter about the truth, the signal's the most.
-    return (trace + spread[0] * rng.standard_normal(n),
-            signal + spread[1] * rng.standard_normal(n))
+    return (trace + spread[0] * rng.standard_normal(n), signal + spread[1] * rng.standard_normal(n))
 
 
 def test_the_value_is_the_ratio_of_the_sums():
@@ -102,9 +109,9 @@ def test_each_decision_adds_the_windows_since_the_last_and_halves_the_older():
     "trace, signal, current, expected",
     [
         ([640.0] * 3 + [660.0] * 3, [10.0] * 6, 2, 4),  # 65 / 16 = 4.06: 4
-        ([6400.0] * 6, [10.0] * 6, 2, 4),    # wants 40: at most doubling
+        ([6400.0] * 6, [10.0] * 6, 2, 4),  # wants 40: at most doubling
         ([64000.0] * 6, [10.0] * 6, 48, 64),  # and the cap
-        ([160.0] * 6, [10.0] * 6, 8, 8),     # wants 1: never shrinks
+        ([160.0] * 6, [10.0] * 6, 8, 8),  # wants 1: never shrinks
         ([640.0, 660.0], [10.0, 10.0], 2, 2),  # two windows: keeps
     ],
 )
@@ -133,7 +140,10 @@ def test_unresolved_it_grows_to_the_lower_bound():
 def test_asked_to_it_shrinks_by_the_upper_end_at_most_halving_down_to_the_minimum():
     rng = np.random.default_rng(3)
     trace, signal = _windows(rng, 40, trace=160.0, signal=4.0, spread=(20.0, 0.5))
-    never, asked = BatchGrowth(max_accum_steps=64), BatchGrowth(max_accum_steps=64, min_accum_steps=3)
+    never, asked = (
+        BatchGrowth(max_accum_steps=64),
+        BatchGrowth(max_accum_steps=64, min_accum_steps=3),
+    )
     for growth in (never, asked):
         growth.observe(_sums(trace, signal))
     estimate = asked.estimate
@@ -159,6 +169,7 @@ def test_asked_to_it_does_not_shrink_on_an_unresolved_estimate():
 
 
 # -- the learning-rate rules ---------------------------------------------------
+
 
 def test_each_rule_is_its_formula_and_one_at_the_tuned_batch():
     resolved = NoiseEstimate(48.0, 40.0, 60.0, 10, True)
@@ -195,6 +206,8 @@ def test_auto_is_adascale_for_sgd_and_sqrt_for_adaptive_optimizers():
     assert adascale_sqrt(64, 16, resolved) == pytest.approx(math.sqrt(adascale(64, 16, resolved)))
     assert for_optimizer("auto", keras.optimizers.SGD(0.1, momentum=0.9)) is adascale
     assert for_optimizer("auto", keras.optimizers.Adam()) is square_root
-    assert for_optimizer(
-        "auto", keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD())) is adascale
+    assert (
+        for_optimizer("auto", keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD()))
+        is adascale
+    )
     assert for_optimizer(linear, keras.optimizers.Adam()) is linear

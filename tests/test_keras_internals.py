@@ -17,6 +17,7 @@ import warnings
 import keras
 import numpy as np
 import pytest
+
 from helpers import internals as test_internals
 from helpers.internals import GradientAccumulator
 from helpers.internals import keras_internals as internals
@@ -122,13 +123,21 @@ def test_a_keras_that_renamed_the_trainer_still_imports_and_says_so():
         """
     )
     result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240,
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=240,
         env={**__import__("os").environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
-    assert "WARNING ['keras_accum was reviewed" in out and "backend.tensorflow.trainer.Trainer" in out
-    assert "CHANGED ['TensorFlowTrainer._make_function', 'TensorFlowTrainer._maybe_symbolic_build', 'TensorFlowTrainer.train_step']" in out
+    assert (
+        "WARNING ['keras_accum was reviewed" in out and "backend.tensorflow.trainer.Trainer" in out
+    )
+    assert (
+        "CHANGED ['TensorFlowTrainer._make_function', 'TensorFlowTrainer._maybe_symbolic_build', 'TensorFlowTrainer.train_step']"
+        in out
+    )
     assert f"ERROR Keras {keras.__version__} changed" in out
     assert f"newest supported is {versions.newest_reviewed()}" in out
 
@@ -136,7 +145,11 @@ def test_a_keras_that_renamed_the_trainer_still_imports_and_says_so():
 @pytest.mark.parametrize(
     "keras_version, tensorflow_version, message",
     [
-        ("3.4.1", "2.17.0", r"supports Keras >= 3\.8, < 4 with TensorFlow >= 2\.18; found Keras 3\.4\.1"),
+        (
+            "3.4.1",
+            "2.17.0",
+            r"supports Keras >= 3\.8, < 4 with TensorFlow >= 2\.18; found Keras 3\.4\.1",
+        ),
         ("4.0.0", "2.21.0", r"supports Keras >= 3\.8, < 4.*found Keras 4\.0\.0"),
         ("3.8.0", "2.17.1", r"found Keras 3\.8\.0 with TensorFlow 2\.17\.1.*tensorflow>=2\.18"),
         ("2.18.0", "2.18.1", r"needs Keras 3.*tf_keras.*TF_USE_LEGACY_KERAS"),
@@ -150,7 +163,15 @@ def test_unsupported_versions_are_refused_naming_the_range(
         internals.check_versions(keras_version, tensorflow_version)
 
 
-@pytest.mark.parametrize("versions", [("3.8.0", "2.18.1"), ("3.13.2", "2.20.0"), ("3.15.1", "2.21.0"), ("3.16.0.dev2026", "2.22.0rc1")])
+@pytest.mark.parametrize(
+    "versions",
+    [
+        ("3.8.0", "2.18.1"),
+        ("3.13.2", "2.20.0"),
+        ("3.15.1", "2.21.0"),
+        ("3.16.0.dev2026", "2.22.0rc1"),
+    ],
+)
 @pytest.mark.unit
 def test_supported_versions_are_accepted(versions):
     internals.check_versions(*versions)
@@ -169,7 +190,11 @@ def test_saving_visits_every_attribute_of_our_state():
 def test_compiled_loss_terms_are_recorded_once_each():
     inputs = keras.Input((2,))
     model = keras.Model(
-        inputs, {"a": keras.layers.Dense(1, name="a")(inputs), "b": keras.layers.Dense(1, name="b")(inputs)}
+        inputs,
+        {
+            "a": keras.layers.Dense(1, name="a")(inputs),
+            "b": keras.layers.Dense(1, name="b")(inputs),
+        },
     )
     model.compile("sgd", {"a": "mse", "b": "mae"})
     x = np.zeros((4, 2), "float32")
@@ -182,9 +207,7 @@ def test_compiled_loss_terms_are_recorded_once_each():
     assert len(test_internals.compiled_loss_terms(model)[0]) == 4  # (path, fn, weight, name)
 
 
-@pytest.mark.parametrize(
-    "attribute", ["_call_has_training_arg", "_compute_loss", "_loss_tracker"]
-)
+@pytest.mark.parametrize("attribute", ["_call_has_training_arg", "_compute_loss", "_loss_tracker"])
 def test_model_private_attributes_exist(attribute):
     inputs = keras.Input((2,))
     model = keras.Model(inputs, keras.layers.Dense(1)(inputs))
@@ -237,7 +260,9 @@ def test_tf_keras_objects_are_refused_saying_why():
     import keras_accum
 
     legacy = type("Sequential", (), {"__module__": "tf_keras.src.engine.sequential"})()
-    with pytest.raises(TypeError, match=r"`model` must be a keras\.Model.*tf_keras \(Keras 2\).*import keras"):
+    with pytest.raises(
+        TypeError, match=r"`model` must be a keras\.Model.*tf_keras \(Keras 2\).*import keras"
+    ):
         keras_accum.wrap(legacy)
     legacy = type("SGD", (), {"__module__": "tf_keras.src.optimizers.sgd"})()
     with pytest.raises(TypeError, match=r"`optimizer` must be.*tf_keras \(Keras 2\)"):
@@ -272,7 +297,10 @@ def test_backup_and_restore_batch_counting_is_still_keras_own(tmp_path):
             pytest.fail(MESSAGE.format(found=keras.__version__, what=f"BackupAndRestore.{name}"))
     internals.backup_counts_from_zero(callback)
     assert [internals.backup_due_after_batch(callback, b) for b in range(4)] == [
-        False, True, False, True
+        False,
+        True,
+        False,
+        True,
     ]
 
 
@@ -306,8 +334,12 @@ def test_the_internals_package_re_exports_every_public_name():
 @pytest.mark.parametrize(
     "attribute",
     [
-        "_trainable_variables", "_trainable_variables_indices", "_var_key",
-        "_get_variable_index", "_variables", "_learning_rate",
+        "_trainable_variables",
+        "_trainable_variables_indices",
+        "_var_key",
+        "_get_variable_index",
+        "_variables",
+        "_learning_rate",
     ],
 )
 @pytest.mark.unit
@@ -365,21 +397,41 @@ def test_keras_backups_go_through_keras_accum_backup_and_restore(tmp_path, monke
 # may import from `keras.src` or `tensorflow.python`.
 PRIVATE_NAMES = {
     # Model and trainer
-    "_call_has_training_arg", "_compute_loss", "_loss_tracker", "_compile_loss",
-    "_flat_losses", "_symbolic_build", "_maybe_symbolic_build", "_make_function",
-    "_distribute_strategy", "_initial_epoch", "_build_shapes_dict", "_flatten_layers",
-    "_obj_type", "_collective_all_reduce_multi_worker", "_compile_config",
+    "_call_has_training_arg",
+    "_compute_loss",
+    "_loss_tracker",
+    "_compile_loss",
+    "_flat_losses",
+    "_symbolic_build",
+    "_maybe_symbolic_build",
+    "_make_function",
+    "_distribute_strategy",
+    "_initial_epoch",
+    "_build_shapes_dict",
+    "_flatten_layers",
+    "_obj_type",
+    "_collective_all_reduce_multi_worker",
+    "_compile_config",
     "_distributed_dataset",
     # Layers
-    "_moments", "_inbound_nodes",
+    "_moments",
+    "_inbound_nodes",
     # Optimizer
-    "_trainable_variables", "_trainable_variables_indices", "_var_key",
-    "_get_variable_index", "_variables", "_learning_rate",
+    "_trainable_variables",
+    "_trainable_variables_indices",
+    "_var_key",
+    "_get_variable_index",
+    "_variables",
+    "_learning_rate",
     # BackupAndRestore
-    "_should_save_on_batch", "_last_batch_seen", "_batches_seen_since_last_saving",
+    "_should_save_on_batch",
+    "_last_batch_seen",
+    "_batches_seen_since_last_saving",
     "_save_model",
     # TensorFlow
-    "_get_default_strategy", "_get_on_device_or_primary", "_omit_frequent_tracing_warning",
+    "_get_default_strategy",
+    "_get_on_device_or_primary",
+    "_omit_frequent_tracing_warning",
 }
 PRIVATE_MODULES = re.compile(r"\bkeras\.src\b|\btensorflow\.python\b")
 
@@ -411,7 +463,9 @@ def test_only_the_internals_package_reaches_into_keras():
     import keras_accum
 
     package = pathlib.Path(keras_accum.__file__).parent
-    modules = sorted(p for p in package.rglob("*.py") if "_internals" not in p.relative_to(package).parts)
+    modules = sorted(
+        p for p in package.rglob("*.py") if "_internals" not in p.relative_to(package).parts
+    )
     outside = [
         f"keras_accum/{p.relative_to(package)}:{line}: {what}"
         for p in modules
@@ -419,8 +473,7 @@ def test_only_the_internals_package_reaches_into_keras():
     ]
     assert not outside, (
         "Keras or TensorFlow internals named outside keras_accum/_internals/; "
-        "add a function there (guarded by a test here) and call it instead: "
-        + "; ".join(outside)
+        "add a function there (guarded by a test here) and call it instead: " + "; ".join(outside)
     )
 
 
@@ -505,9 +558,8 @@ def _small_fit(model, **fit_kwargs):
 
 
 def _accumulating(**kwargs):
-    from helpers.models import functional, loss
-
     import keras_accum
+    from helpers.models import functional, loss
 
     model = functional(keras_accum.AccumModel, **{"accum_steps": 2, **kwargs})
     model.compile(keras.optimizers.Adam(0.01), loss())
@@ -625,9 +677,8 @@ def test_a_compiled_loss_computed_without_its_terms_fails_before_training(monkey
 def test_a_model_without_a_compiled_loss_weighs_by_samples_as_documented():
     # compile(loss=None) with the model's own `compute_loss`: no terms to
     # read, and no error (the one legitimate "nothing recorded").
-    from helpers.models import FEATURES
-
     import keras_accum
+    from helpers.models import FEATURES
 
     class OwnLoss(keras_accum.AccumModel):
         def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
@@ -661,9 +712,8 @@ def test_a_fit_on_an_epoch_iterator_that_moved_its_data_fails_before_training(na
 
 
 def test_a_batchnorm_model_whose_keras_moved_the_moments_fails_before_training(monkeypatch):
-    from helpers.models import bn_net
-
     import keras_accum
+    from helpers.models import bn_net
 
     model = bn_net(keras_accum.AccumModel, accum_steps=2)
     model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
@@ -678,9 +728,8 @@ def test_a_batchnorm_model_whose_keras_moved_the_moments_fails_before_training(m
 def test_a_renormalising_layer_whose_flag_moved_fails_before_training(monkeypatch):
     if "renorm" not in inspect.signature(keras.layers.BatchNormalization.__init__).parameters:
         pytest.skip("this Keras has no batch renormalisation: nothing to read")
-    from helpers.models import bn_net, bn_of
-
     import keras_accum
+    from helpers.models import bn_net, bn_of
 
     model = bn_net(keras_accum.AccumModel, accum_steps=2)
     model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy")
@@ -719,14 +768,16 @@ def test_a_backup_whose_keras_moved_its_bookkeeping_fails_before_training(
     _assert_nothing_trained(model, before)
 
 
-def test_a_resume_whose_keras_moved_the_initial_epoch_fails_before_training(
-    monkeypatch, tmp_path
-):
+def test_a_resume_whose_keras_moved_the_initial_epoch_fails_before_training(monkeypatch, tmp_path):
     import keras_accum
 
     model = _accumulating()
-    _small_fit(model, callbacks=[keras_accum.BackupAndRestore(str(tmp_path), save_freq=1,
-                                                              delete_checkpoint=False)])
+    _small_fit(
+        model,
+        callbacks=[
+            keras_accum.BackupAndRestore(str(tmp_path), save_freq=1, delete_checkpoint=False)
+        ],
+    )
     resumed = _accumulating()
     resumed.build((None, 6))
     before = resumed.get_weights()
@@ -739,9 +790,8 @@ def test_a_resume_whose_keras_moved_the_initial_epoch_fails_before_training(
 
 @pytest.mark.parametrize("name", ["_inbound_nodes"])
 def test_coupling_whose_keras_moved_a_layers_calls_fails_before_training(name, monkeypatch):
-    from helpers.coupled import TOWERS, InBatchSoftmax, data, two_tower
-
     import keras_accum
+    from helpers.coupled import TOWERS, InBatchSoftmax, data, two_tower
 
     model = two_tower(keras_accum.AccumModel, micro_batch_size=8, coupled_from=TOWERS)
     model.compile(keras.optimizers.Adam(0.01), InBatchSoftmax())
@@ -757,9 +807,8 @@ def test_coupling_whose_keras_moved_a_layers_calls_fails_before_training(name, m
 
 
 def test_wrapping_whose_keras_moved_the_training_argument_fails_at_wrap(monkeypatch):
-    from helpers.models import subclassed
-
     import keras_accum
+    from helpers.models import subclassed
 
     built = subclassed()
     monkeypatch.delattr(built, "_call_has_training_arg")
@@ -768,9 +817,8 @@ def test_wrapping_whose_keras_moved_the_training_argument_fails_at_wrap(monkeypa
 
 
 def test_wrapping_a_built_model_whose_keras_moved_its_build_shapes_fails_at_wrap(monkeypatch):
-    from helpers.models import subclassed
-
     import keras_accum
+    from helpers.models import subclassed
 
     built = subclassed()
     _take_away(monkeypatch, built, "_build_shapes_dict")
@@ -781,9 +829,8 @@ def test_wrapping_a_built_model_whose_keras_moved_its_build_shapes_fails_at_wrap
 def test_a_wrapper_of_a_model_with_its_own_compile_fails_if_keras_moved_what_compile_got(
     monkeypatch,
 ):
-    from helpers.models import FEATURES
-
     import keras_accum
+    from helpers.models import FEATURES
 
     class OwnCompile(keras.Model):
         def compile(self, optimizer="sgd", **kwargs):
@@ -815,6 +862,7 @@ def _fit_pipeline(settings):
     # A dynamic batch dimension: the first call's step runs on the batch
     # in hand (reduced as Keras reduces a step's logs).
     import tensorflow as tf
+
     from helpers.data import make_data
 
     x, y = make_data(16)
@@ -825,10 +873,9 @@ def _fit_pipeline(settings):
 def _fit_weighted(settings):
     # A loss divided by its sample weights: the divisor through Keras's mask
     # and rank helpers.
+    import keras_accum
     from helpers.data import make_data
     from helpers.models import functional, token_loss
-
-    import keras_accum
 
     model = functional(keras_accum.AccumModel, accum_steps=2, **settings)
     model.compile(keras.optimizers.Adam(0.01), token_loss(reduction="mean_with_sample_weight"))
@@ -840,10 +887,10 @@ def _fit_weighted(settings):
 def _fit_masked_split(settings):
     # Predictions with a mask, cut into micro-batches past a short batch.
     import tensorflow as tf
-    from helpers.data import sequences
-    from helpers.models import tagger, token_loss
 
     import keras_accum
+    from helpers.data import sequences
+    from helpers.models import tagger, token_loss
 
     model = tagger(keras_accum.AccumModel, micro_batch_size=3, **settings)
     model.compile(keras.optimizers.Adam(0.01), token_loss())
@@ -857,7 +904,10 @@ MODULE_REACHES = {
     "GraphOrParentsInXlaContext": ("distribute", "_in_xla", "TensorFlow", _fit_arrays, {}),
     "FuncGraph": ("distribute", "_FuncGraph", "TensorFlow", _fit_arrays, {}),
     "_collective_all_reduce_multi_worker": (
-        "distribute", "_collective_all_reduce_multi_worker", "Keras", _fit_arrays,
+        "distribute",
+        "_collective_all_reduce_multi_worker",
+        "Keras",
+        _fit_arrays,
         {"accum_steps": 1, "micro_batch_size": 2},
     ),
     "ArrayDataAdapter": ("trainer", "_ArrayDataAdapter", "Keras", _fit_arrays, {}),
@@ -866,12 +916,20 @@ MODULE_REACHES = {
     "BatchNormalization": ("layers", "BatchNormalization", "Keras", _fit_arrays, {}),
     "KerasSaveable": ("saving", "KerasSaveable", "Keras", _fit_arrays, {}),
     "unscale_loss_for_distribution": (
-        "losses", "unscale_loss_for_distribution", "Keras", _fit_arrays, {}
+        "losses",
+        "unscale_loss_for_distribution",
+        "Keras",
+        _fit_arrays,
+        {},
     ),
     "get_keras_mask": ("losses", "get_keras_mask", "Keras", _fit_arrays, {}),
     "apply_mask": ("losses", "apply_mask", "Keras", _fit_weighted, {}),
     "squeeze_or_expand_to_same_rank": (
-        "losses", "squeeze_or_expand_to_same_rank", "Keras", _fit_weighted, {}
+        "losses",
+        "squeeze_or_expand_to_same_rank",
+        "Keras",
+        _fit_weighted,
+        {},
     ),
     "set_keras_mask": ("losses", "set_keras_mask", "Keras", _fit_masked_split, {}),
 }
@@ -904,9 +962,8 @@ def test_a_fit_whose_release_moved_a_module_name_fails_before_training(name, mon
 def test_a_functional_model_whose_keras_moved_functional_models_fails_at_construction(
     monkeypatch,
 ):
-    from helpers.models import functional
-
     import keras_accum
+    from helpers.models import functional
     from keras_accum._internals import layers, model_hooks
 
     for name in ("Functional", "functional_init_arguments"):
@@ -920,15 +977,15 @@ def test_a_functional_model_whose_keras_moved_functional_models_fails_at_constru
 
 
 @pytest.mark.parametrize("name", ["_get_on_device_or_primary"])
-def test_a_per_replica_variable_whose_tensorflow_moved_its_parts_fails_loudly(
-    name, monkeypatch
-):
+def test_a_per_replica_variable_whose_tensorflow_moved_its_parts_fails_loudly(name, monkeypatch):
     import tensorflow as tf
+
     from helpers.replicas import mirrored
 
     with mirrored(1).scope():
         variable = tf.Variable(
-            0.0, synchronization=tf.VariableSynchronization.ON_READ,
+            0.0,
+            synchronization=tf.VariableSynchronization.ON_READ,
             aggregation=tf.VariableAggregation.SUM,
         )
     _take_away(monkeypatch, variable, name)

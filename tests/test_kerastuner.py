@@ -10,12 +10,12 @@ The hyperparameters reach the model either through `HyperModel.build`
 import keras
 import numpy as np
 import pytest
+
+import keras_accum
 from helpers.assertions import ATOL, RTOL
 from helpers.data import make_data
 from helpers.models import OPTIMIZERS, functional, loss
 from helpers.training import InterruptAt
-
-import keras_accum
 
 kt = pytest.importorskip("keras_tuner")
 # KerasTuner imports TensorBoard's hparams plugin in every trial on TensorFlow.
@@ -49,11 +49,13 @@ class InBuild(kt.HyperModel):
 
     def build(self, hp):
         self.builds += 1
-        return compiled(functional(
-            keras_accum.AccumModel,
-            accum_steps=hp.Choice("accum_steps", self.accum_steps),
-            micro_batch_size=hp.Choice("micro_batch_size", self.micro_batch_sizes),
-        ))
+        return compiled(
+            functional(
+                keras_accum.AccumModel,
+                accum_steps=hp.Choice("accum_steps", self.accum_steps),
+                micro_batch_size=hp.Choice("micro_batch_size", self.micro_batch_sizes),
+            )
+        )
 
 
 class InFit(kt.HyperModel):
@@ -81,16 +83,23 @@ def recorded(trial, name):
 def test_every_trial_trains_as_the_big_batch(hypermodel, tmp_path):
     x, y, validation = data()
     tuner = kt.GridSearch(
-        hypermodel(), objective="val_loss", directory=tmp_path, project_name="search",
+        hypermodel(),
+        objective="val_loss",
+        directory=tmp_path,
+        project_name="search",
     )
     tuner.search(x, y, validation_data=validation, **FIT)
     trials = list(tuner.oracle.trials.values())
-    grid = {(t.hyperparameters["accum_steps"], t.hyperparameters["micro_batch_size"]) for t in trials}
+    grid = {
+        (t.hyperparameters["accum_steps"], t.hyperparameters["micro_batch_size"]) for t in trials
+    }
     assert grid == {(2, 4), (2, 8), (4, 4), (4, 8)}
     for trial in trials:
         plain = compiled(functional())
         plain_history = plain.fit(
-            x, y, validation_data=validation,
+            x,
+            y,
+            validation_data=validation,
             **dict(FIT, batch_size=MICRO * trial.hyperparameters["accum_steps"]),
         ).history
         # The best epoch is the big batch's, and so is every metric there.
@@ -114,8 +123,13 @@ def test_an_interrupted_search_resumes_and_the_best_model_reloads(tmp_path):
         # interrupted during a trial, whatever the model (a KeyError in its
         # grid's order, keras-team/keras-tuner#1055).
         return kt.RandomSearch(
-            hypermodel, objective="val_loss", max_trials=3, directory=tmp_path,
-            project_name="search", overwrite=False, seed=0,
+            hypermodel,
+            objective="val_loss",
+            max_trials=3,
+            directory=tmp_path,
+            project_name="search",
+            overwrite=False,
+            seed=0,
         )
 
     hypermodel = InBuild(accum_steps=[1, 2, 4], micro_batch_sizes=[4])
@@ -140,14 +154,16 @@ def test_an_interrupted_search_resumes_and_the_best_model_reloads(tmp_path):
     (best,) = tuned.get_best_models(1)
     config = best.get_config()
     assert (config["accum_steps"], config["micro_batch_size"]) == (
-        best_hp["accum_steps"], best_hp["micro_batch_size"],
+        best_hp["accum_steps"],
+        best_hp["micro_batch_size"],
     )
     best.save(tmp_path / "best.keras")
     reloaded = keras.saving.load_model(tmp_path / "best.keras")
     assert type(reloaded) is type(best)
     reloaded_config = reloaded.get_config()
     assert (reloaded_config["accum_steps"], reloaded_config["micro_batch_size"]) == (
-        config["accum_steps"], config["micro_batch_size"],
+        config["accum_steps"],
+        config["micro_batch_size"],
     )
     np.testing.assert_array_equal(reloaded.predict(x, verbose=0), best.predict(x, verbose=0))
 

@@ -4,15 +4,14 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+
 from helpers import internals
 from helpers.assertions import assert_trained, assert_weights_close
-from helpers.data import FEATURES
+from helpers.data import FEATURES, make_data, sequences
 from helpers.data import SEQ_LENGTH as LENGTH
 from helpers.data import SEQ_TAGS as TAGS
 from helpers.data import SEQ_VOCAB as VOCAB
-from helpers.data import make_data, sequences
 from helpers.models import per_sample_model, tagger, token_loss
-
 from keras_accum import AccumModel
 
 MICRO, N = 4, 4
@@ -81,7 +80,9 @@ def test_mean_with_sample_weight_and_uneven_weights():
     # Weights concentrated in a few micro-batches: their sums differ widely.
     sw = np.where(np.arange(64) % 16 < 3, 5.0, 0.1).astype("float32")
     plain, acc = train_pair(
-        per_sample_model, x, y,
+        per_sample_model,
+        x,
+        y,
         token_loss(reduction="mean_with_sample_weight"),
         fit_kwargs={"sample_weight": sw},
     )
@@ -91,7 +92,10 @@ def test_mean_with_sample_weight_and_uneven_weights():
 def test_sum_reduction_sums_over_the_window():
     x, y = make_data(60)  # uneven last window
     plain, acc = train_pair(
-        per_sample_model, x, y, token_loss(reduction="sum"),
+        per_sample_model,
+        x,
+        y,
+        token_loss(reduction="sum"),
         optimizer=lambda: keras.optimizers.SGD(0.005, momentum=0.5),
     )
     assert_weights_close(plain, acc)
@@ -166,8 +170,11 @@ def test_multi_output_with_proportional_normalisers_is_exact():
         keras.utils.set_random_seed(0)
         inputs = keras.Input((FEATURES,))
         h = keras.layers.Dense(8, activation="tanh")(inputs)
-        return cls(inputs, {"a": keras.layers.Dense(3, name="a")(h),
-                            "b": keras.layers.Dense(1, name="b")(h)}, **kwargs)
+        return cls(
+            inputs,
+            {"a": keras.layers.Dense(3, name="a")(h), "b": keras.layers.Dense(1, name="b")(h)},
+            **kwargs,
+        )
 
     targets = {"a": y, "b": x[:, :1]}
     loss = {"a": token_loss(), "b": "mse"}
@@ -219,9 +226,7 @@ def test_a_fully_masked_window_gives_a_zero_gradient_like_the_big_batch():
     assert_weights_close(plain, acc)
 
 
-@pytest.mark.parametrize(
-    "case", ["unmasked", "masked", "sample_weight"]
-)
+@pytest.mark.parametrize("case", ["unmasked", "masked", "sample_weight"])
 @pytest.mark.unit
 def test_the_normaliser_is_the_divisor_keras_applies(case):
     # mean loss x normaliser == the sum of the loss elements Keras counts:

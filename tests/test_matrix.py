@@ -49,7 +49,9 @@ def test_ci_runs_the_next_pair_the_floor_pair_and_kerashub():
     run = (ROOT / ".ci" / "run").read_text()
     pairs = nox_pairs()
     assert pairs["floor"] == ("2.18.1", "3.8.0") and pairs["colab"] == ("2.20.0", "3.13.2")
-    assert pairs["next"][0].startswith("nightly:2.23") and pairs["next"][1].startswith("nightly:3.16")
+    assert pairs["next"][0].startswith("nightly:2.23") and pairs["next"][1].startswith(
+        "nightly:3.16"
+    )
     # The slow tier once, on the newest pair, after the README's command,
     # with the KerasHub of the kerashub session (its tests must run).
     lines = run.splitlines()
@@ -70,7 +72,9 @@ def test_ci_runs_the_next_pair_the_floor_pair_and_kerashub():
         'python -m nox -R -s "core(next)" -- -n 2 -m "not slow" >core-next.log 2>&1 &',
         'python -m nox -R -s "core(floor)" -- -n 2 -m "not slow" >core-floor.log 2>&1 &',
     ], nox_lines
-    assert lines.index(install) < lines.index(slow) < lines.index(waited) < lines.index(nox_lines[1])
+    assert (
+        lines.index(install) < lines.index(slow) < lines.index(waited) < lines.index(nox_lines[1])
+    )
     ends = ['wait "$next" || status=1', 'wait "$floor" || status=1', '[ "$status" = 0 ]']
     assert all(end in lines for end in ends), run
     assert lines.index(nox_lines[2]) < lines.index(ends[0]) < lines.index(ends[2]), run
@@ -80,9 +84,7 @@ def test_ci_runs_the_next_pair_the_floor_pair_and_kerashub():
 
 @pytest.mark.slow  # a fresh process
 def test_import_on_an_older_keras_names_the_supported_range():
-    result = run_python(
-        "-c", "import keras; keras.__version__ = '3.4.1'; import keras_accum"
-    )
+    result = run_python("-c", "import keras; keras.__version__ = '3.4.1'; import keras_accum")
     assert result.returncode != 0
     assert (
         "ImportError: keras_accum supports Keras >= 3.8, < 4 with TensorFlow >= 2.18; "

@@ -4,7 +4,8 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers.tiers import WAYS, wide
+
+import keras_accum
 from helpers import internals, training
 from helpers.assertions import (
     FLOAT16_ATOL,
@@ -28,8 +29,7 @@ from helpers.models import (
     tagger,
     token_loss,
 )
-
-import keras_accum
+from helpers.tiers import WAYS, wide
 from keras_accum import AccumModel
 
 # 76 samples at batch 32: batches of 32, 32 and 12. Micro-batches of 8 cut
@@ -39,12 +39,18 @@ SAMPLES = 76
 FIT = dict(epochs=2, shuffle=False, verbose=0)
 
 
-def fit_pair(make_accum, make_plain, x, y, batch, accum_batch, optimizer="adam",
-             fit_kwargs=None):
+def fit_pair(make_accum, make_plain, x, y, batch, accum_batch, optimizer="adam", fit_kwargs=None):
     """The plain model on `batch`, the accumulating one on `accum_batch`."""
     return training.fit_pair(
-        make_accum, make_plain, x, y, OPTIMIZERS[optimizer], big_batch=batch,
-        accum_batch=accum_batch, fit_kwargs=fit_kwargs, metrics=["accuracy"],
+        make_accum,
+        make_plain,
+        x,
+        y,
+        OPTIMIZERS[optimizer],
+        big_batch=batch,
+        accum_batch=accum_batch,
+        fit_kwargs=fit_kwargs,
+        metrics=["accuracy"],
     )
 
 
@@ -74,8 +80,11 @@ CASES = [
     for way in sorted(WAYS_IN)
 ] + wide(
     # The wrapped model's other splits in the slow tier.
-    [(way, split) for split in ("not_dividing", "with_accum_steps")
-     for way in ("functional", "subclass", "wrap_subclassed")],
+    [
+        (way, split)
+        for split in ("not_dividing", "with_accum_steps")
+        for way in ("functional", "subclass", "wrap_subclassed")
+    ],
     [(way, split) for split in ("not_dividing", "with_accum_steps") for way in WAYS_KEPT],
 )
 
@@ -100,12 +109,16 @@ def test_matches_the_big_batch(way, split):
 # sgd_momentum (slow) is sgd_piecewise without its schedule.
 @pytest.mark.parametrize(
     "optimizer",
-    wide(["sgd_momentum", "adam_global_clipnorm", "sgd_piecewise"], ["adam_global_clipnorm", "sgd_piecewise"]),
+    wide(
+        ["sgd_momentum", "adam_global_clipnorm", "sgd_piecewise"],
+        ["adam_global_clipnorm", "sgd_piecewise"],
+    ),
 )
 def test_optimizers(optimizer):
     x, y = make_data(SAMPLES)
     make_accum, make_plain = WAYS_IN["functional"](micro_batch_size=8)
     assert_same_training(*fit_pair(make_accum, make_plain, x, y, 32, 32, optimizer))
+
 
 def test_a_static_batch_size_is_split_statically():
     # drop_remainder: the traced step knows the batch size (no hint needed).

@@ -12,6 +12,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+
 from helpers import internals
 from helpers.assertions import (
     BFLOAT16_ATOL,
@@ -23,7 +24,6 @@ from helpers.assertions import (
 )
 from helpers.data import FEATURES, make_data
 from helpers.models import loss, mlp
-
 from keras_accum import AccumModel, AccumOptimizer
 
 
@@ -102,6 +102,7 @@ def test_mixed_bfloat16_matches_the_big_batch(policy):
     assert all(b.dtype == tf.float32 for b in internals.accumulator(acc).acc_grads)
     assert_weights_close(plain, acc, BFLOAT16_RTOL, BFLOAT16_ATOL)
 
+
 def test_float16_variables_get_float32_buffers_and_accum_dtype_overrides():
     keras.utils.set_random_seed(0)
     inputs = keras.Input((FEATURES,), dtype="float16")
@@ -118,7 +119,10 @@ def test_float16_variables_get_float32_buffers_and_accum_dtype_overrides():
 @pytest.mark.parametrize("value", ["int32", "nonsense", 3])
 @pytest.mark.unit
 def test_bad_accum_dtype(value):
-    with pytest.raises(ValueError, match=rf"`accum_dtype` must be a floating-point dtype.*Received: accum_dtype={value!r}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"`accum_dtype` must be a floating-point dtype.*Received: accum_dtype={value!r}",
+    ):
         AccumModel(accum_dtype=value)
     with pytest.raises(ValueError, match=r"`accum_dtype`"):
         AccumOptimizer(keras.optimizers.SGD(), accum_steps=2, accum_dtype=value)

@@ -15,10 +15,11 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+
+import keras_accum
 from helpers import internals
-from helpers.tiers import wide
-from helpers.models import functional, small_tables_net
 from helpers.data import make_data, small_table_data
+from helpers.models import functional, small_tables_net
 from helpers.noise import (
     embedding_data,
     embedding_net,
@@ -29,8 +30,7 @@ from helpers.noise import (
     target,
     windows_of,
 )
-
-import keras_accum
+from helpers.tiers import wide
 
 # float32 sums of squares against numpy's float64: the estimator subtracts
 # close sums (S - L), which costs a few float32 ulps of relative accuracy.
@@ -38,8 +38,9 @@ RTOL = 1e-5
 
 
 def _fit_estimates(model, x, y, batch_size, epochs=2, **kwargs):
-    history = model.fit(x, y, batch_size=batch_size, epochs=epochs, shuffle=False,
-                        verbose=0, **kwargs)
+    history = model.fit(
+        x, y, batch_size=batch_size, epochs=epochs, shuffle=False, verbose=0, **kwargs
+    )
     return history.history["noise_scale"]
 
 
@@ -49,8 +50,12 @@ WAYS = {
     # name: (model kwargs, fit kwargs, batch size, windows_of kwargs)
     "step mode": (dict(accum_steps=4), {}, 8, dict(accum_steps=4)),
     "micro_batch_size": (dict(micro_batch_size=8), {}, 32, dict(micro_batch_size=8)),
-    "both": (dict(accum_steps=2, micro_batch_size=4), {}, 12,
-             dict(accum_steps=2, micro_batch_size=4)),
+    "both": (
+        dict(accum_steps=2, micro_batch_size=4),
+        {},
+        12,
+        dict(accum_steps=2, micro_batch_size=4),
+    ),
     "fit(accum_steps=)": ({}, dict(accum_steps=4), 8, dict(accum_steps=4)),
     "hidden layer": (dict(accum_steps=4, hidden=5), {}, 8, dict(accum_steps=4)),
 }
@@ -107,7 +112,12 @@ def test_wrap_measures_as_the_model_does():
 @pytest.mark.parametrize(
     "mode, noise",
     wide(
-        [("step mode", 0.3), ("micro_batch_size", 6.0), ("step mode", 6.0), ("micro_batch_size", 0.3)],
+        [
+            ("step mode", 0.3),
+            ("micro_batch_size", 6.0),
+            ("step mode", 6.0),
+            ("micro_batch_size", 0.3),
+        ],
         [("step mode", 0.3), ("micro_batch_size", 6.0)],
     ),
 )
@@ -139,9 +149,9 @@ def test_the_estimate_lands_on_the_true_noise_scale(mode, noise):
     assert abs(expected_mean - true_value) < tolerance  # the O(B/n) term is small
     # The tolerance is tight enough to tell the two noise levels apart: the
     # other level's value lies outside twice it.
-    other, _ = target(per_example_gradients(
-        model, *regression_data(n, noise=6.0 if noise < 1 else 0.3)
-    ))
+    other, _ = target(
+        per_example_gradients(model, *regression_data(n, noise=6.0 if noise < 1 else 0.3))
+    )
     assert abs(other - expected_mean) > 2 * tolerance
 
 
@@ -182,9 +192,7 @@ SPARSE_ROWS = {
 
 @pytest.mark.parametrize("rows", list(SPARSE_ROWS))
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-@pytest.mark.parametrize(
-    "run", [pytest.param("eager", marks=pytest.mark.unit), "graph", "xla"]
-)
+@pytest.mark.parametrize("run", [pytest.param("eager", marks=pytest.mark.unit), "graph", "xla"])
 def test_a_sparse_gradients_squared_norm_is_its_dense_rows(rows, dtype, run):
     table, indices = SPARSE_ROWS[rows]
     values = np.random.default_rng(6).normal(size=(len(indices), 3)).astype(dtype)
@@ -237,6 +245,7 @@ def test_mixed_float16_measures_the_unscaled_gradients():
 
 # -- measuring changes nothing else ----------------------------------------
 
+
 def _classifier(**kwargs):
     return functional(keras_accum.AccumModel, **kwargs)
 
@@ -252,8 +261,12 @@ CONFIGS = {
 
 def _trained(make, x, y, noise_scale, compile_kwargs=None, batch_size=8):
     model = make(noise_scale)
-    model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy",
-                  metrics=["accuracy"], **(compile_kwargs or {}))
+    model.compile(
+        keras.optimizers.Adam(0.01),
+        "sparse_categorical_crossentropy",
+        metrics=["accuracy"],
+        **(compile_kwargs or {}),
+    )
     history = model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
     return model, history.history
 
@@ -280,23 +293,26 @@ def test_training_is_bit_identical_with_and_without_measuring(config):
     def make(noise_scale):
         return _classifier(noise_scale=noise_scale, **kwargs)
 
-    _assert_identical(_trained(make, x, y, True, compile_kwargs),
-                      _trained(make, x, y, False, compile_kwargs))
+    _assert_identical(
+        _trained(make, x, y, True, compile_kwargs), _trained(make, x, y, False, compile_kwargs)
+    )
 
 
 def test_training_is_bit_identical_with_and_without_measuring_sparse_and_float16():
     x, y = small_table_data(92)
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
+
         def make(noise_scale):
-            return small_tables_net(keras_accum.AccumModel, accum_steps=4,
-                                    noise_scale=noise_scale)
+            return small_tables_net(keras_accum.AccumModel, accum_steps=4, noise_scale=noise_scale)
 
         def trained(noise_scale):
             model = make(noise_scale)
             # A loss scale that does not overflow: every window applied.
             model.compile(
-                keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01), initial_scale=16.0),
+                keras.optimizers.LossScaleOptimizer(
+                    keras.optimizers.Adam(0.01), initial_scale=16.0
+                ),
                 "sparse_categorical_crossentropy",
             )
             history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
@@ -333,6 +349,7 @@ def test_a_sum_loss_is_not_measured_and_costs_no_norm():
 
 
 # -- what fit logs, and where -------------------------------------------------
+
 
 class _Seen(keras.callbacks.Callback):
     def __init__(self):
@@ -383,8 +400,9 @@ def test_off_by_default_and_none_before_training():
 def test_a_skipped_window_adds_nothing():
     x, y = regression_data(92, noise=1.0)
     x[40] = np.nan  # in the second window (samples 32-63)
-    model = regression_net(keras_accum.AccumModel, accum_steps=4, noise_scale=True,
-                           skip_nonfinite=True)
+    model = regression_net(
+        keras_accum.AccumModel, accum_steps=4, noise_scale=True, skip_nonfinite=True
+    )
     logged = _fit_estimates(model, x, y, 8, epochs=1)
     assert model.skipped_windows == 1
     clean = np.nan_to_num(x)
@@ -446,13 +464,12 @@ def test_config_and_saved_file_keep_noise_scale(tmp_path):
     plain_path = str(tmp_path / "plain.keras")
     plain.save(plain_path)
     import zipfile
+
     with zipfile.ZipFile(path) as a, zipfile.ZipFile(plain_path) as b:
         assert sorted(a.namelist()) == sorted(b.namelist())
 
 
-@pytest.mark.parametrize(
-    "value, error", [("yes", TypeError), (1, TypeError), (None, TypeError)]
-)
+@pytest.mark.parametrize("value, error", [("yes", TypeError), (1, TypeError), (None, TypeError)])
 @pytest.mark.unit
 def test_bad_noise_scale_is_refused_naming_it(value, error):
     with pytest.raises(error, match=r"noise_scale.*Received: noise_scale="):
@@ -462,6 +479,7 @@ def test_bad_noise_scale_is_refused_naming_it(value, error):
 
 
 # -- AccumScheduler("noise_scale") -----------------------------------------------
+
 
 def _batches(changes, n, micro_batch, epochs, accum_steps):
     """The (start, stop) of each update's samples, epoch after epoch, with
@@ -495,19 +513,23 @@ def _rows(path):
     return [(d.updates, d.accum_steps, d.learning_rate) for d in path]
 
 
-@pytest.mark.parametrize("rule, optimizer, every, way", [
-    ("sqrt", "adam", dict(every_updates=3), "functional"),
-    # 40 samples fall inside a window: the decision waits for its end.
-    ("adascale", "sgd", dict(every_samples=40), "functional"),
-    # Keras's default on one GPU: each value's step compiled by XLA; a
-    # wrapped model, recompiled before fit.
-    ("sqrt", "adam", dict(every_updates=3), "wrap_xla_recompiled"),
-    # Decisions on a probe's estimate (the window outgrown), which the rule
-    # follows too; measuring on it trains nothing.
-    ("adascale", "sgd", dict(every_updates=3), "functional_probe"),
-])
+@pytest.mark.parametrize(
+    "rule, optimizer, every, way",
+    [
+        ("sqrt", "adam", dict(every_updates=3), "functional"),
+        # 40 samples fall inside a window: the decision waits for its end.
+        ("adascale", "sgd", dict(every_samples=40), "functional"),
+        # Keras's default on one GPU: each value's step compiled by XLA; a
+        # wrapped model, recompiled before fit.
+        ("sqrt", "adam", dict(every_updates=3), "wrap_xla_recompiled"),
+        # Decisions on a probe's estimate (the window outgrown), which the rule
+        # follows too; measuring on it trains nothing.
+        ("adascale", "sgd", dict(every_updates=3), "functional_probe"),
+    ],
+)
 def test_deciding_every_k_updates_is_a_plain_model_fed_those_batches_and_rates(
-        rule, optimizer, every, way):
+    rule, optimizer, every, way
+):
     # Learning rate > 0: the noise scale changes as the model trains.
     x, y = regression_data(344, noise=4.0)
     micro, cap, epochs, tuned = 8, 12, 3, dict(adam=0.05, sgd=0.02)[optimizer]
@@ -523,9 +545,11 @@ def test_deciding_every_k_updates_is_a_plain_model_fed_those_batches_and_rates(
         model.compile(make(1.0), "mae")
     model.compile(make(tuned), "mse", **compile_kwargs)
     scheduler = keras_accum.AccumScheduler(
-        "noise_scale", max_accum_steps=cap, learning_rate_rule=rule, **every, **probe)
-    history = model.fit(x, y, batch_size=micro, epochs=epochs, shuffle=False, verbose=0,
-                        callbacks=[scheduler]).history
+        "noise_scale", max_accum_steps=cap, learning_rate_rule=rule, **every, **probe
+    )
+    history = model.fit(
+        x, y, batch_size=micro, epochs=epochs, shuffle=False, verbose=0, callbacks=[scheduler]
+    ).history
     path = scheduler.path
     steps = [d.accum_steps for d in path]
     assert steps[-1] > 2 and steps == sorted(steps), steps  # it grew, never shrank
@@ -554,17 +578,23 @@ def test_deciding_every_k_updates_is_a_plain_model_fed_those_batches_and_rates(
             assert due <= gap, (d, before)
             if d.samples // len(x) == before // len(x):  # an epoch's end flushes a short window
                 assert gap < due + micro * window, (d, before)
-    plain, batches = _plain_fed(_rows(path), x, y, micro, epochs, lambda: make(tuned),
-                                **compile_kwargs)
+    plain, batches = _plain_fed(
+        _rows(path), x, y, micro, epochs, lambda: make(tuned), **compile_kwargs
+    )
     assert len(batches) == n_updates
     # Some change came mid-epoch (at a window's end, not an epoch's).
-    changes = [d for prev, d in zip([None] + path, path)
-               if d.accum_steps != (prev.accum_steps if prev else 2)]
+    changes = [
+        d
+        for prev, d in zip([None] + path, path)
+        if d.accum_steps != (prev.accum_steps if prev else 2)
+    ]
     assert any(batches[d.updates - 1][1] != len(x) for d in changes), changes
     # Each change set the rate by the rule, from the tuned rate at batch 16.
     for d in path:
         if d.learning_rate is not None:
-            factor = keras_accum.growth.rate_rules.RULES[rule](micro * d.accum_steps, 16, d.estimate)
+            factor = keras_accum.growth.rate_rules.RULES[rule](
+                micro * d.accum_steps, 16, d.estimate
+            )
             assert d.learning_rate == pytest.approx(tuned * factor, rel=1e-6)
     # The same training as a plain model fed those batches at those rates.
     for a, b in zip(model.get_weights(), plain.get_weights()):
@@ -580,8 +610,13 @@ def test_the_scheduler_needs_a_measuring_model():
     x, y = regression_data(92, noise=1.0)
     model = regression_net(keras_accum.AccumModel, accum_steps=2)
     with pytest.raises(ValueError, match="noise_scale=True"):
-        model.fit(x, y, batch_size=8, verbose=0,
-                  callbacks=[keras_accum.AccumScheduler("noise_scale", max_accum_steps=4)])
+        model.fit(
+            x,
+            y,
+            batch_size=8,
+            verbose=0,
+            callbacks=[keras_accum.AccumScheduler("noise_scale", max_accum_steps=4)],
+        )
     assert int(model.optimizer.iterations) == 0
 
 
@@ -602,6 +637,7 @@ def test_bad_scheduler_arguments_are_refused_naming_them(kwargs, error, match):
 
 
 # -- under MirroredStrategy ---------------------------------------------------
+
 
 # Dozens of trainings under a strategy in one fixture: the slow tier (CI
 # runs it once); the window-state table, embeddings and small tables cover
@@ -640,8 +676,7 @@ def test_under_mirrored_strategy_training_is_bit_identical(mirrored, config):
 
 
 @pytest.mark.parametrize("run_name", ["schedule", "schedule_probe"])
-def test_under_mirrored_strategy_the_schedule_is_a_plain_model_fed_its_batches(
-        mirrored, run_name):
+def test_under_mirrored_strategy_the_schedule_is_a_plain_model_fed_its_batches(mirrored, run_name):
     from helpers.mirrored import SCHEDULE_MICRO, SCHEDULE_N, SCHEDULE_TUNED
 
     run = mirrored[run_name]
@@ -653,8 +688,9 @@ def test_under_mirrored_strategy_the_schedule_is_a_plain_model_fed_its_batches(
         strategy_value, one_device = run["probe_values"]
         assert strategy_value == pytest.approx(one_device, rel=RTOL)
     x, y = regression_data(SCHEDULE_N, noise=4.0)
-    plain, batches = _plain_fed(run["path"], x, y, SCHEDULE_MICRO, 3,
-                                lambda: keras.optimizers.Adam(SCHEDULE_TUNED))
+    plain, batches = _plain_fed(
+        run["path"], x, y, SCHEDULE_MICRO, 3, lambda: keras.optimizers.Adam(SCHEDULE_TUNED)
+    )
     assert run["iterations"] == len(batches)
     # Samples counted globally (the model sees each replica's share).
     trained = np.cumsum([stop - first for first, stop in batches])
@@ -671,22 +707,29 @@ def _resumable(way, rate):
     else:
         model = regression_net(keras_accum.AccumModel, accum_steps=2, noise_scale=True)
     schedule = keras.optimizers.schedules.ExponentialDecay(0.05, 30, 0.5)
-    model.compile(keras.optimizers.Adam(
-        0.05 if rate == "number" else keras_accum.SampleSchedule(schedule)), "mse")
+    model.compile(
+        keras.optimizers.Adam(0.05 if rate == "number" else keras_accum.SampleSchedule(schedule)),
+        "mse",
+    )
     return model
 
 
 def _resumable_scheduler():
-    return keras_accum.AccumScheduler("noise_scale", max_accum_steps=12, every_updates=3,
-                                      learning_rate_rule="sqrt")
+    return keras_accum.AccumScheduler(
+        "noise_scale", max_accum_steps=12, every_updates=3, learning_rate_rule="sqrt"
+    )
 
 
-@pytest.mark.parametrize("order, rate", [
-    ("scheduler_first", "number"), ("backup_first", "number"),
-    # A SampleSchedule's count is not an optimizer variable: the
-    # scheduler's state brings it back.
-    ("scheduler_first", "sample_schedule"),
-])
+@pytest.mark.parametrize(
+    "order, rate",
+    [
+        ("scheduler_first", "number"),
+        ("backup_first", "number"),
+        # A SampleSchedule's count is not an optimizer variable: the
+        # scheduler's state brings it back.
+        ("scheduler_first", "sample_schedule"),
+    ],
+)
 def test_a_schedule_resumed_from_a_backup_continues_exactly(tmp_path, order, rate):
     from helpers.training import InterruptAt
 
@@ -716,13 +759,16 @@ def test_a_schedule_resumed_from_a_backup_continues_exactly(tmp_path, order, rat
     assert resumed.path and resumed.path[0].updates > 3
     later = [d for d in uninterrupted.path if d.updates >= resumed.path[0].updates]
     assert [(d.updates, d.accum_steps, d.learning_rate) for d in resumed.path] == [
-        (d.updates, d.accum_steps, d.learning_rate) for d in later]
-    np.testing.assert_allclose([d.estimate.value for d in resumed.path],
-                               [d.estimate.value for d in later], rtol=1e-9)
+        (d.updates, d.accum_steps, d.learning_rate) for d in later
+    ]
+    np.testing.assert_allclose(
+        [d.estimate.value for d in resumed.path], [d.estimate.value for d in later], rtol=1e-9
+    )
     for a, b in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
     assert float(model.optimizer.learning_rate) == pytest.approx(
-        float(reference.optimizer.learning_rate))
+        float(reference.optimizer.learning_rate)
+    )
 
 
 @pytest.mark.parametrize("way, rate", [("functional", "number"), ("wrap", "sample_schedule")])
@@ -744,23 +790,33 @@ def test_a_schedule_resumed_from_a_keras_file_continues_exactly(tmp_path, way, r
     reference, uninterrupted = compiled(), scheduler()
     reference.fit(x, y, callbacks=[uninterrupted], **fit)
     with pytest.raises(KeyboardInterrupt):
-        compiled().fit(x, y, callbacks=[scheduler(), keras.callbacks.ModelCheckpoint(path),
-                                        InterruptAt(2, 3)], **fit)
+        compiled().fit(
+            x,
+            y,
+            callbacks=[scheduler(), keras.callbacks.ModelCheckpoint(path), InterruptAt(2, 3)],
+            **fit,
+        )
     model, resumed = keras.saving.load_model(path), scheduler()  # as a new process would
     # A file written mid-fit holds the value in force (its window's).
     assert model.accum_steps == [d for d in uninterrupted.path if d.epoch < 2][-1].accum_steps
     model.fit(x, y, initial_epoch=2, callbacks=[resumed], **fit)
     later = [d for d in uninterrupted.path if d.epoch >= 2]
     assert later and [(d.updates, d.accum_steps) for d in resumed.path] == [
-        (d.updates, d.accum_steps) for d in later]
-    np.testing.assert_allclose([d.learning_rate or 0 for d in resumed.path],
-                               [d.learning_rate or 0 for d in later], rtol=1e-6)
-    np.testing.assert_allclose([d.estimate.value for d in resumed.path],
-                               [d.estimate.value for d in later], rtol=1e-6)
+        (d.updates, d.accum_steps) for d in later
+    ]
+    np.testing.assert_allclose(
+        [d.learning_rate or 0 for d in resumed.path],
+        [d.learning_rate or 0 for d in later],
+        rtol=1e-6,
+    )
+    np.testing.assert_allclose(
+        [d.estimate.value for d in resumed.path], [d.estimate.value for d in later], rtol=1e-6
+    )
     for a, b in zip(model.get_weights(), reference.get_weights()):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(float(model.optimizer.learning_rate),
-                               float(reference.optimizer.learning_rate), rtol=1e-6)
+    np.testing.assert_allclose(
+        float(model.optimizer.learning_rate), float(reference.optimizer.learning_rate), rtol=1e-6
+    )
     # Handed over once: a later fit of the loaded model starts afresh.
     again = scheduler()
     model.fit(x, y, batch_size=8, epochs=1, callbacks=[again], shuffle=False, verbose=0)
@@ -773,7 +829,6 @@ def test_a_schedule_resumed_from_a_keras_file_continues_exactly(tmp_path, way, r
 def test_a_backup_keeps_the_open_windows_measure_on_one_replica_only(replicas):
     # Across replicas each holds a share: a backup leaves the window out.
     from helpers.replicas import mirrored
-
     from keras_accum.window.noise_scale import NoiseScale
 
     noise = NoiseScale()

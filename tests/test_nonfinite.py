@@ -4,14 +4,14 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers.tiers import WAYS, wide
+
+import keras_accum
 from helpers import internals
 from helpers.assertions import assert_no_open_window, assert_trained, assert_weights_close
 from helpers.data import make_data
 from helpers.models import OPTIMIZERS, WAYS_IN, functional, initial_weights, loss, mlp
+from helpers.tiers import WAYS, wide
 from helpers.training import plain_on_batches
-
-import keras_accum
 from keras_accum import AccumModel, AccumOptimizer, AccumScheduler
 
 # 92 samples, micro-batch 8, N=4: windows of 32, 32 and 28 samples
@@ -119,9 +119,7 @@ def test_inf_gradient_is_skipped_too():
 def test_with_a_schedule():
     model = functional(AccumModel, skip_nonfinite=True)
     model.compile(OPTIMIZERS["adam"](), loss())
-    model.fit(
-        X_NAN, Y, batch_size=MICRO, epochs=2, callbacks=[AccumScheduler({1: N})], **FIT
-    )
+    model.fit(X_NAN, Y, batch_size=MICRO, epochs=2, callbacks=[AccumScheduler({1: N})], **FIT)
     plain = big_batches(
         [slice(i, min(i + MICRO, 92)) for i in range(0, 92, MICRO) if i != 40], epochs=1
     )
@@ -255,6 +253,7 @@ def test_weights_saved_without_skipping_load_with_a_count_of_zero(tmp_path):
 @pytest.mark.unit
 def test_bad_skip_nonfinite(make, value):
     with pytest.raises(
-        TypeError, match=rf"`skip_nonfinite` must be True or False. Received: skip_nonfinite={value!r}"
+        TypeError,
+        match=rf"`skip_nonfinite` must be True or False. Received: skip_nonfinite={value!r}",
     ):
         make(value)

@@ -4,12 +4,12 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+
+import keras_accum
 from helpers import internals
 from helpers.assertions import assert_trained, assert_weights_close
 from helpers.data import make_data
 from helpers.models import functional, loss
-
-import keras_accum
 from keras_accum import AccumModel, AccumOptimizer
 
 X, Y = make_data(64)
@@ -149,7 +149,9 @@ def test_saved_and_restored_with_the_model_pending_window_included(tmp_path):
     assert_weights_close(uninterrupted, restored, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("value,error", [(0, ValueError), (2.5, TypeError), ("4", TypeError), (True, TypeError)])
+@pytest.mark.parametrize(
+    "value,error", [(0, ValueError), (2.5, TypeError), ("4", TypeError), (True, TypeError)]
+)
 @pytest.mark.unit
 def test_bad_accum_steps(value, error):
     with pytest.raises(error, match=rf"`accum_steps`.*Received: accum_steps={value!r}"):
@@ -158,7 +160,10 @@ def test_bad_accum_steps(value, error):
 
 @pytest.mark.unit
 def test_bad_optimizer_arguments():
-    with pytest.raises(TypeError, match=r"`optimizer` must be a keras.optimizers.Optimizer. Received: optimizer='adam'"):
+    with pytest.raises(
+        TypeError,
+        match=r"`optimizer` must be a keras.optimizers.Optimizer. Received: optimizer='adam'",
+    ):
         AccumOptimizer("adam", accum_steps=2)
     with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2.*one or the other"):
         AccumOptimizer(keras.optimizers.SGD(gradient_accumulation_steps=2), accum_steps=2)
@@ -219,7 +224,9 @@ def test_apply_refuses_a_variable_it_was_not_built_with():
     opt = AccumOptimizer(keras.optimizers.SGD(0.1), accum_steps=4)
     buffers = _one_micro_batch_in(opt, model)
     grads = gradients(other, X[:8], Y[:8])
-    with pytest.raises(ValueError, match=r"not built with: \[.*hidden/kernel.*Pass those variables"):
+    with pytest.raises(
+        ValueError, match=r"not built with: \[.*hidden/kernel.*Pass those variables"
+    ):
         opt.apply(grads, other.trainable_variables)
     _assert_window_unchanged(opt, buffers)
 
@@ -235,8 +242,15 @@ def test_apply_refuses_a_variable_it_was_not_built_with():
         (keras.Variable(-2.0), ValueError, r"`weight` must be >= 0.*Received: weight=-2.0"),
         (np.array([8, 8]), ValueError, r"`weight` must be a scalar.*shape \(2,\)"),
     ],
-    ids=["string", "bool", "negative", "negative_numpy", "negative_tensor", "negative_variable",
-         "vector"],
+    ids=[
+        "string",
+        "bool",
+        "negative",
+        "negative_numpy",
+        "negative_tensor",
+        "negative_variable",
+        "vector",
+    ],
 )
 def test_apply_refuses_a_weight_that_is_not_a_number_at_least_0(weight, error, match):
     model = functional()

@@ -44,15 +44,22 @@ def test_only_the_train_function_owner_assigns_train_function():
 # and changed with only the layers below it in mind.
 LAYER = {
     # the ways in, and the growth wing that drives fits from a callback
-    "__init__": 5, "model": 5, "wrap": 5, "backup": 5, "growth": 5,
+    "__init__": 5,
+    "model": 5,
+    "wrap": 5,
+    "backup": 5,
+    "growth": 5,
     # the engine: the step, its functions, fit and files; the optimizer way in
-    "engine": 4, "optimizer": 4,
+    "engine": 4,
+    "optimizer": 4,
     # the split wing: micro-batches inside the step, "auto", coupled losses
     "split": 3,
     # the accumulation window
     "window": 2,
     # the arguments and the arithmetic
-    "arguments": 1, "scaling": 1, "normaliser": 1,
+    "arguments": 1,
+    "scaling": 1,
+    "normaliser": 1,
     # every reach into Keras and TensorFlow
     "_internals": 0,
 }
@@ -202,7 +209,10 @@ class A:
 @pytest.mark.unit
 def test_no_module_touches_another_classes_private_attributes():
     assert sorted(_reaches(ast.parse(_EXAMPLE))) == [
-        (7, "__dict__"), (7, "_hosts"), (7, "_window"), (7, "_x"),
+        (7, "__dict__"),
+        (7, "_hosts"),
+        (7, "_window"),
+        (7, "_x"),
     ], "is this test still reading the attributes?"
     found = []
     for path in MODULES:

@@ -14,6 +14,8 @@ mirrored fixture.
 import keras
 import numpy as np
 import pytest
+
+import keras_accum
 from helpers.noise import (
     embedding_data,
     embedding_net,
@@ -23,8 +25,6 @@ from helpers.noise import (
     regression_net,
     target,
 )
-
-import keras_accum
 from keras_accum.growth.probe import NoiseProbe
 
 # As test_noise_scale.py: float32 sums of squares against numpy's float64.
@@ -35,17 +35,22 @@ def _probe_windows(probe, micro):
     """The probe's windows as index arrays into its data: equal
     micro-batches of its shuffled rows, the rest of the samples left out."""
     m = probe.samples // (probe.windows * micro)
-    return [[probe.order[(k * m + j) * micro:(k * m + j + 1) * micro] for j in range(m)]
-            for k in range(probe.windows)]
+    return [
+        [probe.order[(k * m + j) * micro : (k * m + j + 1) * micro] for j in range(m)]
+        for k in range(probe.windows)
+    ]
 
 
-@pytest.mark.parametrize("kind, samples, windows, micro", [
-    ("dense", 1024, 8, 8),
-    ("dense", 1000, 3, 12),  # 996 samples used: 3 windows of 83 micro-batches
-    # An Embedding's gradient (IndexedSlices), its rows repeated within a
-    # micro-batch: the norm of the dense gradient it stands for.
-    ("sparse", 512, 4, 8),
-])
+@pytest.mark.parametrize(
+    "kind, samples, windows, micro",
+    [
+        ("dense", 1024, 8, 8),
+        ("dense", 1000, 3, 12),  # 996 samples used: 3 windows of 83 micro-batches
+        # An Embedding's gradient (IndexedSlices), its rows repeated within a
+        # micro-batch: the norm of the dense gradient it stands for.
+        ("sparse", 512, 4, 8),
+    ],
+)
 def test_the_probe_is_the_estimator_on_its_windows(kind, samples, windows, micro):
     # A noisy regression at its initial weights: the noise scale (~25)
     # above the micro-batch, below the probe's windows.
@@ -96,14 +101,18 @@ def test_measuring_changes_nothing(way):
             model = keras_accum.wrap(keras.Model(inputs, outputs), accum_steps=4)
         elif way == "two_outputs":
             model = keras_accum.AccumModel(
-                inputs, [outputs, keras.layers.Dense(1)(outputs)], accum_steps=4)
+                inputs, [outputs, keras.layers.Dense(1)(outputs)], accum_steps=4
+            )
         else:
             model = keras_accum.AccumModel(inputs, outputs, accum_steps=4)
         model.compile(keras.optimizers.Adam(0.01), "mse")
         model.fit(x, y, batch_size=8, verbose=0)
         if measured:
-            state = lambda: [np.array(v) for v in (  # noqa: E731
-                model.variables + model.optimizer.variables + model.metrics_variables)]
+
+            def state():
+                variables = model.variables + model.optimizer.variables
+                return [np.array(v) for v in variables + model.metrics_variables]
+
             before = state()
             assert np.isfinite(probe.measure(model, 8).value)
             for a, b in zip(before, state()):
@@ -122,13 +131,17 @@ def test_a_probe_too_small_for_the_batch_is_refused_before_training(micro_batch_
     # 4 windows of 2 micro-batches of 8 (the batch) need 64 samples; a step
     # split into micro-batches of 4 (memory) makes the probe's 4 too.
     x, y = regression_data(92, noise=1.0)
-    model = regression_net(keras_accum.AccumModel, accum_steps=2, noise_scale=True,
-                           micro_batch_size=micro_batch_size)
+    model = regression_net(
+        keras_accum.AccumModel, accum_steps=2, noise_scale=True, micro_batch_size=micro_batch_size
+    )
     model.build((None, 6))
     weights = model.get_weights()
     scheduler = keras_accum.AccumScheduler(
-        "noise_scale", max_accum_steps=8, probe=regression_data(needed - 4, noise=1.0),
-        probe_windows=4)
+        "noise_scale",
+        max_accum_steps=8,
+        probe=regression_data(needed - 4, noise=1.0),
+        probe_windows=4,
+    )
     with pytest.raises(ValueError, match=rf"`probe` has {needed - 4} samples.*need {needed}\."):
         model.fit(x, y, batch_size=8, callbacks=[scheduler], verbose=0)
     for a, b in zip(weights, model.get_weights()):
@@ -139,21 +152,44 @@ def test_a_probe_too_small_for_the_batch_is_refused_before_training(micro_batch_
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(schedule={0: 2}, probe=(np.zeros((64, 6)), np.zeros((64, 1)))),
-         r'`probe` is for AccumScheduler\("noise_scale"\).*schedule=\{0: 2\}'),
-        (dict(schedule="noise_scale", max_accum_steps=8, probe_windows=4),
-         r"`probe_windows`.*probe_windows=4, probe=None"),
-        (dict(schedule="noise_scale", max_accum_steps=8, probe_windows=2,
-              probe=(np.zeros((64, 6)), np.zeros((64, 1)))),
-         r"`probe_windows` must be an int >= 3.*probe_windows=2"),
-        (dict(schedule="noise_scale", max_accum_steps=8, probe_windows=4.0,
-              probe=(np.zeros((64, 6)), np.zeros((64, 1)))),
-         r"`probe_windows` must be an int >= 3.*probe_windows=4.0"),
-        (dict(schedule="noise_scale", max_accum_steps=8,
-              probe=(np.zeros((64, 6)), np.zeros((63, 1)))),
-         r"same number of samples.*\[63, 64\]"),
-        (dict(schedule="noise_scale", max_accum_steps=8, probe=np.zeros((64, 6))),
-         r"`probe` must be `\(x,\)`, `\(x, y\)`.*ndarray"),
+        (
+            dict(schedule={0: 2}, probe=(np.zeros((64, 6)), np.zeros((64, 1)))),
+            r'`probe` is for AccumScheduler\("noise_scale"\).*schedule=\{0: 2\}',
+        ),
+        (
+            dict(schedule="noise_scale", max_accum_steps=8, probe_windows=4),
+            r"`probe_windows`.*probe_windows=4, probe=None",
+        ),
+        (
+            dict(
+                schedule="noise_scale",
+                max_accum_steps=8,
+                probe_windows=2,
+                probe=(np.zeros((64, 6)), np.zeros((64, 1))),
+            ),
+            r"`probe_windows` must be an int >= 3.*probe_windows=2",
+        ),
+        (
+            dict(
+                schedule="noise_scale",
+                max_accum_steps=8,
+                probe_windows=4.0,
+                probe=(np.zeros((64, 6)), np.zeros((64, 1))),
+            ),
+            r"`probe_windows` must be an int >= 3.*probe_windows=4.0",
+        ),
+        (
+            dict(
+                schedule="noise_scale",
+                max_accum_steps=8,
+                probe=(np.zeros((64, 6)), np.zeros((63, 1))),
+            ),
+            r"same number of samples.*\[63, 64\]",
+        ),
+        (
+            dict(schedule="noise_scale", max_accum_steps=8, probe=np.zeros((64, 6))),
+            r"`probe` must be `\(x,\)`, `\(x, y\)`.*ndarray",
+        ),
     ],
 )
 @pytest.mark.unit
@@ -180,7 +216,8 @@ def test_the_scheduler_acts_on_the_probe_of_the_loss_compiled_now(way):
     for loss in ("mse", "mae"):
         model.compile(keras.optimizers.SGD(0.0), loss, **compile_kwargs)
         scheduler = keras_accum.AccumScheduler(
-            "noise_scale", max_accum_steps=64, every_updates=3, probe=held, probe_windows=4)
+            "noise_scale", max_accum_steps=64, every_updates=3, probe=held, probe_windows=4
+        )
         model.fit(x, y, batch_size=8, verbose=0, callbacks=[scheduler])
         probed = [d for d in scheduler.path if d.probed]
         assert probed, scheduler.path

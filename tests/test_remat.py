@@ -11,10 +11,10 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers.assertions import assert_history_close, assert_weights_close
-from helpers.models import OPTIMIZERS, loss
 
 import keras_accum
+from helpers.assertions import assert_history_close, assert_weights_close
+from helpers.models import OPTIMIZERS, loss
 
 pytestmark = pytest.mark.skipif(
     not hasattr(keras, "RematScope"),
@@ -92,7 +92,8 @@ def train(model, x, y, batch, jit_compile=False, **fit_kwargs):
 
 @pytest.mark.parametrize(
     # "larger_than" on every way in the slow tier.
-    "mode", [m if m == "activations" else pytest.param(m, marks=pytest.mark.slow) for m in MODES]
+    "mode",
+    [m if m == "activations" else pytest.param(m, marks=pytest.mark.slow) for m in MODES],
 )
 @pytest.mark.parametrize(
     "way, batch",

@@ -9,12 +9,12 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+
+import keras_accum
 from helpers import internals
 from helpers.assertions import assert_no_open_window, assert_weights_close
 from helpers.data import FEATURES, bn_data, make_data
 from helpers.models import bn_net, functional, loss, subclassed
-
-import keras_accum
 from keras_accum import AccumModel
 
 X, Y = make_data(64)
@@ -53,7 +53,11 @@ def fresh(make=functional, accum_steps=4):
 
 def window_state(model):
     acc = internals.accumulator(model)
-    return acc.open_micro_batches(), float(acc.window_weight.numpy()), [b.numpy() for b in acc.acc_grads]
+    return (
+        acc.open_micro_batches(),
+        float(acc.window_weight.numpy()),
+        [b.numpy() for b in acc.acc_grads],
+    )
 
 
 def assert_same_window(a, b):
@@ -234,8 +238,9 @@ def _assert_unchanged(model, state):
 def test_mismatched_weights_file_leaves_the_model_unchanged(tmp_path):
     keras.utils.set_random_seed(1)
     inputs = keras.Input((FEATURES,))
-    other = keras.Model(inputs, keras.layers.Dense(3, name="logits")(
-        keras.layers.Dense(7, name="hidden")(inputs)))  # hidden layer of 7, not 16
+    other = keras.Model(
+        inputs, keras.layers.Dense(3, name="logits")(keras.layers.Dense(7, name="hidden")(inputs))
+    )  # hidden layer of 7, not 16
     other.save_weights(tmp_path / "other.weights.h5")
     model = train(compiled(functional(AccumModel, accum_steps=4)), range(6))
     state = _state(model)
@@ -414,8 +419,13 @@ def test_a_files_setting_states_go_to_the_next_fit_once_by_every_way_in(way, tmp
     x, y = make_data(16)
     path = str(tmp_path / "mid_fit.keras")
     save = keras.callbacks.LambdaCallback(on_epoch_end=lambda *_: model.save(path))
-    model.fit(x, y, batch_size=8, verbose=0,
-              callbacks=[Recorder({"accum_steps": 4}), Other({"n": 1}), save])
+    model.fit(
+        x,
+        y,
+        batch_size=8,
+        verbose=0,
+        callbacks=[Recorder({"accum_steps": 4}), Other({"n": 1}), save],
+    )
     model.save(tmp_path / "after_fit.keras")  # between fits: no state
     loaded = keras.saving.load_model(path)
     first, second = Recorder(), Recorder()

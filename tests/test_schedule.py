@@ -10,11 +10,11 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers.tiers import WAYS, wide
+
 from helpers.assertions import assert_history_close, assert_trained, assert_weights_close
 from helpers.data import make_data
 from helpers.models import OPTIMIZERS, WAYS_IN, functional, initial_weights, loss
-
+from helpers.tiers import WAYS, wide
 from keras_accum import AccumModel, AccumScheduler, SampleSchedule
 
 # 92 samples at micro-batch 8: 11 micro-batches of 8 and one of 4, so every
@@ -83,7 +83,9 @@ def test_callable_schedule_equals_a_plain_model_with_the_scheduled_batch():
     )
     plain, plain_history = plain_following(schedule, epochs=4)
     assert_weights_close(plain, model)
-    assert model.optimizer.iterations.numpy() == plain.optimizer.iterations.numpy() == 6 + 3 + 12 + 3
+    assert (
+        model.optimizer.iterations.numpy() == plain.optimizer.iterations.numpy() == 6 + 3 + 12 + 3
+    )
     assert_history_close(without_accum_steps(history), plain_history)
     assert model.accum_steps == 3
 
@@ -166,7 +168,14 @@ def test_backup_and_restore_resume_reapplies_the_schedule(tmp_path):
 def test_verbose_reports_changes(capsys):
     model = functional(AccumModel)
     model.compile(OPTIMIZERS["adam"](), loss())
-    model.fit(X[:16], Y[:16], batch_size=MICRO, epochs=2, callbacks=[AccumScheduler({1: 2}, verbose=1)], **FIT)
+    model.fit(
+        X[:16],
+        Y[:16],
+        batch_size=MICRO,
+        epochs=2,
+        callbacks=[AccumScheduler({1: 2}, verbose=1)],
+        **FIT,
+    )
     assert "Epoch 2: AccumScheduler setting accum_steps to 2." in capsys.readouterr().out
 
 
@@ -193,9 +202,7 @@ def test_bad_dict_schedules_are_refused_at_construction(schedule, error, match):
         AccumScheduler(schedule)
 
 
-@pytest.mark.parametrize(
-    "value, error", [(0, ValueError), (1.5, TypeError), ("2", TypeError)]
-)
+@pytest.mark.parametrize("value, error", [(0, ValueError), (1.5, TypeError), ("2", TypeError)])
 def test_bad_callable_schedule_is_refused_before_training(value, error):
     # Wrong only for the last epoch: still refused before the first step.
     model = functional(AccumModel)
@@ -211,12 +218,15 @@ def test_bad_callable_schedule_is_refused_before_training(value, error):
 
 
 @pytest.mark.parametrize(
-    "schedule", [lambda: 2, lambda epoch, logs: 2, lambda *, epoch: 2], ids=["none", "two", "keyword"]
+    "schedule",
+    [lambda: 2, lambda epoch, logs: 2, lambda *, epoch: 2],
+    ids=["none", "two", "keyword"],
 )
 @pytest.mark.unit
 def test_a_callable_of_the_wrong_arity_is_refused_at_construction(schedule):
     with pytest.raises(
-        TypeError, match=r"(?s)`schedule` must be a callable taking the epoch.*Received: schedule=<function"
+        TypeError,
+        match=r"(?s)`schedule` must be a callable taking the epoch.*Received: schedule=<function",
     ):
         AccumScheduler(schedule)
 
@@ -248,9 +258,18 @@ def test_fit_accum_steps_that_the_schedule_would_replace_is_refused_before_train
     model = functional(AccumModel, accum_steps=3)
     model.compile(OPTIMIZERS["adam"](), loss())
     before = model.get_weights()
-    with pytest.raises(ValueError, match=r"fit\(accum_steps=8\).*schedule says 2.*Nothing was trained"):
-        model.fit(X, Y, batch_size=MICRO, epochs=2, accum_steps=8,
-                  callbacks=[AccumScheduler(schedule)], **FIT)
+    with pytest.raises(
+        ValueError, match=r"fit\(accum_steps=8\).*schedule says 2.*Nothing was trained"
+    ):
+        model.fit(
+            X,
+            Y,
+            batch_size=MICRO,
+            epochs=2,
+            accum_steps=8,
+            callbacks=[AccumScheduler(schedule)],
+            **FIT,
+        )
     assert model.accum_steps == 3 and int(model.optimizer.iterations.numpy()) == 0
     for a, b in zip(before, model.get_weights()):
         np.testing.assert_array_equal(a, b)
@@ -259,8 +278,9 @@ def test_fit_accum_steps_that_the_schedule_would_replace_is_refused_before_train
 def test_fit_accum_steps_is_where_a_later_schedule_starts_from():
     model = functional(AccumModel)
     model.compile(OPTIMIZERS["adam"](), loss())
-    model.fit(X, Y, batch_size=MICRO, epochs=3, accum_steps=2,
-              callbacks=[AccumScheduler({2: 4})], **FIT)
+    model.fit(
+        X, Y, batch_size=MICRO, epochs=3, accum_steps=2, callbacks=[AccumScheduler({2: 4})], **FIT
+    )
     plain, _ = plain_following(lambda epoch: 2 if epoch < 2 else 4, epochs=3)
     assert_weights_close(plain, model)
     assert model.accum_steps == 1
@@ -269,8 +289,15 @@ def test_fit_accum_steps_is_where_a_later_schedule_starts_from():
 def test_the_progress_bar_prints_accum_steps_as_an_integer(capsys):
     model = functional(AccumModel)
     model.compile(OPTIMIZERS["adam"](), loss())
-    history = model.fit(X, Y, batch_size=MICRO, epochs=2, shuffle=False, verbose=2,
-                        callbacks=[AccumScheduler({0: 1, 1: 2})])
+    history = model.fit(
+        X,
+        Y,
+        batch_size=MICRO,
+        epochs=2,
+        shuffle=False,
+        verbose=2,
+        callbacks=[AccumScheduler({0: 1, 1: 2})],
+    )
     out = capsys.readouterr().out
     assert out.count("accum_steps: 1\n") == 1 and out.count("accum_steps: 2\n") == 1, out
     # Still an int for everything else (a batch size, say).
@@ -296,7 +323,8 @@ def test_a_rule_sets_the_rate_of_each_scheduled_batch():
         plain.fit(X, Y, batch_size=MICRO * steps, epochs=epoch + 1, initial_epoch=epoch, **FIT)
     assert_weights_close(plain, model)
     assert [d.learning_rate for d in scheduler.path] == pytest.approx(
-        [tuned, tuned * np.sqrt(2), tuned * 2], rel=1e-6)
+        [tuned, tuned * np.sqrt(2), tuned * 2], rel=1e-6
+    )
     # For this fit only: the tuned rate is back with the model's accum_steps.
     assert float(model.optimizer.learning_rate) == pytest.approx(tuned)
 
@@ -323,8 +351,14 @@ def test_a_rule_changes_nothing_when_the_batch_does_not():
     for rule in (None, "linear"):
         model = functional(AccumModel, accum_steps=2)
         model.compile(OPTIMIZERS["sgd_momentum"](), loss())
-        model.fit(X, Y, batch_size=MICRO, epochs=2,
-                  callbacks=[AccumScheduler({0: 2}, learning_rate_rule=rule)], **FIT)
+        model.fit(
+            X,
+            Y,
+            batch_size=MICRO,
+            epochs=2,
+            callbacks=[AccumScheduler({0: 2}, learning_rate_rule=rule)],
+            **FIT,
+        )
         weights.append(model.get_weights())
     for a, b in zip(*weights):
         np.testing.assert_array_equal(a, b)
@@ -333,18 +367,27 @@ def test_a_rule_changes_nothing_when_the_batch_does_not():
 @pytest.mark.parametrize(
     "optimizer, kwargs, match",
     [
-        ("adam_exponential_decay", dict(learning_rate_rule="sqrt"),
-         r"rate is a ExponentialDecay, not a number.*SampleSchedule.*learning_rate_rule=None"),
-        ("adam", dict(tuned_batch=256),
-         r"`tuned_batch` is.*neither.*Nothing was trained. Received: tuned_batch=256"),
+        (
+            "adam_exponential_decay",
+            dict(learning_rate_rule="sqrt"),
+            r"rate is a ExponentialDecay, not a number.*SampleSchedule.*learning_rate_rule=None",
+        ),
+        (
+            "adam",
+            dict(tuned_batch=256),
+            r"`tuned_batch` is.*neither.*Nothing was trained. Received: tuned_batch=256",
+        ),
     ],
 )
 def test_a_rule_or_tuned_batch_the_rate_cannot_follow_is_refused_before_training(
-        optimizer, kwargs, match):
+    optimizer, kwargs, match
+):
     model = functional(AccumModel)
     model.compile(OPTIMIZERS[optimizer](), loss())
     with pytest.raises(ValueError, match=match):
-        model.fit(X, Y, batch_size=MICRO, epochs=2, callbacks=[AccumScheduler({1: 2}, **kwargs)], **FIT)
+        model.fit(
+            X, Y, batch_size=MICRO, epochs=2, callbacks=[AccumScheduler({1: 2}, **kwargs)], **FIT
+        )
     assert int(model.optimizer.iterations.numpy()) == 0
 
 
@@ -378,10 +421,14 @@ def test_a_sample_schedule_counts_each_updates_samples_since_each_change():
 
 @pytest.mark.unit
 def test_a_sample_schedule_of_what_is_not_a_schedule_is_refused_naming_it():
-    with pytest.raises(TypeError, match=r"`schedule` must be a keras.*schedule=0.1 \(of type float\)"):
+    with pytest.raises(
+        TypeError, match=r"`schedule` must be a keras.*schedule=0.1 \(of type float\)"
+    ):
         SampleSchedule(0.1)
     for state in (5, "12345", [1.0, 2.0]):
-        with pytest.raises(ValueError, match=rf"`state` must be the 5 numbers.*state={re.escape(repr(state))}"):
+        with pytest.raises(
+            ValueError, match=rf"`state` must be the 5 numbers.*state={re.escape(repr(state))}"
+        ):
             SampleSchedule(decay(), state=state)
 
 
@@ -405,8 +452,9 @@ def test_a_later_fit_counts_in_the_first_fits_tuned_batch():
     model.fit(X, Y, batch_size=MICRO, epochs=1, callbacks=[AccumScheduler({0: 1})], **FIT)
     assert counted.tuned_batch == MICRO and counted.step_at(12) == 12
     # This fit starts at batch 16: still counted in batches of 8.
-    model.fit(X, Y, batch_size=MICRO, epochs=1, accum_steps=2,
-              callbacks=[AccumScheduler({0: 2})], **FIT)
+    model.fit(
+        X, Y, batch_size=MICRO, epochs=1, accum_steps=2, callbacks=[AccumScheduler({0: 2})], **FIT
+    )
     assert counted.step_at(int(model.optimizer.iterations)) == 12 + 2 * 6
     # Recompiled with a new optimizer: behind the count, restarted, warned.
     model.compile(keras.optimizers.Adam(counted), loss())
@@ -446,14 +494,17 @@ def test_a_sample_schedule_follows_the_samples_and_the_rule_exactly(rule):
     # Updates per epoch: 12 of 8 samples, 12, 6 of 16, 3 of 32, 3.
     factor = (lambda k: 1.0) if rule is None else np.sqrt
     plain = functional()
-    plain.compile(keras.optimizers.Adam(PiecewiseReference(decay(), [0, 24, 30], [1, 2, 4], factor)), loss())
+    plain.compile(
+        keras.optimizers.Adam(PiecewiseReference(decay(), [0, 24, 30], [1, 2, 4], factor)), loss()
+    )
     for epoch in range(EPOCHS):
         steps = step_of(SCHEDULE)(epoch)
         plain.fit(X, Y, batch_size=MICRO * steps, epochs=epoch + 1, initial_epoch=epoch, **FIT)
     assert_weights_close(plain, model)
     assert [d.updates for d in scheduler.path] == [24, 30]
     assert [d.learning_rate for d in scheduler.path] == pytest.approx(
-        [factor(2) * float(decay()(24.0)), factor(4) * float(decay()(36.0))], rel=1e-6)
+        [factor(2) * float(decay()(24.0)), factor(4) * float(decay()(36.0))], rel=1e-6
+    )
     # After the fit the count goes on in updates of the tuned batch, from
     # the samples trained: 24 + 2 x 6 + 4 x 6 = 60.
     assert model.optimizer.learning_rate.numpy() == pytest.approx(float(decay()(60.0)), rel=1e-6)
@@ -462,27 +513,61 @@ def test_a_sample_schedule_follows_the_samples_and_the_rule_exactly(rule):
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
-        (dict(schedule={0: 2}, every_updates=10), ValueError, r"`every_updates` is for.*every_updates=10"),
-        (dict(schedule="noise_scale", max_accum_steps=8, every_updates=5, every_samples=100),
-         ValueError, r"not both.*every_updates=5, every_samples=100"),
-        (dict(schedule="noise_scale", max_accum_steps=8, every_updates=0), ValueError,
-         r"`every_updates` must be a positive integer.*every_updates=0"),
-        (dict(schedule="noise_scale", max_accum_steps=8, every_samples=2.5), ValueError,
-         r"`every_samples` must be a positive integer.*every_samples=2.5"),
-        (dict(schedule="noise_scale", max_accum_steps=8, noise_scale_multiple=0), ValueError,
-         r"`noise_scale_multiple` must be a number > 0.*noise_scale_multiple=0"),
-        (dict(schedule={0: 2}, noise_scale_multiple=2.0), ValueError,
-         r"`noise_scale_multiple` is for.*noise_scale_multiple=2.0"),
-        (dict(schedule={0: 2}, learning_rate_rule="sqrt", tuned_batch=0), ValueError,
-         r"`tuned_batch` must be a positive integer.*tuned_batch=0"),
-        (dict(schedule={0: 2}, learning_rate_rule="cube"), ValueError,
-         r"`learning_rate_rule` must be one of.*learning_rate_rule='cube'"),
-        (dict(schedule="noise_scale", max_accum_steps=8, min_accum_steps=16), ValueError,
-         r"`min_accum_steps`.*at most `max_accum_steps`.*min_accum_steps=16, max_accum_steps=8"),
-        (dict(schedule="noise_scale", max_accum_steps=8, min_accum_steps=0), ValueError,
-         r"`min_accum_steps`.*min_accum_steps=0"),
-        (dict(schedule={0: 2}, min_accum_steps=1), ValueError,
-         r"`min_accum_steps` is for.*min_accum_steps=1"),
+        (
+            dict(schedule={0: 2}, every_updates=10),
+            ValueError,
+            r"`every_updates` is for.*every_updates=10",
+        ),
+        (
+            dict(schedule="noise_scale", max_accum_steps=8, every_updates=5, every_samples=100),
+            ValueError,
+            r"not both.*every_updates=5, every_samples=100",
+        ),
+        (
+            dict(schedule="noise_scale", max_accum_steps=8, every_updates=0),
+            ValueError,
+            r"`every_updates` must be a positive integer.*every_updates=0",
+        ),
+        (
+            dict(schedule="noise_scale", max_accum_steps=8, every_samples=2.5),
+            ValueError,
+            r"`every_samples` must be a positive integer.*every_samples=2.5",
+        ),
+        (
+            dict(schedule="noise_scale", max_accum_steps=8, noise_scale_multiple=0),
+            ValueError,
+            r"`noise_scale_multiple` must be a number > 0.*noise_scale_multiple=0",
+        ),
+        (
+            dict(schedule={0: 2}, noise_scale_multiple=2.0),
+            ValueError,
+            r"`noise_scale_multiple` is for.*noise_scale_multiple=2.0",
+        ),
+        (
+            dict(schedule={0: 2}, learning_rate_rule="sqrt", tuned_batch=0),
+            ValueError,
+            r"`tuned_batch` must be a positive integer.*tuned_batch=0",
+        ),
+        (
+            dict(schedule={0: 2}, learning_rate_rule="cube"),
+            ValueError,
+            r"`learning_rate_rule` must be one of.*learning_rate_rule='cube'",
+        ),
+        (
+            dict(schedule="noise_scale", max_accum_steps=8, min_accum_steps=16),
+            ValueError,
+            r"`min_accum_steps`.*at most `max_accum_steps`.*min_accum_steps=16, max_accum_steps=8",
+        ),
+        (
+            dict(schedule="noise_scale", max_accum_steps=8, min_accum_steps=0),
+            ValueError,
+            r"`min_accum_steps`.*min_accum_steps=0",
+        ),
+        (
+            dict(schedule={0: 2}, min_accum_steps=1),
+            ValueError,
+            r"`min_accum_steps` is for.*min_accum_steps=1",
+        ),
     ],
 )
 @pytest.mark.unit

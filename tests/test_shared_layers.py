@@ -9,13 +9,13 @@ writing anything.
 import keras
 import numpy as np
 import pytest
+
+import keras_accum
 from helpers.assertions import assert_weights_close
 from helpers.models import TIED_LENGTH as LENGTH
 from helpers.models import TIED_VOCAB as VOCAB
 from helpers.models import TIED_WIDTH as WIDTH
 from helpers.models import TiedEmbedding, TiedLM, tied_graph
-
-import keras_accum
 
 
 @keras.saving.register_keras_serializable(package="test_shared_layers")
@@ -47,7 +47,7 @@ def _compile(model):
 def _train_into_a_window(model, x, y):
     # 3 micro-batches at accum_steps=2: one update, then an open window.
     for i in range(3):
-        model.train_on_batch(x[8 * i: 8 * (i + 1)], y[8 * i: 8 * (i + 1)])
+        model.train_on_batch(x[8 * i : 8 * (i + 1)], y[8 * i : 8 * (i + 1)])
 
 
 def _finish(model, x, y):
@@ -107,7 +107,10 @@ def test_functional_graph_that_cannot_be_saved_is_refused_before_writing(make, t
     model = _compile(make())
     _train_into_a_window(model, x, y)
     path = tmp_path / "m.keras"
-    with pytest.raises(ValueError, match=r"layer 'table' is used both by 'encoder' and by 'table'.*Nothing was written"):
+    with pytest.raises(
+        ValueError,
+        match=r"layer 'table' is used both by 'encoder' and by 'table'.*Nothing was written",
+    ):
         model.save(path)
     assert not path.exists()
     # Weights files do not need the config, and resume as ever.
@@ -128,5 +131,3 @@ def test_shared_layers_within_one_graph_still_save():
     logits = table(keras.layers.Dense(WIDTH)(table(tokens)), reverse=True)
     model = _compile(keras_accum.AccumModel(tokens, logits, accum_steps=2))
     assert model.get_config()["accum_steps"] == 2
-
-

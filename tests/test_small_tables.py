@@ -7,22 +7,21 @@ per-row moments (window/slices.py), not as its occurrences. Every reference
 is a plain `keras.Model` on the big batch with Keras's own sparse update.
 """
 
-
 import re
 
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers.tiers import wide
+
+import keras_accum
 from helpers import internals, training
+from helpers import mirrored as mirrored_runs
 from helpers.assertions import ATOL, assert_weights_close
 from helpers.data import small_table_data
 from helpers.internals import GradientAccumulator, sparse
 from helpers.models import SMALL_TABLES, DenseGradientModel, loss, small_tables_net
-from helpers import mirrored as mirrored_runs
-
-import keras_accum
+from helpers.tiers import wide
 from keras_accum import AccumModel, AccumOptimizer
 
 MICRO, N = 8, 4
@@ -71,11 +70,26 @@ def optimizer(name):
     return _optimizer(cls, **kwargs)
 
 
-def fit_pair(make_accum, x, y, make_optimizer, make_plain=small_tables_net,
-             accum_batch=MICRO, **compile_kwargs):
+def fit_pair(
+    make_accum,
+    x,
+    y,
+    make_optimizer,
+    make_plain=small_tables_net,
+    accum_batch=MICRO,
+    **compile_kwargs,
+):
     # The tables' plain net is every pair's reference unless told.
-    return training.fit_pair(make_accum, make_plain, x, y, make_optimizer,
-                             big_batch=MICRO * N, accum_batch=accum_batch, **compile_kwargs)
+    return training.fit_pair(
+        make_accum,
+        make_plain,
+        x,
+        y,
+        make_optimizer,
+        big_batch=MICRO * N,
+        accum_batch=accum_batch,
+        **compile_kwargs,
+    )
 
 
 def assert_kept_as_moments(model):
@@ -83,9 +97,9 @@ def assert_kept_as_moments(model):
     x, y = small_table_data(MICRO, seed=11)
     model.train_on_batch(x, y)
     counts = internals.accumulator(model).slice_counts
-    assert [int(counts[i].numpy()) for i in range(len(SMALL_TABLES))] == [
-        sparse.ROW_SUMS
-    ] * len(SMALL_TABLES)
+    assert [int(counts[i].numpy()) for i in range(len(SMALL_TABLES))] == [sparse.ROW_SUMS] * len(
+        SMALL_TABLES
+    )
     model.reset_window()
 
 
@@ -172,9 +186,9 @@ def test_under_xla_synthesised_occurrences_need_no_slot_by_row_table():
         lambda s, q, c: sparse.synthesised(s, q, c, sparse.SQUARE, capacity), jit_compile=True
     )
     table = tf.zeros((rows, width))
-    hlo = synthesise.experimental_get_compiler_ir(
-        table, table, tf.zeros((rows,), tf.int32)
-    )(stage="optimized_hlo")
+    hlo = synthesise.experimental_get_compiler_ir(table, table, tf.zeros((rows,), tf.int32))(
+        stage="optimized_hlo"
+    )
     largest = max(
         int(np.prod([int(d) for d in dims.split(",") if d]))
         for dims in re.findall(r"\b(?:f32|s32|u32|pred|s64)\[([0-9,]*)\]", hlo)
@@ -203,7 +217,9 @@ def test_under_xla_synthesised_occurrences_need_no_slot_by_row_table():
 @pytest.mark.parametrize("name", wide(sorted(REPRODUCED), ["adam"]))
 def test_small_tables_match_the_big_batch(name):
     x, y = small_table_data(92)  # windows of 8+8+8+8, 8+8+8+8, 8+8+8+4
-    plain, accum, *_ = fit_pair(lambda: small_tables_net(AccumModel, accum_steps=N), x, y, optimizer(name))
+    plain, accum, *_ = fit_pair(
+        lambda: small_tables_net(AccumModel, accum_steps=N), x, y, optimizer(name)
+    )
     assert internals.sparse_indices(accum) == set(range(len(SMALL_TABLES)))
     assert_weights_close(plain, accum)
     assert_kept_as_moments(accum)
@@ -212,7 +228,9 @@ def test_small_tables_match_the_big_batch(name):
 @pytest.mark.parametrize("name", sorted(NOT_REPRODUCED))
 def test_what_moments_cannot_reproduce_differs_as_the_readme_says(name):
     x, y = small_table_data(92)
-    plain, accum, *_ = fit_pair(lambda: small_tables_net(AccumModel, accum_steps=N), x, y, optimizer(name))
+    plain, accum, *_ = fit_pair(
+        lambda: small_tables_net(AccumModel, accum_steps=N), x, y, optimizer(name)
+    )
     gap = max(np.abs(a - b).max() for a, b in zip(tables(plain), tables(accum)))
     assert gap > 100 * ATOL
 
@@ -256,13 +274,17 @@ def test_accum_optimizer_on_a_plain_model():
     # Keras's fit weighs micro-batches equally: equal windows (96 = 3 x 32).
     x, y = small_table_data(96)
     accum, _ = training.fit_alone(
-        small_tables_net, x, y,
-        lambda: AccumOptimizer(keras.optimizers.Adam(0.01), accum_steps=N), MICRO,
+        small_tables_net,
+        x,
+        y,
+        lambda: AccumOptimizer(keras.optimizers.Adam(0.01), accum_steps=N),
+        MICRO,
     )
     reference, _ = training.fit_alone(
         small_tables_net, x, y, lambda: keras.optimizers.Adam(0.01), MICRO * N
     )
     assert_weights_close(reference, accum)
+
 
 @pytest.mark.slow  # an XLA compile per batch size: the slow tier
 def test_jit_compile_needs_room_for_the_whole_window_at_a_short_batch():
@@ -274,7 +296,10 @@ def test_jit_compile_needs_room_for_the_whole_window_at_a_short_batch():
     x[:, 0] = 1
     y[:] = 0
     plain, accum, *_ = fit_pair(
-        lambda: small_tables_net(AccumModel, accum_steps=N), x, y, optimizer("adam"),
+        lambda: small_tables_net(AccumModel, accum_steps=N),
+        x,
+        y,
+        optimizer("adam"),
         jit_compile=True,
     )
     assert_weights_close(plain, accum)
@@ -283,8 +308,11 @@ def test_jit_compile_needs_room_for_the_whole_window_at_a_short_batch():
 def test_mask_zero():
     x, y = small_table_data(92)
     plain, accum, *_ = fit_pair(
-        lambda: small_tables_net(AccumModel, mask_zero=True, accum_steps=N), x, y,
-        optimizer("adam"), make_plain=lambda: small_tables_net(mask_zero=True),
+        lambda: small_tables_net(AccumModel, mask_zero=True, accum_steps=N),
+        x,
+        y,
+        optimizer("adam"),
+        make_plain=lambda: small_tables_net(mask_zero=True),
     )
     assert_weights_close(plain, accum)
 
@@ -292,8 +320,11 @@ def test_mask_zero():
 def test_a_table_read_twice():
     x, y = small_table_data(92)
     plain, accum, *_ = fit_pair(
-        lambda: small_tables_net(AccumModel, tied=True, accum_steps=N), x, y,
-        optimizer("rmsprop"), make_plain=lambda: small_tables_net(tied=True),
+        lambda: small_tables_net(AccumModel, tied=True, accum_steps=N),
+        x,
+        y,
+        optimizer("rmsprop"),
+        make_plain=lambda: small_tables_net(tied=True),
     )
     assert internals.sparse_indices(accum) == set(range(len(SMALL_TABLES)))
     assert_weights_close(plain, accum)
@@ -387,7 +418,12 @@ def test_interrupted_mid_window_resumes_from_a_backup(tmp_path):
     def fit(model, callbacks=()):
         backup = keras_accum.BackupAndRestore(tmp_path)
         return model.fit(
-            x, y, batch_size=MICRO, epochs=3, shuffle=False, verbose=0,
+            x,
+            y,
+            batch_size=MICRO,
+            epochs=3,
+            shuffle=False,
+            verbose=0,
             callbacks=[*callbacks, backup],
         )
 

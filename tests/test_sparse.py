@@ -8,7 +8,6 @@ own sparse update; tokens come from a small range so they repeat within
 every batch, which is where a summed window would differ.
 """
 
-
 import functools
 from itertools import product
 
@@ -16,8 +15,9 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers.tiers import wide
+
 from helpers import internals, training
+from helpers import mirrored as mirrored_runs
 from helpers.assertions import ATOL, assert_trained, assert_weights_close
 from helpers.data import TEXT_LENGTH as LENGTH
 from helpers.data import TEXT_TOKENS as TOKENS
@@ -26,9 +26,7 @@ from helpers.data import token_data
 from helpers.internals import AccumState, GradientAccumulator, NonFiniteWindows, close, sparse
 from helpers.models import DenseGradientModel, loss, ways_in
 from helpers.models import text_net as net
-from helpers import mirrored as mirrored_runs
-
-import keras_accum
+from helpers.tiers import wide
 from keras_accum import AccumModel, AccumOptimizer
 
 # A window of 4 micro-batches of 8: its 32 x LENGTH tokens stay under the
@@ -118,7 +116,9 @@ def test_tied_embedding_read_twice(name):
     plain, accum, *_ = fit_pair(
         lambda: net(AccumModel, tied=True, accum_steps=N),
         lambda: net(tied=True),
-        x, y, OPTIMIZERS[name],
+        x,
+        y,
+        OPTIMIZERS[name],
     )
     assert internals.sparse_indices(accum) == {0}
     assert_weights_close(plain, accum)
@@ -144,6 +144,7 @@ def test_mask_zero_with_a_masked_per_token_loss():
         lambda: tagger(AccumModel, accum_steps=N), tagger, x, y, OPTIMIZERS["adam"]
     )
     assert_weights_close(plain, accum)
+
 
 def test_under_xla_the_window_is_padded_to_static_shapes():
     acc = GradientAccumulator()
@@ -293,9 +294,7 @@ def test_resume_mid_window_from_a_tf_train_checkpoint(tmp_path):
         uninterrupted.train_on_batch(*batch)
     for batch in batches[:6]:
         first.train_on_batch(*batch)
-    path = tf.train.Checkpoint(model=first, optimizer=first.optimizer).save(
-        str(tmp_path / "ckpt")
-    )
+    path = tf.train.Checkpoint(model=first, optimizer=first.optimizer).save(str(tmp_path / "ckpt"))
     resumed = model()
     resumed.train_on_batch(*batches[0])  # builds the window; then overwritten
     tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).restore(path)
@@ -377,8 +376,11 @@ def test_window_bigger_than_the_table_is_still_the_big_batch(name):
     # 32 samples x 6 tokens per window over a 40-row table: moments.
     x, y = token_data()
     plain, accum, *_ = fit_pair(
-        lambda: net(AccumModel, vocab=40, accum_steps=N), lambda: net(vocab=40),
-        x, y, OPTIMIZERS[name],
+        lambda: net(AccumModel, vocab=40, accum_steps=N),
+        lambda: net(vocab=40),
+        x,
+        y,
+        OPTIMIZERS[name],
     )
     assert_weights_close(plain, accum)
     accum.train_on_batch(x[:MICRO], y[:MICRO])  # 48 tokens: moments at once
@@ -464,9 +466,7 @@ def test_mirrored_strategy_matches_the_big_batch(replicas, optimizer):
     # Largest absolute weight differences (weights are O(0.1)): float
     # rounding only; the summed window is ~1e-2 away (above).
     assert sorted(out) == [
-        f"{name}_vs_{what}_big_batch"
-        for name in names
-        for what in ("mirrored", "one_device")
+        f"{name}_vs_{what}_big_batch" for name in names for what in ("mirrored", "one_device")
     ]
     for name, diff in out.items():
         assert diff <= ATOL, (name, diff)
@@ -530,9 +530,7 @@ def test_slices_fill_the_buffer_to_capacity_then_spill():
     window = acc.window_gradients()[0]
     assert window.values.shape == (10, 2)
     # The window's gradient: the sum over its weight (two micro-batches of 1).
-    np.testing.assert_allclose(
-        tf.convert_to_tensor(window).numpy(), expected / 2, rtol=1e-6
-    )
+    np.testing.assert_allclose(tf.convert_to_tensor(window).numpy(), expected / 2, rtol=1e-6)
     add([1])
     assert int(acc.slice_counts[0].numpy()) == sparse.ROW_SUMS  # one more: moments
     np.testing.assert_allclose(
@@ -620,8 +618,11 @@ def test_under_xla_a_window_of_the_steps_own_slices_is_handed_over_in_its_size()
 
     @tf.function(jit_compile=True)
     def step(values, ids):
-        acc.add([tf.IndexedSlices(values, ids, tf.constant([1000, 3], tf.int64))], weight=1.0,
-                window_occurrences=2)
+        acc.add(
+            [tf.IndexedSlices(values, ids, tf.constant([1000, 3], tf.int64))],
+            weight=1.0,
+            window_occurrences=2,
+        )
         sizes = acc.compact_sizes()
         return acc.within(sizes), acc.window_gradients(compact=sizes)[0]
 
@@ -681,4 +682,3 @@ def test_under_xla_a_window_begun_at_longer_sequences_is_exact():
     accum.fit(dataset(micro), epochs=2, verbose=0)
     assert_trained(plain, initial)
     assert_weights_close(plain, accum)
-

@@ -14,10 +14,10 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers.internals import graphs_as_run
-from helpers.data import make_data
-from helpers.models import functional, loss
 
+from helpers.data import make_data
+from helpers.internals import graphs_as_run
+from helpers.models import functional, loss
 from keras_accum import AccumModel
 
 FEATURES, N = 4, 4
@@ -111,8 +111,9 @@ def test_under_xla_each_micro_batch_is_done_before_the_next_starts():
     shapes = {"f32[8,16]": "F", f"f32[{FEATURES},16]": "B"}
     order = "".join(
         shapes.get(line.split("=", 1)[1].split()[0].split("{")[0], "?")
-        for line in hlo[hlo.index("ENTRY"):].splitlines()
-        if 'op_type="MatMul"' in line and re.search(r"/hidden(_\d+)?/MatMul", line)
+        for line in hlo[hlo.index("ENTRY") :].splitlines()
+        if 'op_type="MatMul"' in line
+        and re.search(r"/hidden(_\d+)?/MatMul", line)
         # A bitcast of a product keeps its metadata and moves nothing.
         and " bitcast(" not in line
     )
@@ -133,7 +134,7 @@ def test_under_xla_the_update_runs_once_per_window_not_at_every_micro_batch():
     model.train_on_batch(x, y)
     step = tf.function(model.train_step, jit_compile=True)
     hlo = step.experimental_get_compiler_ir((tf.constant(x), tf.constant(y)))(stage="optimized_hlo")
-    entry = hlo[hlo.index("ENTRY"):]
+    entry = hlo[hlo.index("ENTRY") :]
     assert " conditional(" in entry
 
 

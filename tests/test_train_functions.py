@@ -22,14 +22,14 @@ import time
 import keras
 import numpy as np
 import pytest
+
+import keras_accum
 from helpers import internals, references
 from helpers.assertions import assert_weights_close
 from helpers.data import make_data
 from helpers.models import OPTIMIZERS, functional, loss
-from helpers.training import InterruptAt
 from helpers.tiers import wide
-
-import keras_accum
+from helpers.training import InterruptAt
 from keras_accum import AccumModel, AccumScheduler
 
 # 92 samples at 8: 12 batches an epoch, the last one of 4.
@@ -53,8 +53,15 @@ def plain_with_batches(batches):
         model = functional()
         model.compile(OPTIMIZERS["adam"](), loss())
         for epoch, batch_size in enumerate(batches):
-            model.fit(X, Y, batch_size=batch_size, epochs=epoch + 1, initial_epoch=epoch,
-                      shuffle=False, verbose=0)
+            model.fit(
+                X,
+                Y,
+                batch_size=batch_size,
+                epochs=epoch + 1,
+                initial_epoch=epoch,
+                shuffle=False,
+                verbose=0,
+            )
         return model
 
     return references.once(("train_functions", tuple(batches)), train)
@@ -101,9 +108,7 @@ def test_batch_backup_resumed_with_another_accum_steps_names_both(tmp_path):
 
     with pytest.raises(KeyboardInterrupt):
         # Backed up 3 batches into epoch 1, a window of 4 open.
-        compiled(accum_steps=4).fit(
-            X, Y, epochs=3, callbacks=[backup(), InterruptAt(1, 5)], **FIT
-        )
+        compiled(accum_steps=4).fit(X, Y, epochs=3, callbacks=[backup(), InterruptAt(1, 5)], **FIT)
     resumed = compiled(accum_steps=4)
     with pytest.raises(
         ValueError, match=r"accumulated with accum_steps=4, but the model now has accum_steps=2"
@@ -285,7 +290,7 @@ def test_fine_tuning_recipe_raises_no_retracing_warning(monkeypatch):
 SAVE_FREQ = 17
 CHANGERS = ("schedule", "fit", "micro", "auto")
 PAIRS = [(a,) for a in CHANGERS] + [
-    (a, b) for i, a in enumerate(CHANGERS) for b in CHANGERS[i + 1:]
+    (a, b) for i, a in enumerate(CHANGERS) for b in CHANGERS[i + 1 :]
 ]
 
 
@@ -325,9 +330,7 @@ def _uninterrupted(changers):
         callbacks, kwargs, _ = _setup(changers)
         model = compiled(accum_steps=2)
         model.fit(X, Y, epochs=2, callbacks=callbacks, **kwargs, **FIT)
-        _UNINTERRUPTED[changers] = (
-            model.get_weights(), int(model.optimizer.iterations.numpy())
-        )
+        _UNINTERRUPTED[changers] = (model.get_weights(), int(model.optimizer.iterations.numpy()))
     return _UNINTERRUPTED[changers]
 
 
@@ -357,7 +360,8 @@ def test_changers_compose_when_resumed_from_a_batch_backup(tmp_path, changers, o
     with pytest.raises(KeyboardInterrupt):
         fit(compiled(accum_steps=2), InterruptAt(1, 6))
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "epoch-1-batch-5.json", "epoch-1-batch-5.weights.h5"
+        "epoch-1-batch-5.json",
+        "epoch-1-batch-5.weights.h5",
     ]
     resumed = compiled(accum_steps=2)
     history = fit(resumed)

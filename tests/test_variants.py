@@ -12,10 +12,11 @@ new execution mode adds a variant.
 """
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import keras
 import pytest
+
 from helpers import references
 from helpers.assertions import (
     FLOAT16_ATOL,
@@ -39,7 +40,6 @@ from helpers.models import (
     subclassed_bn_net,
     text_net,
 )
-
 from keras_accum import AccumModel
 
 # Execution modes (compile arguments), each against the graph reference.
@@ -99,52 +99,77 @@ CASES = {
     # 100 samples, b=8, N=4: windows of 32, 32, 32 and 4, the last applied
     # at the epoch's end.
     "step": Case(
-        lambda: make_data(100), functional, lambda: functional(AccumModel, accum_steps=4),
-        compare=_same_training, more=("eager",),
+        lambda: make_data(100),
+        functional,
+        lambda: functional(AccumModel, accum_steps=4),
+        compare=_same_training,
+        more=("eager",),
     ),
     "subclass": Case(
-        lambda: make_data(92), WAYS_IN["subclass"]()[1], WAYS_IN["subclass"](accum_steps=4)[0],
+        lambda: make_data(92),
+        WAYS_IN["subclass"]()[1],
+        WAYS_IN["subclass"](accum_steps=4)[0],
         compare=_same_training,
     ),
     # micro_batch_size=12 does not divide 32: micro-batches of 12, 12, 8.
     "micro_batch": Case(
-        lambda: make_data(76), functional, lambda: functional(AccumModel, micro_batch_size=12),
-        micro=32, compare=_same_training,
+        lambda: make_data(76),
+        functional,
+        lambda: functional(AccumModel, micro_batch_size=12),
+        micro=32,
+        compare=_same_training,
     ),
     "micro_batch_and_accum_steps": Case(
-        lambda: make_data(76), functional,
+        lambda: make_data(76),
+        functional,
         lambda: functional(AccumModel, micro_batch_size=12, accum_steps=2),
-        micro=16, compare=_same_training,
+        micro=16,
+        compare=_same_training,
     ),
     # The subclassed model is built inside the first (XLA) trace.
     "batchnorm": Case(
-        lambda: bn_data(92), bn_net, lambda: bn_net(AccumModel, accum_steps=4),
-        optimizer=lambda: keras.optimizers.SGD(0.1), metrics=(), compare=_same_moving_statistics,
+        lambda: bn_data(92),
+        bn_net,
+        lambda: bn_net(AccumModel, accum_steps=4),
+        optimizer=lambda: keras.optimizers.SGD(0.1),
+        metrics=(),
+        compare=_same_moving_statistics,
     ),
     "batchnorm_subclass": Case(
-        lambda: bn_data(92), subclassed_bn_net,
+        lambda: bn_data(92),
+        subclassed_bn_net,
         lambda: subclassed_bn_net(AccumModel, accum_steps=4),
-        optimizer=lambda: keras.optimizers.SGD(0.1), metrics=(), compare=_same_moving_statistics,
+        optimizer=lambda: keras.optimizers.SGD(0.1),
+        metrics=(),
+        compare=_same_moving_statistics,
     ),
     # 60 samples: windows of 8+8+8+8 and 8+8+8+4, both applied in the
     # compiled step; the second leaves stale slices past its own.
     "sparse": Case(
-        lambda: token_data(60), text_net, lambda: text_net(AccumModel, accum_steps=4),
-        metrics=(), compare=_same_weights,
+        lambda: token_data(60),
+        text_net,
+        lambda: text_net(AccumModel, accum_steps=4),
+        metrics=(),
+        compare=_same_weights,
     ),
     # The last window (8+8+8+4) is applied in the compiled step at the short
     # batch: moments handed over in the static size of 4 full batches.
     "small_tables": Case(
-        lambda: small_table_data(92), small_tables_net,
+        lambda: small_table_data(92),
+        small_tables_net,
         lambda: small_tables_net(AccumModel, accum_steps=4),
-        optimizer=lambda: keras.optimizers.Adam(learning_rate=0.01), metrics=(),
+        optimizer=lambda: keras.optimizers.Adam(learning_rate=0.01),
+        metrics=(),
         compare=_same_weights,
     ),
     # mixed_float16's loss scale, once per window, in every alignment of
     # windows and executions.
     "mixed_float16": Case(
-        lambda: make_data(100), mlp, lambda: mlp(AccumModel, accum_steps=4),
-        policy="mixed_float16", compare=_within_float16,
+        lambda: make_data(100),
+        mlp,
+        lambda: mlp(AccumModel, accum_steps=4),
+        policy="mixed_float16",
+        compare=_within_float16,
         more=("steps_per_execution_2", "steps_per_execution_5", "xla_steps_per_execution_3"),
     ),
 }
@@ -204,7 +229,8 @@ def _inner(name, variant):
 @pytest.mark.parametrize(
     "name, variant",
     [
-        (name, variant) if _inner(name, variant)
+        (name, variant)
+        if _inner(name, variant)
         else pytest.param(name, variant, marks=pytest.mark.slow)
         for name, case in CASES.items()
         for variant in [*VARIANTS, *case.more]

@@ -21,20 +21,32 @@ import venv
 import zipfile
 
 import pytest
-from helpers.project import ROOT
 
 import keras_accum
+from helpers.project import ROOT
 
 pytestmark = pytest.mark.wheel
 
 # What `python -m build` reads: the metadata, the package and the files the
 # metadata points at.
-SOURCES = ["setup.py", "setup.cfg", "pyproject.toml", "MANIFEST.in", "LICENSE", "README.md", "CHANGELOG.md"]
+SOURCES = [
+    "setup.py",
+    "setup.cfg",
+    "pyproject.toml",
+    "MANIFEST.in",
+    "LICENSE",
+    "README.md",
+    "CHANGELOG.md",
+]
 
 
 def run(*args, cwd, timeout=600):
     result = subprocess.run(
-        [str(a) for a in args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+        [str(a) for a in args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         env={"PATH": "/usr/bin:/bin", "TF_CPP_MIN_LOG_LEVEL": "3", "HOME": str(cwd)},
     )
     assert result.returncode == 0, (args, result.stdout[-3000:], result.stderr[-3000:])
@@ -45,20 +57,42 @@ def test_the_wheel_installs_in_a_fresh_venv_and_runs_the_quickstart(tmp_path):
     source = tmp_path / "source"
     _copy_sources(source)
     dist = tmp_path / "dist"
-    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-        "--no-index", "-w", dist, source, cwd=tmp_path)
+    run(
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "-w",
+        dist,
+        source,
+        cwd=tmp_path,
+    )
     (wheel,) = dist.glob("keras_accum-*.whl")
     assert wheel.name == f"keras_accum-{keras_accum.__version__}-py3-none-any.whl"
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
-    assert any(re.fullmatch(r"keras_accum-[^/]+\.dist-info/(licenses/)?LICENSE", n) for n in names), names
+    assert any(
+        re.fullmatch(r"keras_accum-[^/]+\.dist-info/(licenses/)?LICENSE", n) for n in names
+    ), names
     assert not any(n.startswith(("tests/", "benchmarks/", "docs/")) for n in names), names
 
     env = tmp_path / "venv"
     venv.create(env, system_site_packages=True, with_pip=True)
     python = env / "bin" / "python"
-    run(python, "-m", "pip", "install", "--no-deps", "--no-index", "--ignore-installed",
-        wheel, cwd=tmp_path)
+    run(
+        python,
+        "-m",
+        "pip",
+        "install",
+        "--no-deps",
+        "--no-index",
+        "--ignore-installed",
+        wheel,
+        cwd=tmp_path,
+    )
 
     work = tmp_path / "work"  # neither the checkout nor the source copy
     work.mkdir()

@@ -22,11 +22,11 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers.tiers import wide
+
 from helpers import internals, references, replicas
 from helpers.assertions import ATOL, RTOL, assert_trained
 from helpers.models import loss
-
+from helpers.tiers import wide
 from keras_accum import AccumModel
 
 FEATURES, VOCAB, WINDOW = 6, 40, 16
@@ -221,13 +221,17 @@ TABLE = list(itertools.product(SCENARIOS, sorted(MODES), WHERE))
 
 @pytest.mark.parametrize(
     "decision, mode, where",
-    wide(TABLE, [
-        (d, m, w) for d, m, w in TABLE
-        # "apply" on one device is in every other scenario's last window
-        # (skip, reset and reset_after_load end with an in-step apply).
-        if (w == "one_device" and d != "apply")
-        or (w == "two_replica_mirrored" and (d, m) in ACROSS_REPLICAS)
-    ]),
+    wide(
+        TABLE,
+        [
+            (d, m, w)
+            for d, m, w in TABLE
+            # "apply" on one device is in every other scenario's last window
+            # (skip, reset and reset_after_load end with an in-step apply).
+            if (w == "one_device" and d != "apply")
+            or (w == "two_replica_mirrored" and (d, m) in ACROSS_REPLICAS)
+        ],
+    ),
 )
 def test_every_piece_of_window_state_follows_the_decision(decision, mode, where, tmp_path):
     x, y = make_data()
@@ -245,10 +249,14 @@ FILES = list(itertools.product(sorted(MODES), WHERE))
 
 @pytest.mark.parametrize(
     "mode, where",
-    wide(FILES, [
-        f for f in FILES
-        if f[1] == "one_device" or f == ("micro_batch_size", "two_replica_mirrored")
-    ]),
+    wide(
+        FILES,
+        [
+            f
+            for f in FILES
+            if f[1] == "one_device" or f == ("micro_batch_size", "two_replica_mirrored")
+        ],
+    ),
 )
 def test_a_mid_window_file_restores_every_piece_of_window_state(mode, where, tmp_path):
     x, y = make_data()
@@ -301,8 +309,14 @@ class _Observer:
         pass
 
     def close(self, closed):
-        self.events.append(("close", [g.numpy().tolist() for g in closed.gradients],
-                            float(closed.micro_steps), closed.skipping))
+        self.events.append(
+            (
+                "close",
+                [g.numpy().tolist() for g in closed.gradients],
+                float(closed.micro_steps),
+                closed.skipping,
+            )
+        )
 
     def discard(self):
         self.events.append(("discard",))
@@ -345,7 +359,7 @@ def test_every_window_end_reaches_every_observer_through_one_rule():
     observer = _Observer()
     state = internals.AccumState(internals.GradientAccumulator(), moments=observer)
     variable = keras.Variable(np.ones(2, "float32"))
-    batch = internals.Gradients(
+    batch = internals.MicroBatch(
         [tf.constant([4.0, 8.0])], None, tf.constant(4.0), True, None, None, None
     )
     internals.close_batch(state, keras.optimizers.SGD(1.0), batch, None, [variable])

@@ -12,7 +12,8 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers.tiers import WAYS, wide
+
+import keras_accum
 from helpers import internals
 from helpers.assertions import (
     assert_history_close,
@@ -23,8 +24,7 @@ from helpers.assertions import (
 )
 from helpers.data import FEATURES, make_data
 from helpers.models import WAYS_IN, functional, initial_weights, loss
-
-import keras_accum
+from helpers.tiers import WAYS, wide
 from keras_accum import AccumModel
 
 MICRO, N = 8, 4
@@ -122,7 +122,8 @@ def test_recompiling_with_another_optimizer_takes_effect_at_epoch_end_too(way):
 
 
 @pytest.mark.parametrize(
-    "way", wide(["functional", "subclass", "wrap_subclassed", "wrap_sequential_without_input"], WAYS)
+    "way",
+    wide(["functional", "subclass", "wrap_subclassed", "wrap_sequential_without_input"], WAYS),
 )
 def test_fine_tuning_recipe_equals_the_big_batch(way):
     x, y = make_data(76)  # windows 4, 4 and a partial 2 (8+4 samples)
@@ -231,8 +232,15 @@ def test_trainable_change_from_a_callback_mid_window_matches_the_plain_model():
     model = _three_same_shaped_layers(AccumModel, accum_steps=N)
     for m, batch_size, freeze_at in ((plain, BIG, 2), (model, MICRO, 9)):
         m.compile(keras.optimizers.SGD(0.05), "mse")
-        m.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0,
-              callbacks=[_FreezeAt(freeze_at)])
+        m.fit(
+            x,
+            y,
+            batch_size=batch_size,
+            epochs=2,
+            shuffle=False,
+            verbose=0,
+            callbacks=[_FreezeAt(freeze_at)],
+        )
     assert_weights_close(plain, model)
     for m, batch_size in ((plain, BIG), (model, MICRO)):
         frozen = m.get_layer("a").get_weights()
@@ -284,8 +292,14 @@ def test_trainable_change_between_fits_with_recompile_and_a_callback():
     results = []
     for make, batch_size in ((make_plain, BIG), (make_accum, MICRO)):
         m = _compile(make())
-        history = m.fit(x, y, batch_size=batch_size, shuffle=False, verbose=0,
-                        callbacks=keras.callbacks.History())
+        history = m.fit(
+            x,
+            y,
+            batch_size=batch_size,
+            shuffle=False,
+            verbose=0,
+            callbacks=keras.callbacks.History(),
+        )
         m.logits.trainable = False
         _compile(m)
         m.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
@@ -435,8 +449,7 @@ def test_reset_window_after_terminate_on_nan():
     x_nan[44] = np.nan  # micro-batch 5: the second window
     model = _compile(functional(AccumModel, accum_steps=N))
     with pytest.raises(RuntimeError, match="NaN"):
-        model.fit(x_nan, y, batch_size=MICRO, shuffle=False, verbose=0,
-                  callbacks=[_RaiseOnNaN()])
+        model.fit(x_nan, y, batch_size=MICRO, shuffle=False, verbose=0, callbacks=[_RaiseOnNaN()])
     assert internals.pending(model) == 2
     model.reset_window()
     assert_no_open_window(model)
@@ -479,9 +492,7 @@ def test_a_data_set_of_unknown_length_loses_no_window():
     def unknown_length(batch):
         return tf.data.Dataset.from_generator(
             lambda: zip(x, y),
-            output_signature=(
-                tf.TensorSpec(x.shape[1:], tf.float32), tf.TensorSpec((), tf.int64)
-            ),
+            output_signature=(tf.TensorSpec(x.shape[1:], tf.float32), tf.TensorSpec((), tf.int64)),
         ).batch(batch)
 
     plain = functional()

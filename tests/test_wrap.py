@@ -13,13 +13,13 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+
+import keras_accum
 from helpers import internals
 from helpers.assertions import assert_trained, assert_weights_close
 from helpers.data import CLASSES, FEATURES, make_data
 from helpers.models import WAYS_IN, TiedLM, functional, loss, subclassed, tied_graph
 from helpers.processes import run_python
-
-import keras_accum
 from keras_accum import AccumModel
 
 
@@ -59,9 +59,7 @@ def _sequential():
 
 def _unbuilt_sequential():
     keras.utils.set_random_seed(0)
-    model = keras.Sequential(
-        [keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)]
-    )
+    model = keras.Sequential([keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)])
     return model
 
 
@@ -214,7 +212,10 @@ def test_wrap_refuses_a_functional_subclass_that_overrides_train_step():
             return super().train_step(data)
 
     tokens, logits = tied_graph()
-    with pytest.raises(ValueError, match=r"`model` is a Custom, which overrides `train_step`; wrap\(\) cannot honour"):
+    with pytest.raises(
+        ValueError,
+        match=r"`model` is a Custom, which overrides `train_step`; wrap\(\) cannot honour",
+    ):
         keras_accum.wrap(Custom(tokens, logits), accum_steps=2)
 
 

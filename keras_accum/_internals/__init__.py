@@ -52,9 +52,9 @@ from keras_accum._internals.fingerprints import MIRRORED_SOURCES, mirrored  # no
 from keras_accum._internals.layers import (  # noqa: E402
     BatchNormalization,
     Functional,
+    SharedPatches,
     batch_normalization_layers,
     functional_init_arguments,
-    SharedPatches,
     layers_shared_across_nesting,
     moments_recorded_not_applied,
     output_of_its_call,
@@ -75,9 +75,9 @@ from keras_accum._internals.losses import (  # noqa: E402
 )
 from keras_accum._internals.model_hooks import (  # noqa: E402
     BuildFromFirstBatch,
-    check_fit,
     FunctionalVariants,
     HeldAttribute,
+    check_fit,
     holder_of,
     init_model,
     training_build,
@@ -87,10 +87,10 @@ from keras_accum._internals.optimizer import (  # noqa: E402
     built_variables,
     check_optimizer,
     innermost,
-    wrapped,
     learning_rate_schedule,
     own_variables,
     unknown_variables,
+    wrapped,
 )
 from keras_accum._internals.saving import (  # noqa: E402
     KerasSaveable,
@@ -105,9 +105,9 @@ from keras_accum._internals.trainer import (  # noqa: E402
     TensorFlowTrainer,
     array_batch_size,
     batch_spec,
-    compile_arguments,
     call_for_training,
     called_like,
+    compile_arguments,
     each_batch,
     make_replicated_function,
     make_step_on_data,

@@ -23,8 +23,9 @@ def backup_counts_from_zero(callback):
     checking that the bookkeeping is where every reviewed Keras keeps it
     (else backups would come at other batches or be Keras's own, or a
     resume would train its epochs again)."""
-    require(callback, "_batches_seen_since_last_saving", "_last_batch_seen",
-            "_should_save_on_batch")
+    require(
+        callback, "_batches_seen_since_last_saving", "_last_batch_seen", "_should_save_on_batch"
+    )
     required(keras.callbacks.BackupAndRestore, "_save_model")
     if callback.model is not None:
         required(callback.model, "_initial_epoch")  # where a resume starts

@@ -13,9 +13,7 @@ _collective_all_reduce_multi_worker = reach(
     "keras.src.backend.tensorflow.trainer", "_collective_all_reduce_multi_worker"
 )
 # TensorFlow has no public test for "no strategy.scope()" (see `replicated`).
-_default_strategy = reach(
-    "tensorflow.python.distribute.distribute_lib", "_get_default_strategy"
-)
+_default_strategy = reach("tensorflow.python.distribute.distribute_lib", "_get_default_strategy")
 # Nor for "traced for XLA" (see `in_xla_context`).
 _in_xla = reach("tensorflow.python.ops.control_flow_util", "GraphOrParentsInXlaContext")
 _FuncGraph = reach("tensorflow.python.framework.func_graph", "FuncGraph")

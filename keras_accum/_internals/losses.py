@@ -33,9 +33,7 @@ def batch_size(x):
 
 def track_loss(model, loss, n):
     """Updates the model's logged `loss` exactly as Keras's train_step does."""
-    loss_tracker(model).update_state(
-        unscale_loss_for_distribution(loss), sample_weight=n
-    )
+    loss_tracker(model).update_state(unscale_loss_for_distribution(loss), sample_weight=n)
 
 
 def loss_tracker(model):

@@ -13,8 +13,13 @@ from keras_accum._internals.versions import require, required
 
 # What a fit of an AccumModel reads of the model (`check_fit`).
 _MODEL_READS = (
-    "_call_has_training_arg", "_compute_loss", "_loss_tracker", "_compile_loss",
-    "_symbolic_build", "_distribute_strategy", "_flatten_layers",
+    "_call_has_training_arg",
+    "_compute_loss",
+    "_loss_tracker",
+    "_compile_loss",
+    "_symbolic_build",
+    "_distribute_strategy",
+    "_flatten_layers",
 )
 
 
@@ -39,9 +44,9 @@ class FunctionalVariants:
     instance (`init_model` runs the variant's constructor)."""
 
     def __new__(cls, *args, **kwargs):
-        if layers.functional_init_arguments(
-            args, kwargs
-        ) and not issubclass(cls, layers.Functional):
+        if layers.functional_init_arguments(args, kwargs) and not issubclass(
+            cls, layers.Functional
+        ):
             cls = _functional_variant(cls)
         return super().__new__(cls, *args, **kwargs)
 
@@ -74,9 +79,7 @@ class BuildFromFirstBatch:
             return self.test_function
         if distribute.multi_worker(self.distribute_strategy):
             # As for training: Keras's test function fails across workers.
-            self.test_function = trainer.make_replicated_function(
-                self, self.test_step
-            )
+            self.test_function = trainer.make_replicated_function(self, self.test_step)
             return self.test_function
         return super().make_test_function(force=force)
 
@@ -154,8 +157,11 @@ def _functional_variant(cls):
         variant = type(
             cls.__name__,
             (cls, layers.Functional),
-            {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
-             "__doc__": cls.__doc__},
+            {
+                "__module__": cls.__module__,
+                "__qualname__": cls.__qualname__,
+                "__doc__": cls.__doc__,
+            },
         )
         registered = keras.saving.get_registered_name(cls)
         if ">" in registered:

@@ -7,13 +7,16 @@ import keras
 
 from keras_accum._internals.versions import require, required
 
-
 # What the functions below read, set by `BaseOptimizer.__init__` in every
 # reviewed Keras: checked before training (`check_optimizer`), so a Keras
 # that moved one fails before the first step, not at a flush or a save.
 _BOOKKEEPING = (
-    "_trainable_variables", "_trainable_variables_indices", "_var_key",
-    "_get_variable_index", "_variables", "_learning_rate",
+    "_trainable_variables",
+    "_trainable_variables_indices",
+    "_var_key",
+    "_get_variable_index",
+    "_variables",
+    "_learning_rate",
 )
 
 

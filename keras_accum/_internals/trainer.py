@@ -12,9 +12,7 @@ from keras_accum._internals.distribute import multi_worker
 from keras_accum._internals.versions import moved, reach, required
 
 _TRAINER = "keras.src.backend.tensorflow.trainer"
-_ArrayDataAdapter = reach(
-    "keras.src.trainers.data_adapters.array_data_adapter", "ArrayDataAdapter"
-)
+_ArrayDataAdapter = reach("keras.src.trainers.data_adapters.array_data_adapter", "ArrayDataAdapter")
 # Keras 3.16 renamed the TF trainer `TensorFlowTrainer` -> `Trainer`.
 TensorFlowTrainer = reach(_TRAINER, "Trainer", "TensorFlowTrainer")
 reduce_per_replica = reach(_TRAINER, "reduce_per_replica")
@@ -118,14 +116,11 @@ def reduce_outputs(outputs, strategy):
     (tensorflow/tensorflow#72388); there this takes it with `axis=None`.
     """
     if multi_worker(strategy):
-        return tree.map_structure(
-            lambda v: strategy.reduce("MEAN", v, axis=None), outputs
-        )
+        return tree.map_structure(lambda v: strategy.reduce("MEAN", v, axis=None), outputs)
     return reduce_per_replica(outputs, strategy, reduction="auto")
 
 
-def make_step_on_data(model, replica_step, after_step=None, reduce_retracing=True,
-                      eager=False):
+def make_step_on_data(model, replica_step, after_step=None, reduce_retracing=True, eager=False):
     """One training step on a batch in hand, as Keras's `one_step_on_data`:
     `strategy.run(replica_step)`, then `after_step()` in cross-replica
     context, outputs reduced by `reduce_outputs`. Traced with the model's

@@ -145,9 +145,7 @@ class TrainFunctions:
                 return across_replicas.train_function(
                     engine.auto, model, halves, after_step, written
                 )
-            function = engine.auto.train_function(
-                model, lambda: _step_on_data(engine), written
-            )
+            function = engine.auto.train_function(model, lambda: _step_on_data(engine), written)
             function.draws_batches = True  # takes each batch in Python (see_first)
             return function
         if plan.uses_buffers:
@@ -168,6 +166,7 @@ class TrainFunctions:
         at once, so a setting that cannot continue a restored window raises
         before any batch trains).
         """
+
         def done():
             self._fast_forward = None
             if self.function is None:
@@ -228,16 +227,12 @@ class TrainFunctions:
 
     def flush_function(self, model, state):
         """The traced function applying the open window: one per optimizer and window variables."""
-        captured = Captured(
-            (model.optimizer, *state.buffers.acc_grads, *state.moments.variables)
-        )
+        captured = Captured((model.optimizer, *state.buffers.acc_grads, *state.moments.variables))
         kept, function = self._flush
         if kept is None or not kept.same(captured):
             # One trace per compile is not the retracing TF warns about.
             traced = internals.without_retracing_warning(
-                tf.function(
-                    lambda: window.close(state, model.optimizer, model.distribute_strategy)
-                )
+                tf.function(lambda: window.close(state, model.optimizer, model.distribute_strategy))
             )
             # A plain closure: a tf.function attribute would be exported.
             function = lambda: traced()  # noqa: E731

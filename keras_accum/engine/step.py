@@ -17,9 +17,8 @@ import tensorflow as tf
 
 from keras_accum import _internals as internals
 from keras_accum import scaling, window
-from keras_accum.split import coupling
-from keras_accum.split import microbatch
 from keras_accum.normaliser import loss_normaliser, micro_batch_weight
+from keras_accum.split import coupling, microbatch
 from keras_accum.window import noise_scale
 
 
@@ -30,7 +29,7 @@ class ComputedBatch(NamedTuple):
     its tensors between calls).
 
     Attributes:
-        gradients: `microbatch.Gradients`, summed over the micro-batches.
+        gradients: `window.MicroBatch`, summed over the micro-batches.
         batchnorm_records: the micro-batches' moments to add to the window;
             None when they were added during the forward pass (no split).
         noise_sums: the noise scale's sums, or None when not measured.
@@ -173,12 +172,10 @@ def _write(model, state, split, update):
         )
 
 
-def micro_batch_gradients(
-    model, state, x, y, sample_weight, variables, records=None, live=None
-):
+def micro_batch_gradients(model, state, x, y, sample_weight, variables, records=None, live=None):
     """One forward and backward pass, as Keras's train_step makes it.
 
-    Returns `microbatch.Gradients`, weighted by what Keras normalised the
+    Returns `window.MicroBatch`, weighted by what Keras normalised the
     loss by (normaliser.py), so that summing them is exact. Moments go to
     the window, or to `records`. `live` (0 or 1) multiplies the weight.
     """
@@ -200,7 +197,7 @@ def micro_batch_gradients(
             scaled = scaled * tf.cast(weight, loss.dtype)
     grads = tape.gradient(scaled, variables)
     grad_scale = None if fold else scaling.into_window(weight, loss_scale)
-    return microbatch.Gradients(grads, grad_scale, weight, normalise, loss, n, y_pred)
+    return window.MicroBatch(grads, grad_scale, weight, normalise, loss, n, y_pred)
 
 
 def _weight_folding(model):
@@ -240,8 +237,14 @@ def split_gradients(model, plan, state, data, variables):
     if plan.coupling is not None and plan.split_size is not None:
         loss_scale, fold = _weight_folding(model)
         batch, records = coupling.coupled_gradients(
-            model, plan.coupling, state, split, (x, y, sample_weight), variables,
-            fold, loss_scale,
+            model,
+            plan.coupling,
+            state,
+            split,
+            (x, y, sample_weight),
+            variables,
+            fold,
+            loss_scale,
         )
         # No independent micro-batch gradients: no noise scale.
         return ComputedBatch(x, y, sample_weight, batch, records, None)

@@ -22,13 +22,25 @@ class NoiseScaleGrowth:
 
     decides_within_epochs = True
 
-    def __init__(self, max_accum_steps, every_updates=None, every_samples=None,
-                 multiple=None, min_accum_steps=None, probe=None):
-        (self.max_accum_steps, self.every_updates, self.every_samples, self.multiple,
-         self.min_accum_steps) = _checked(max_accum_steps, every_updates, every_samples,
-                                          multiple, min_accum_steps)
-        self.growth = BatchGrowth(self.max_accum_steps, multiple=self.multiple,
-                                  min_accum_steps=self.min_accum_steps)
+    def __init__(
+        self,
+        max_accum_steps,
+        every_updates=None,
+        every_samples=None,
+        multiple=None,
+        min_accum_steps=None,
+        probe=None,
+    ):
+        (
+            self.max_accum_steps,
+            self.every_updates,
+            self.every_samples,
+            self.multiple,
+            self.min_accum_steps,
+        ) = _checked(max_accum_steps, every_updates, every_samples, multiple, min_accum_steps)
+        self.growth = BatchGrowth(
+            self.max_accum_steps, multiple=self.multiple, min_accum_steps=self.min_accum_steps
+        )
         self.probe = probe
         self._probe_checked = False
 
@@ -82,8 +94,12 @@ class NoiseScaleGrowth:
         size = engine.batch_drawn()
         growth.take_windows(engine.state.noise)
         estimate, probed = growth.estimate, False
-        if (self.probe is not None and size and growth.can_change(current)
-                and _outgrown(estimate, current * size)):
+        if (
+            self.probe is not None
+            and size
+            and growth.can_change(current)
+            and _outgrown(estimate, current * size)
+        ):
             estimate = self.probe.measure(engine.model, _probe_micro_batch(engine))
             probed = True
         return growth.next_accum_steps(current, size, estimate), estimate, probed
@@ -132,13 +148,20 @@ def _checked(max_accum_steps, every_updates, every_samples, multiple, min_accum_
             f"every_updates={every_updates!r}, every_samples={every_samples!r}."
         )
     if every_samples is None:
-        every_updates = check_positive("every_updates", every_updates, DEFAULT_EVERY_UPDATES,
-                                       "how often the schedule decides")
+        every_updates = check_positive(
+            "every_updates", every_updates, DEFAULT_EVERY_UPDATES, "how often the schedule decides"
+        )
     else:
-        every_samples = check_positive("every_samples", every_samples, None,
-                                       "how often the schedule decides")
-    multiple = check_positive("noise_scale_multiple", multiple, DEFAULT_NOISE_SCALE_MULTIPLE,
-                              "the batch to grow towards, in noise scales; e.g. 1.5", float)
+        every_samples = check_positive(
+            "every_samples", every_samples, None, "how often the schedule decides"
+        )
+    multiple = check_positive(
+        "noise_scale_multiple",
+        multiple,
+        DEFAULT_NOISE_SCALE_MULTIPLE,
+        "the batch to grow towards, in noise scales; e.g. 1.5",
+        float,
+    )
     if min_accum_steps is not None:
         min_accum_steps = _named_accum_steps("min_accum_steps", min_accum_steps)
         if min_accum_steps > max_accum_steps:

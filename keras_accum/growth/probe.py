@@ -11,8 +11,8 @@ import tensorflow as tf
 
 from keras_accum import _internals as internals
 from keras_accum.engine import functions
-from keras_accum.split.auto import StepState
 from keras_accum.growth.estimate import NoiseEstimate
+from keras_accum.split.auto import StepState
 from keras_accum.window import noise_scale
 
 # Enough for an interval (estimate.MIN_WINDOWS is 3), few enough that each
@@ -37,7 +37,8 @@ class NoiseProbe:
         # one sorted by class would read too little noise.
         self.order = np.random.default_rng(0).permutation(self.samples)
         self.x, self.y, self.sample_weight = tf.nest.map_structure(
-            lambda t: None if t is None else tf.gather(t, self.order), (x, y, sample_weight))
+            lambda t: None if t is None else tf.gather(t, self.order), (x, y, sample_weight)
+        )
         self._measuring = None  # ((model, Captured), traced window function, StepState)
 
     def micro_batches_per_window(self, micro_batch_size):
@@ -71,7 +72,8 @@ class NoiseProbe:
             for k in range(self.windows):
                 rows = slice(k * window, (k + 1) * window)
                 part = tf.nest.map_structure(
-                    lambda t: None if t is None else t[rows], (self.x, self.y, self.sample_weight))
+                    lambda t: None if t is None else t[rows], (self.x, self.y, self.sample_weight)
+                )
                 sums += function(*part, tf.constant(m)).numpy()
         finally:
             written.restore(saved)
@@ -87,7 +89,8 @@ class NoiseProbe:
         if kept is None or kept[0] is not model or not kept[1].same(now[1]):
             written = StepState(
                 lambda: [*model.non_trainable_variables, *model.metrics_variables],
-                model.distribute_strategy)
+                model.distribute_strategy,
+            )
             self._measuring = now, _window_function(model, model.trainable_variables), written
         return self._measuring[1:]
 
@@ -118,7 +121,8 @@ def _window_function(model, variables):
         squares = tf.constant(0.0, tf.float64)
         for j in tf.range(m):
             rows = tf.nest.map_structure(
-                lambda t: None if t is None else t[j * b:(j + 1) * b], (x, y, sample_weight))
+                lambda t: None if t is None else t[j * b : (j + 1) * b], (x, y, sample_weight)
+            )
             grads = gradient(*rows)
             squares += noise_scale.squared_norm(grads)
             total = [
@@ -164,8 +168,11 @@ def _unpacked(data):
         )
     x, y, sample_weight = (tuple(data) + (None, None))[:3]
     convert = lambda t: None if t is None else tf.convert_to_tensor(t)  # noqa: E731
-    return tf.nest.map_structure(convert, x), tf.nest.map_structure(convert, y), convert(
-        sample_weight)
+    return (
+        tf.nest.map_structure(convert, x),
+        tf.nest.map_structure(convert, y),
+        convert(sample_weight),
+    )
 
 
 def _samples(*parts):
@@ -180,8 +187,21 @@ def _samples(*parts):
 
 # Student's t at 97.5% by degrees of freedom (two-sided 95%); between
 # entries the lower one's (wider); from 30 on, 2.0 as training's.
-_T = {2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
-      10: 2.228, 12: 2.179, 15: 2.131, 20: 2.086, 30: 2.0}
+_T = {
+    2: 4.303,
+    3: 3.182,
+    4: 2.776,
+    5: 2.571,
+    6: 2.447,
+    7: 2.365,
+    8: 2.306,
+    9: 2.262,
+    10: 2.228,
+    12: 2.179,
+    15: 2.131,
+    20: 2.086,
+    30: 2.0,
+}
 
 
 def _t_quantile(dof):

@@ -31,8 +31,7 @@ def adascale(batch, tuned_batch, estimate=None):
     tuned one. `B_noise`: the estimate, or its lower bound while unresolved;
     without one, `batch / tuned_batch` below the tuned batch, 1 above it.
     """
-    noise = None if estimate is None else (
-        estimate.value if estimate.resolved else estimate.low)
+    noise = None if estimate is None else (estimate.value if estimate.resolved else estimate.low)
     if noise is None or not noise > 0:
         return min(1.0, batch / tuned_batch)
     if math.isinf(noise):
@@ -97,7 +96,8 @@ class RateFollower:
         """Whether a fit with `rule` (or None) and `optimizer` has a rate to
         follow: a rule, or a `SampleSchedule` to count samples for."""
         return rule is not None or isinstance(
-            internals.learning_rate_schedule(optimizer), SampleSchedule)
+            internals.learning_rate_schedule(optimizer), SampleSchedule
+        )
 
     def start(self, optimizer, tuned_batch=None):
         """Remembers the tuned rate and the batch it was tuned for (None: the
@@ -132,8 +132,9 @@ class RateFollower:
             self.tuned_batch = batch
         factor = 1.0 if self.rule is None else float(self.rule(batch, self.tuned_batch, estimate))
         if self.schedule is not None:
-            self.schedule.follow(self._updates(), batch / self.tuned_batch, factor,
-                                 self.tuned_batch)
+            self.schedule.follow(
+                self._updates(), batch / self.tuned_batch, factor, self.tuned_batch
+            )
             return self.rate()
         rate = self.tuned * factor
         self.optimizer.learning_rate = rate

@@ -66,8 +66,9 @@ class SampleSchedule(keras.optimizers.schedules.LearningRateSchedule):
         state = _AT_START if state is None else _checked_state(state)
         self.schedule = schedule
         # float64: exact integers far past float32's 2**24.
-        self._state = tf.Variable(state, dtype=tf.float64, trainable=False,
-                                  name="sample_schedule_state")
+        self._state = tf.Variable(
+            state, dtype=tf.float64, trainable=False, name="sample_schedule_state"
+        )
 
     def __call__(self, step: int | tf.Tensor) -> tf.Tensor:
         state = tf.convert_to_tensor(self._state)

@@ -5,7 +5,7 @@ of epochs (epochs.py) or grown to the measured gradient noise scale
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 from keras_accum import _internals as internals
 from keras_accum.arguments import check_positive
@@ -39,8 +39,8 @@ class Decision(NamedTuple):
     updates: int
     samples: int
     accum_steps: int
-    learning_rate: Optional[float]
-    estimate: Optional[NoiseEstimate]
+    learning_rate: float | None
+    estimate: NoiseEstimate | None
     probed: bool = False
 
 
@@ -121,7 +121,9 @@ class AccumScheduler(FitSetting):
         *,
         every_updates: int | None = None,
         every_samples: int | None = None,
-        learning_rate_rule: str | Callable[[int, int, NoiseEstimate | None], float] | None = DEFAULT,
+        learning_rate_rule: str
+        | Callable[[int, int, NoiseEstimate | None], float]
+        | None = DEFAULT,
         tuned_batch: int | None = None,
         noise_scale_multiple: float | None = None,
         min_accum_steps: int | None = None,
@@ -129,14 +131,22 @@ class AccumScheduler(FitSetting):
         probe_windows: int | None = None,
     ) -> None:
         super().__init__()
-        growth = {"max_accum_steps": max_accum_steps, "every_updates": every_updates,
-                  "every_samples": every_samples, "noise_scale_multiple": noise_scale_multiple,
-                  "min_accum_steps": min_accum_steps}
+        growth = {
+            "max_accum_steps": max_accum_steps,
+            "every_updates": every_updates,
+            "every_samples": every_samples,
+            "noise_scale_multiple": noise_scale_multiple,
+            "min_accum_steps": min_accum_steps,
+        }
         noise_scale = isinstance(schedule, str) and schedule == NOISE_SCALE
         if noise_scale:
             self._strategy = NoiseScaleGrowth(
-                max_accum_steps, every_updates, every_samples, noise_scale_multiple,
-                min_accum_steps, probe_argument(True, probe, probe_windows),
+                max_accum_steps,
+                every_updates,
+                every_samples,
+                noise_scale_multiple,
+                min_accum_steps,
+                probe_argument(True, probe, probe_windows),
             )
         elif isinstance(schedule, dict) or callable(schedule):
             for name, value in growth.items():
@@ -159,8 +169,9 @@ class AccumScheduler(FitSetting):
             learning_rate_rule = rate_rules.AUTO if noise_scale else None
         self._rule = rate_rules.check_rule(learning_rate_rule)
         self.learning_rate_rule = learning_rate_rule
-        self.tuned_batch = check_positive("tuned_batch", tuned_batch, None,
-                                          "samples per update the rate was tuned for")
+        self.tuned_batch = check_positive(
+            "tuned_batch", tuned_batch, None, "samples per update the rate was tuned for"
+        )
         self.schedule = schedule
         self.verbose = verbose
         self.path = []
@@ -226,9 +237,14 @@ class AccumScheduler(FitSetting):
         on one replica)."""
         if self.engine is None or not self._started:
             return None
-        state = {"class": type(self).__name__, "accum_steps": self.engine.settings.accum_steps,
-                 "since": list(self._since), "start": list(self._start),
-                 "trained": self._trained, "begun": self._begun}
+        state = {
+            "class": type(self).__name__,
+            "accum_steps": self.engine.settings.accum_steps,
+            "since": list(self._since),
+            "start": list(self._start),
+            "trained": self._trained,
+            "begun": self._begun,
+        }
         if self._follower is not None:
             state["rate"] = self._follower.state()
         if isinstance(self._strategy, NoiseScaleGrowth):
@@ -310,9 +326,17 @@ class AccumScheduler(FitSetting):
                 print(f"\nEpoch {epoch + 1}: AccumScheduler setting accum_steps to {value}.")
         rate = self._follow(estimate) if changed and self._begun else None
         if changed or self._strategy.decides_within_epochs:
-            self.path.append(Decision(
-                epoch, self._since.updates, self._trained, self.engine.settings.accum_steps,
-                rate, estimate, probed))
+            self.path.append(
+                Decision(
+                    epoch,
+                    self._since.updates,
+                    self._trained,
+                    self.engine.settings.accum_steps,
+                    rate,
+                    estimate,
+                    probed,
+                )
+            )
 
     def _follow(self, estimate):
         if self._follower is None:

@@ -92,9 +92,7 @@ class _Phases:
         # Per traced batch shape: where the attempt's tensors go back in.
         self._layouts = {}
         self._checked = set()
-        self._attempt = self._function(
-            lambda data: strategy.run(self._compute, args=(data,))
-        )
+        self._attempt = self._function(lambda data: strategy.run(self._compute, args=(data,)))
 
         def commit(data, flat):
             outputs = strategy.run(self._write, args=(data, flat))
@@ -109,9 +107,7 @@ class _Phases:
         if self._model.run_eagerly:
             return function
         # Traced per batch shape: the split is static and exact, the short last too.
-        return tf.function(
-            function, reduce_retracing=False, jit_compile=self._model.jit_compile
-        )
+        return tf.function(function, reduce_retracing=False, jit_compile=self._model.jit_compile)
 
     def attempt(self, data):
         if not self._model.run_eagerly:
@@ -199,8 +195,7 @@ def _local_batch_size(strategy, data):
 def _shapes(data):
     """The static shapes of a replica's batch: which trace it belongs to."""
     return tuple(
-        None if leaf is None else tuple(leaf.shape.as_list())
-        for leaf in tf.nest.flatten(data)
+        None if leaf is None else tuple(leaf.shape.as_list()) for leaf in tf.nest.flatten(data)
     )
 
 

@@ -18,6 +18,7 @@ from keras_accum import _internals as internals
 
 _log = logging.getLogger("keras_accum")
 
+
 class AutoMicroBatch:
     """The micro-batch size chosen by `micro_batch_size="auto"`: from the whole
     batch (`size` None) or a remembered size, halved (rounding up) each time a

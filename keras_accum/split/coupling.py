@@ -17,9 +17,10 @@ from keras import tree
 
 from keras_accum import _internals as internals
 from keras_accum import scaling
-from keras_accum.split import microbatch
 from keras_accum.arguments import AUTO, METHODS, shown_coupled_from
 from keras_accum.normaliser import loss_normaliser, micro_batch_weight
+from keras_accum.split import microbatch
+from keras_accum.window import MicroBatch
 
 
 class Coupling:
@@ -44,8 +45,9 @@ class Coupling:
     @classmethod
     def _of_methods(cls, model):
         # A subclassed model has no graph to cut: its two methods say where.
-        missing = [name for name in ("represent", "couple")
-                   if not callable(getattr(model, name, None))]
+        missing = [
+            name for name in ("represent", "couple") if not callable(getattr(model, name, None))
+        ]
         if missing:
             raise ValueError(
                 "`coupled_from='methods'` splits the model at its `represent` "
@@ -131,11 +133,15 @@ def _layer_that_mixes_samples(per_sample):
     # The first layer whose output for a sample depends on the others of its
     # batch, in inference mode (no dropout; moving statistics). A made-up batch
     # the model cannot take leaves the check undone: it only names a mistake early.
-    layers = [layer for layer in per_sample.layers
-              if not isinstance(layer, keras.layers.InputLayer)]
+    layers = [
+        layer for layer in per_sample.layers if not isinstance(layer, keras.layers.InputLayer)
+    ]
     probed = [(layer, internals.output_of_its_call(layer)) for layer in layers]
-    probed = [(layer.name, output) for layer, output in probed
-              if output is not None and len(tree.flatten(output)) == 1]
+    probed = [
+        (layer.name, output)
+        for layer, output in probed
+        if output is not None and len(tree.flatten(output)) == 1
+    ]
     if not probed:
         return None
     try:
@@ -207,7 +213,7 @@ def check_strategy(settings, strategy):
 
 
 def coupled_gradients(model, coupling, state, parts, batch, variables, fold, loss_scale):
-    """The whole batch's `microbatch.Gradients` from its micro-batches `parts`,
+    """The whole batch's `MicroBatch` from its micro-batches `parts`,
     and the BatchNormalization records of its coupled part and micro-batches.
 
     Passes: each micro-batch without a tape; the coupled part and the loss once,
@@ -257,10 +263,12 @@ def coupled_gradients(model, coupling, state, parts, batch, variables, fold, los
         with tf.GradientTape() as tape:
             with state.moments.micro_batch(records):
                 reps = tree.flatten(coupling.per_sample(x_k, training=True))
-            surrogate = tf.add_n([
-                tf.reduce_sum(r * tf.cast(_rows_of(u, start, kept, r), r.dtype))
-                for r, u in zip(reps, upstream)
-            ])
+            surrogate = tf.add_n(
+                [
+                    tf.reduce_sum(r * tf.cast(_rows_of(u, start, kept, r), r.dtype))
+                    for r, u in zip(reps, upstream)
+                ]
+            )
         if live is not None:
             # A stand-in past a short batch's end adds no moments.
             records[first:] = [
@@ -273,8 +281,13 @@ def coupled_gradients(model, coupling, state, parts, batch, variables, fold, los
         start = start + kept
     grad_scale = None if fold else scaling.into_window(weight, loss_scale)
     grads = [None if g is None else scaling.scaled(g, grad_scale) for g in grads]
-    gradients = microbatch.Gradients(
-        grads, None, weight, normalise, loss, internals.batch_size(x),
+    gradients = MicroBatch(
+        grads,
+        None,
+        weight,
+        normalise,
+        loss,
+        internals.batch_size(x),
         replicas.own_rows(y_pred),
     )
     return gradients, records
@@ -312,7 +325,7 @@ class _Replicas:
         if self.count == 1:
             return values
         return microbatch.drop_rows(
-            tree.map_structure(lambda t: None if t is None else t[self.start:], values),
+            tree.map_structure(lambda t: None if t is None else t[self.start :], values),
             self.rows,
         )
 
@@ -321,7 +334,7 @@ class _Replicas:
         # a representation's gradient comes from one replica only, so multiply back.
         if self.count == 1:
             return upstream
-        return [u[self.start:self.start + self.rows] * self.count for u in upstream]
+        return [u[self.start : self.start + self.rows] * self.count for u in upstream]
 
 
 def _sum(a, b):
@@ -332,6 +345,6 @@ def _sum(a, b):
 
 def _rows_of(upstream, start, kept, reps):
     # A stand-in past a short batch's end (kept 0) gets zeros for its one row.
-    mine = upstream[start:start + kept]
+    mine = upstream[start : start + kept]
     padding = tf.zeros_like(upstream[:1])[: tf.shape(reps)[0] - kept]
     return tf.concat([mine, padding], 0)

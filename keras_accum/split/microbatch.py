@@ -6,13 +6,14 @@ makes every write wait for all of them, so a failed step writes nothing.
 """
 
 import math
-from typing import NamedTuple
 
 import tensorflow as tf
 from keras import tree
 
 from keras_accum import _internals as internals
 from keras_accum.scaling import scaled
+from keras_accum.window import MicroBatch
+
 
 def static_batch_size(data):
     """The batch dimension of `data` as a Python int, or None if unknown."""
@@ -29,22 +30,6 @@ def static_batch_size(data):
 def num_micro_batches(batch_size, micro_batch_size):
     """How many micro-batches a batch of `batch_size` samples is split into."""
     return max(1, math.ceil(batch_size / micro_batch_size))
-
-
-class Gradients(NamedTuple):
-    """One forward and backward pass: what a micro-batch (or a batch) gives.
-
-    `grad_scale` multiplies `grads` into `weight * gradient` (None when the
-    weight is in the loss); `weight` is what the loss was normalised by.
-    """
-
-    grads: list
-    grad_scale: object
-    weight: object
-    normalise: bool
-    loss: object
-    num_samples: object
-    y_pred: object
 
 
 def split(data, micro_batch_size, batch_size_seen):
@@ -116,7 +101,7 @@ def summed(total, part):
 
 
 def combine(parts, grads):
-    """The batch's `Gradients` from its micro-batches' and their `summed`
+    """The batch's `MicroBatch` from its micro-batches' and their `summed`
     `grads`: `loss` as Keras logs it for the whole batch, `y_pred` with masks."""
     weights = [tf.cast(p.weight, tf.float32) for p in parts]
     weight = tf.add_n(weights)
@@ -125,13 +110,13 @@ def combine(parts, grads):
     if normalise:
         # The weighted mean is the big batch's loss.
         loss = tf.math.divide_no_nan(
-            tf.add_n([w * l for w, l in zip(weights, losses)]), weight
+            tf.add_n([w * value for w, value in zip(weights, losses)]), weight
         )
     else:
         loss = tf.add_n(losses)
     num_samples = tf.add_n([p.num_samples for p in parts])
     y_pred = tree.map_structure(_concat, *[p.y_pred for p in parts])
-    return Gradients(grads, None, weight, normalise, loss, num_samples, y_pred)
+    return MicroBatch(grads, None, weight, normalise, loss, num_samples, y_pred)
 
 
 def control_after(batch):
@@ -159,9 +144,7 @@ def after(previous, part):
         with tf.control_dependencies(_tensors(previous)):
             return tree.map_structure(lambda t: None if t is None else tf.identity(t), part)
     zero = _zero_after(previous)
-    return tree.map_structure(
-        lambda t: None if t is None else _waiting(t, zero), part
-    )
+    return tree.map_structure(lambda t: None if t is None else _waiting(t, zero), part)
 
 
 def _zero_after(previous):

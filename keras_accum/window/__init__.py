@@ -5,6 +5,7 @@ skip policy (nonfinite.py), and the observers: BatchNormalization moments
 (batchnorm.py) and the gradient noise scale (noise_scale.py).
 """
 
+from keras_accum.window.buffers import MicroBatch
 from keras_accum.window.state import AccumState, close, close_batch
 
-__all__ = ["AccumState", "close", "close_batch"]
+__all__ = ["AccumState", "MicroBatch", "close", "close_batch"]

@@ -131,6 +131,7 @@ class BatchNormMoments(tf.Module, internals.SavedState):
         micro-batch of the step has run. Reentrant across threads (under
         MirroredStrategy each replica traces in its own): the first in patches
         the layers, the last out restores them."""
+
         def patches():
             return [
                 internals.moments_recorded_not_applied(layer, self._recorder(index, layer))
@@ -306,6 +307,7 @@ def _count(layer, inputs, mask, dtype):
     if mask is None:
         return tf.cast(tf.reduce_prod(tf.gather(tf.shape(inputs), axes)), dtype)
     # As BatchNormalization._moments broadcasts it.
-    weights = tf.broadcast_to(tf.expand_dims(tf.cast(tf.cast(mask, tf.bool), dtype), -1), tf.shape(inputs))
+    weights = tf.broadcast_to(
+        tf.expand_dims(tf.cast(tf.cast(mask, tf.bool), dtype), -1), tf.shape(inputs)
+    )
     return tf.reduce_sum(weights, axis=axes)
-

@@ -127,16 +127,26 @@ class GradientAccumulator(tf.Module, internals.SavedState):
                 )
                 self.slice_counts.append(
                     tf.Variable(
-                        tf.zeros([], tf.int64), trainable=False,
-                        name=f"slice_count_{i}", **first,
+                        tf.zeros([], tf.int64),
+                        trainable=False,
+                        name=f"slice_count_{i}",
+                        **first,
                     )
                 )
         if variables and all(isinstance(v, _VARIABLE_TYPES) for v in variables):
             self.binding.variables = variables
         self._built = True
 
-    def add(self, grads, weight, grad_scale=None, normalise=True, variables=None,
-            statistic=slices.SQUARE, window_occurrences=1):
+    def add(
+        self,
+        grads,
+        weight,
+        grad_scale=None,
+        normalise=True,
+        variables=None,
+        statistic=slices.SQUARE,
+        window_occurrences=1,
+    ):
         """Adds one micro-batch: `acc_grads += grad_scale * grads`, and `weight`.
 
         The buffers must end up holding `weight * gradient`: the caller folded
@@ -145,18 +155,27 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         (or a function giving it), the static size of row sums under XLA.
         """
         self._record(grads, variables, statistic, window_occurrences)
-        self._write(MicroBatch(grads, weight, grad_scale, normalise), statistic)
+        self._write(MicroBatch(grads, grad_scale, weight, normalise), statistic)
 
-    def add_or_close(self, accum_steps, close, grads, weight, grad_scale=None,
-                     normalise=True, variables=None, statistic=slices.SQUARE,
-                     window_occurrences=1):
+    def add_or_close(
+        self,
+        accum_steps,
+        close,
+        grads,
+        weight,
+        grad_scale=None,
+        normalise=True,
+        variables=None,
+        statistic=slices.SQUARE,
+        window_occurrences=1,
+    ):
         """Adds one micro-batch as `add` does or, if it completes a window of
         `accum_steps`, calls `close(last)` with it unwritten, as Keras's built-in
         accumulation does: the update reads each buffer once, with the last
         gradient (benchmarks/design-notes.md, "The last micro-batch folded into the update"). One device
         only; a window of slices is added to, then closed."""
         self._record(grads, variables, statistic, window_occurrences)
-        batch = MicroBatch(grads, weight, grad_scale, normalise)
+        batch = MicroBatch(grads, grad_scale, weight, normalise)
         if self.layout.sparse:
             self._write(batch, statistic)
             self.when_full(accum_steps, lambda: close(None))
@@ -237,8 +256,13 @@ class GradientAccumulator(tf.Module, internals.SavedState):
                 padded = internals.in_xla_context()
                 grads.append(
                     _sparse_window_gradient(
-                        self._slices(i), self.acc_stats.get(str(i)), self.layout.statistic,
-                        padded, self._trace.capacity(i) if padded else None, inv, v.dtype,
+                        self._slices(i),
+                        self.acc_stats.get(str(i)),
+                        self.layout.statistic,
+                        padded,
+                        self._trace.capacity(i) if padded else None,
+                        inv,
+                        v.dtype,
                     )
                 )
             else:
@@ -392,12 +416,22 @@ _VARIABLE_TYPES = (tf.Variable, keras.Variable)
 
 
 class MicroBatch(NamedTuple):
-    """One micro-batch's part of a window, as `add` writes it (fields as in `add`)."""
+    """One forward and backward pass: a micro-batch's (or a split batch's)
+    part of a window.
+
+    `grad_scale` multiplies `grads` into `weight * gradient` (None when the
+    weight is in the loss already); `weight` is what the loss was normalised
+    by; `normalise`: whether the window divides by its total weight. The
+    step's own fields (`loss`, `num_samples`, `y_pred`) the buffers ignore.
+    """
 
     grads: list
-    weight: object
     grad_scale: object
+    weight: object
     normalise: bool
+    loss: object = None
+    num_samples: object = None
+    y_pred: object = None
 
 
 def _scaled(grad, scale):

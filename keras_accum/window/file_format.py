@@ -22,9 +22,7 @@ def save_window(acc, store):
     store["accum_steps"] = here(acc.accum_steps)[0].numpy()
     store["normalise"] = np.int8(here(acc.normalise)[0].numpy())
     count = len(acc.acc_grads)
-    store["has_gradient"] = np.array(
-        [i not in acc.layout.absent for i in range(count)], "int8"
-    )
+    store["has_gradient"] = np.array([i not in acc.layout.absent for i in range(count)], "int8")
     store["shares"] = np.int64(replicas.shares(strategy))
     store["replicas"] = np.int64(replicas.replicas(strategy))
     store["sparse"] = np.array([i in acc.layout.sparse for i in range(count)], "int8")
@@ -43,14 +41,15 @@ def _save_slices(acc, store, i):
     storages = here(acc.acc_grads[i])
     counts = [int(c.numpy()) for c in here(acc.slice_counts[i])]
     indices = here(acc.slice_indices[i])
-    live = [(s, slices.live_indices(ix, n).numpy(), n)
-            for s, ix, n in zip(storages, indices, counts) if n > 0]
+    live = [
+        (s, slices.live_indices(ix, n).numpy(), n)
+        for s, ix, n in zip(storages, indices, counts)
+        if n > 0
+    ]
     dense = [s.numpy() for s, n in zip(storages, counts) if n < 0]
     shape = tuple(acc.acc_grads[i].shape)
     dtype = acc.acc_grads[i].dtype.as_numpy_dtype
-    store[f"acc_grad_{i}"] = (
-        sum(dense[1:], dense[0]) if dense else np.zeros(shape, dtype)
-    )
+    store[f"acc_grad_{i}"] = sum(dense[1:], dense[0]) if dense else np.zeros(shape, dtype)
     if slices.ROW_SUMS in counts:
         # Row sums add up over replicas: saved as their sum. A replica still
         # holding an older file's dense sum counts one occurrence per row.
@@ -58,11 +57,13 @@ def _save_slices(acc, store, i):
         statistic = lambda v: np.abs(v) if acc.layout.statistic == slices.ABS else v**2  # noqa: E731
         store[f"slice_stats_{i}"] = sum(
             st.numpy() if n == slices.ROW_SUMS else statistic(s.numpy())
-            for s, st, n in zip(storages, stats, counts) if n < 0
+            for s, st, n in zip(storages, stats, counts)
+            if n < 0
         )
         store[f"row_counts_{i}"] = sum(
             ix.numpy().astype("int64") if n == slices.ROW_SUMS else np.ones(shape[0], "int64")
-            for ix, n in zip(indices, counts) if n < 0
+            for ix, n in zip(indices, counts)
+            if n < 0
         )
         counts = [slices.ROW_SUMS if n < 0 else n for n in counts]
     store[f"slice_counts_{i}"] = np.array(counts, "int64")
@@ -83,14 +84,10 @@ def load_window(acc, store):
             acc.reset()
         return
     n = len([k for k in keys if k.startswith("acc_grad_")])
-    expected = {"micro_step", "window_weight", "accum_steps"} | {
-        f"acc_grad_{i}" for i in range(n)
-    }
+    expected = {"micro_step", "window_weight", "accum_steps"} | {f"acc_grad_{i}" for i in range(n)}
     optional = {"normalise", "has_gradient", "shares", "replicas", "sparse", "statistic"}
     optional |= {
-        f"slice_{what}_{i}"
-        for i in range(n)
-        for what in ("counts", "indices", "values", "stats")
+        f"slice_{what}_{i}" for i in range(n) for what in ("counts", "indices", "values", "stats")
     }
     optional |= {f"row_counts_{i}" for i in range(n)}
     if not expected <= keys or keys - expected - optional:
@@ -144,13 +141,11 @@ def load_window(acc, store):
         layout = layout._replace(absent=frozenset(int(i) for i in np.flatnonzero(has == 0)))
     # Files from before slices hold a dense sum (count -1), applied as such.
     legacy = "sparse" not in keys
-    layout = layout._replace(sparse=frozenset(
-        () if legacy else (int(i) for i in np.flatnonzero(entry("sparse")))
-    ))
+    layout = layout._replace(
+        sparse=frozenset(() if legacy else (int(i) for i in np.flatnonzero(entry("sparse"))))
+    )
     if "statistic" in keys:
-        layout = layout._replace(
-            statistic=slices.ABS if int(entry("statistic")) else slices.SQUARE
-        )
+        layout = layout._replace(statistic=slices.ABS if int(entry("statistic")) else slices.SQUARE)
     acc.layout = layout
     for count in acc.slice_counts:
         replicas.assign_all(local(count), slices.DENSE if legacy and micro_step else 0)
@@ -161,9 +156,9 @@ def load_window(acc, store):
 def _load_slices(acc, store, i):
     counts = [int(c) for c in np.asarray(store[f"slice_counts_{i}"])]
     local = lambda v: replicas.local(acc.strategy, v)  # noqa: E731
-    components = list(zip(
-        local(acc.acc_grads[i]), local(acc.slice_indices[i]), local(acc.slice_counts[i])
-    ))
+    components = list(
+        zip(local(acc.acc_grads[i]), local(acc.slice_indices[i]), local(acc.slice_counts[i]))
+    )
     if len(counts) != len(components):
         # Only a window of no micro-batch gets here (others are refused above).
         return
@@ -174,8 +169,7 @@ def _load_slices(acc, store, i):
     if row_sums:
         stats = local(acc.stats_of(i))
         shares = [
-            (dense, np.asarray(store[f"slice_stats_{i}"]),
-             np.asarray(store[f"row_counts_{i}"]))
+            (dense, np.asarray(store[f"slice_stats_{i}"]), np.asarray(store[f"row_counts_{i}"]))
         ]
     start, dense_given = 0, False
     for r, ((storage, index, count), n) in enumerate(zip(components, counts)):

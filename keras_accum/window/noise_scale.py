@@ -113,7 +113,8 @@ class NoiseScale:
         # The variable's own strategy, not `get_strategy()` (the default one
         # here), says how many shares this worker holds.
         shares = (
-            (self.window_sums,) if self._strategy is None
+            (self.window_sums,)
+            if self._strategy is None
             else self._strategy.experimental_local_results(self.window_sums)
         )
         if not self.built or len(shares) > 1:
@@ -160,9 +161,7 @@ def window_estimates(sums, squared_norm, measured=True):
     c = tf.math.divide_no_nan(tf.constant(1.0, tf.float64), sums[SAMPLES])
     gap = tf.where(known, a - c, 1.0)
     norm = tf.cast(squared_norm, tf.float64)
-    estimates = tf.stack(
-        [(mean_square - norm) / gap, (norm * a - mean_square * c) / gap, 1.0]
-    )
+    estimates = tf.stack([(mean_square - norm) / gap, (norm * a - mean_square * c) / gap, 1.0])
     # A window with an overflowed gradient (a loss scale settling, a NaN sample)
     # is left out, as the optimizer skips it: else the epoch's estimate is NaN.
     known = tf.logical_and(known, tf.reduce_all(tf.math.is_finite(estimates)))
@@ -172,7 +171,7 @@ def window_estimates(sums, squared_norm, measured=True):
 
 
 def micro_batch_sums(parts, steps=1.0):
-    """`window_sums` of micro-batches `parts` (`microbatch.Gradients`): a part's
+    """`window_sums` of micro-batches `parts` (`MicroBatch`): a part's
     mean gradient is `grads * grad_scale * replicas / weight`, as the window
     holds `weight * gradient` of a loss Keras divided by the replicas. Scalars
     are stacked: the same few ops for any number of parts."""
@@ -206,9 +205,7 @@ def squared_norm(grads):
 
 def squared_norms(grads_lists):
     """`squared_norm` of each list of gradients (of the same variables), as a vector."""
-    halves = [
-        [_half_square(g) for g in grads if g is not None] for grads in grads_lists
-    ]
+    halves = [[_half_square(g) for g in grads if g is not None] for grads in grads_lists]
     if not halves[0]:
         return tf.zeros([len(grads_lists)], tf.float64)
     # One fused pass per gradient (L2Loss: no squared temporary), in float32 (a
@@ -242,9 +239,7 @@ def _sparse_half_square(slices):
     rows, segments, counts = tf.unique_with_counts(indices, out_idx=tf.int32)
 
     def every_row():
-        return tf.nn.l2_loss(
-            tf.math.unsorted_segment_sum(values, segments, tf.size(rows))
-        )
+        return tf.nn.l2_loss(tf.math.unsorted_segment_sum(values, segments, tf.size(rows)))
 
     def repeated_rows():
         repeated = tf.gather(counts, segments) > 1
@@ -288,8 +283,6 @@ def _rows_summed_sorted(values, indices):
     count = tf.shape(indices)[0]
     order = tf.argsort(indices)
     rows = tf.gather(indices, order)
-    starts = tf.logical_or(
-        tf.equal(tf.range(count), 0), tf.not_equal(rows, tf.roll(rows, 1, 0))
-    )
+    starts = tf.logical_or(tf.equal(tf.range(count), 0), tf.not_equal(rows, tf.roll(rows, 1, 0)))
     segments = tf.cumsum(tf.cast(starts, tf.int32)) - 1
     return tf.math.unsorted_segment_sum(tf.gather(values, order), segments, count)

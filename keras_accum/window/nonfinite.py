@@ -14,9 +14,7 @@ from keras_accum.window import slices
 def all_finite(tensors):
     """Whether every element of every tensor (None skipped; slices' values) is finite."""
     checks = [
-        tf.reduce_all(tf.math.is_finite(slices.values_of(t)))
-        for t in tensors
-        if t is not None
+        tf.reduce_all(tf.math.is_finite(slices.values_of(t))) for t in tensors if t is not None
     ]
     if not checks:
         return tf.constant(True)
@@ -82,4 +80,3 @@ class NonFiniteWindows(tf.Module, internals.SavedState):
                 f"expected the entry ['skipped_windows'], found {sorted(keys)}."
             )
         self.skipped.assign(int(np.asarray(store["skipped_windows"])))
-

@@ -59,9 +59,7 @@ def append(storage, indices, count, slices, values, stats, kind=SQUARE):
             live_values, rows_of = _padded(storage, indices, count)
             live = tf.cast(tf.range(rows, dtype=count.dtype) < count, indices.dtype)
             storage.assign(tf.math.unsorted_segment_sum(live_values, rows_of, rows))
-            stats.assign(
-                tf.math.unsorted_segment_sum(statistic(live_values, kind), rows_of, rows)
-            )
+            stats.assign(tf.math.unsorted_segment_sum(statistic(live_values, kind), rows_of, rows))
             indices.assign(tf.math.unsorted_segment_sum(live, rows_of, rows))
 
         def from_dense():
@@ -118,9 +116,7 @@ def write_slices(storage, indices, count, values, rows):
     n = len(rows)
     positions = tf.range(n, dtype=count.dtype)
     storage.scatter_update(tf.IndexedSlices(values, positions))
-    indices.scatter_update(
-        tf.IndexedSlices(tf.cast(rows, indices.dtype), positions)
-    )
+    indices.scatter_update(tf.IndexedSlices(tf.cast(rows, indices.dtype), positions))
     count.assign(n)
 
 
@@ -172,9 +168,7 @@ def synthesised(sums, stats, counts, kind=SQUARE, capacity=None):
         repeated = (stats + sums) / 2
         first = tf.where(m > 1, (sums - stats) / 2, sums)
     else:
-        spread = tf.sqrt(
-            tf.math.divide_no_nan(tf.maximum(m * stats - tf.square(sums), 0), m - 1)
-        )
+        spread = tf.sqrt(tf.math.divide_no_nan(tf.maximum(m * stats - tf.square(sums), 0), m - 1))
         repeated = (sums - spread) / m
         first = sums - (m - 1) * repeated
     # Extra occurrence j belongs to the row whose range of ends holds it.
@@ -183,9 +177,7 @@ def synthesised(sums, stats, counts, kind=SQUARE, capacity=None):
     used = j < total
     owner = tf.where(used, owner, tf.zeros_like(owner))
     extra_values = tf.gather(repeated, owner)
-    extra_values = tf.where(
-        tf.reshape(used, shape), extra_values, tf.zeros_like(extra_values)
-    )
+    extra_values = tf.where(tf.reshape(used, shape), extra_values, tf.zeros_like(extra_values))
     values = tf.concat([first, extra_values], 0)
     idx = tf.concat([touched, tf.gather(touched, owner)], 0)
     return values, idx
@@ -202,8 +194,7 @@ def _owners(ends, slots):
     return tf.cumsum(marks)[:slots]
 
 
-def window_slices(storage, indices, count, padded=False, stats=None, kind=SQUARE,
-                  capacity=None):
+def window_slices(storage, indices, count, padded=False, stats=None, kind=SQUARE, capacity=None):
     """The window's gradient as one `IndexedSlices` (unscaled sums): occurrences,
     `synthesised` ones, or every row once for a dense sum. `padded` (XLA): the
     whole buffer for slices, every row plus `capacity` for row sums."""
@@ -257,9 +248,7 @@ def _padded_window(storage, indices, count, stats, kind, capacity, every_row, de
         return tf.concat([values, zeros], 0), tf.concat([idx, tf.zeros([capacity], idx.dtype)], 0)
 
     def row_sums():
-        values, idx = synthesised(
-            storage.read_value(), stats.read_value(), indices, kind, capacity
-        )
+        values, idx = synthesised(storage.read_value(), stats.read_value(), indices, kind, capacity)
         return values, tf.cast(idx, indices.dtype)
 
     values, idx = tf.cond(count == ROW_SUMS, row_sums, slices_padded_to_row_sums)

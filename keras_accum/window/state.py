@@ -172,9 +172,7 @@ def close(state, optimizer, strategy=None, last=None):
 
     def on_one_device(compact):
         # On one device, the gradient the policy checks is the one applied.
-        gradients = _once(
-            lambda: buffers.window_gradients(loss_scale, last=last, compact=compact)
-        )
+        gradients = _once(lambda: buffers.window_gradients(loss_scale, last=last, compact=compact))
         finite = lambda: nonfinite.all_finite(gradients())  # noqa: E731
         _decide(state, optimizer, loss_scale, 1, _call, gradients, finite, last)
 

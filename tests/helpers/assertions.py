@@ -39,9 +39,7 @@ def assert_history_close(ha, hb, rtol=RTOL, atol=ATOL):
 
 def assert_trained(model, initial):
     """Guards against comparisons that pass because nothing moved."""
-    moved = max(
-        np.abs(w - w0).max() for w, w0 in zip(model.get_weights(), initial)
-    )
+    moved = max(np.abs(w - w0).max() for w, w0 in zip(model.get_weights(), initial))
     assert moved > 1e-3, f"weights barely moved ({moved}); the test is vacuous"
 
 

@@ -103,7 +103,6 @@ class AutoRuns:
             )
         return values
 
-
     def fit_with_limit(self, out, name, accum_steps, samples, batch, k):
         """Trains 2 epochs, then 1 more in a second fit call (the size kept)."""
         warnings = Warnings()
@@ -125,7 +124,6 @@ class AutoRuns:
             "warnings": [first, warnings.count - first],
         }
 
-
     def batchnorm_retry_equals_the_integer_size(self, out):
         # A retry leaves no trace: auto (out of memory at 4 per replica, then 2)
         # trains exactly as micro_batch_size=2 from the start, moving
@@ -145,7 +143,6 @@ class AutoRuns:
             "chosen": runs["auto"].chosen_micro_batch_size,
             "iterations": [int(m.optimizer.iterations.numpy()) for m in runs.values()],
         }
-
 
     def nothing_fits_changes_nothing(self, out):
         # One step trained, then the limit made 0 on the small worker: every
@@ -180,7 +177,6 @@ class AutoRuns:
             "chosen": model.chosen_micro_batch_size,
         }
 
-
     def synchronized_batchnorm_refused(self, out):
         with self.strategy.scope():
             keras.utils.set_random_seed(0)
@@ -196,7 +192,6 @@ class AutoRuns:
         except ValueError as error:
             out["synchronized"] = str(error)
         out["synchronized_iterations"] = int(model.optimizer.iterations.numpy())
-
 
     def another_error_stops_every_worker(self, out):
         # Not out of memory: the failing worker raises its own error, the other

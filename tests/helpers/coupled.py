@@ -5,6 +5,7 @@ losses and its data."""
 import keras
 import numpy as np
 import tensorflow as tf
+
 from helpers.oom import Limit
 
 FEATURES, DIM = 6, 8
@@ -69,8 +70,9 @@ class BatchCentre(keras.layers.Layer):
         return inputs - tf.reduce_mean(inputs, axis=0, keepdims=True)
 
 
-def two_tower(cls=keras.Model, scale=False, dropout=0.0, batchnorm=False, limit=None,
-              centre=False, **kwargs):
+def two_tower(
+    cls=keras.Model, scale=False, dropout=0.0, batchnorm=False, limit=None, centre=False, **kwargs
+):
     """Query and item towers, their representations compared by `Similarity`.
     The item representation has no bias: the loss is blind to a shift of
     every item alike, so its gradient is zero and Adam would amplify float

@@ -75,8 +75,8 @@ def small_table_data(n=92, seed=3, tables=(2, 7, 60), length=10):
     """`n` samples of `length` tokens for each table of `tables` rows, and a
     class that depends on them (so that every table learns)."""
     rng = np.random.default_rng(seed)
-    x = np.stack(
-        [rng.integers(0, rows, size=(n, length)) for rows in tables], axis=1
-    ).astype("int32")
+    x = np.stack([rng.integers(0, rows, size=(n, length)) for rows in tables], axis=1).astype(
+        "int32"
+    )
     y = ((x[:, 0].sum(1) + x[:, 1].sum(1) % 3) % 3).astype("int64")
     return x, y

@@ -15,10 +15,14 @@ from keras_accum import _internals as keras_internals  # noqa: F401 (shared)
 from keras_accum._internals import versions as keras_versions  # noqa: F401 (shared)
 from keras_accum.backup import restore_point  # noqa: F401 (shared)
 from keras_accum.normaliser import loss_normaliser  # noqa: F401 (shared)
-from keras_accum.split.microbatch import Gradients  # noqa: F401 (shared)
-from keras_accum.window import AccumState, close, close_batch  # noqa: F401 (shared)
-from keras_accum.window import file_format  # noqa: F401 (shared)
-from keras_accum.window import noise_scale  # noqa: F401 (shared)
+from keras_accum.window import (  # noqa: F401 (shared)
+    AccumState,
+    MicroBatch,  # noqa: F401 (shared)
+    close,
+    close_batch,
+    file_format,  # noqa: F401 (shared)
+    noise_scale,  # noqa: F401 (shared)
+)
 from keras_accum.window import slices as sparse  # noqa: F401 (shared)
 from keras_accum.window.buffers import GradientAccumulator  # noqa: F401 (shared)
 from keras_accum.window.nonfinite import NonFiniteWindows  # noqa: F401 (shared)
@@ -97,7 +101,6 @@ def mark_window_saved_by(path, shares, replicas):
     with h5py.File(path, "r+") as f:
         f["_accumulator/vars/shares"][()] = shares
         f["_accumulator/vars/replicas"][()] = replicas
-
 
 
 def break_after_the_skip_count(path, skipped):
@@ -192,8 +195,10 @@ def graphs_as_run(function, *args):
         return list(metadata.partition_graphs) + [
             graph
             for function_graphs in metadata.function_graphs
-            for graph in (*function_graphs.partition_graphs,
-                          function_graphs.post_optimization_graph)
+            for graph in (
+                *function_graphs.partition_graphs,
+                function_graphs.post_optimization_graph,
+            )
         ]
     finally:
         context.disable_run_metadata()

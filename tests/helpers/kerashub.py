@@ -16,8 +16,13 @@ def gpt2(seed=0):
 
     keras.utils.set_random_seed(seed)
     backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=VOCAB, num_layers=1, num_heads=2, hidden_dim=8,
-        intermediate_dim=16, max_sequence_length=LENGTH, dropout=0.0,
+        vocabulary_size=VOCAB,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=8,
+        intermediate_dim=16,
+        max_sequence_length=LENGTH,
+        dropout=0.0,
     )
     return keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
 
@@ -39,8 +44,13 @@ def bert(seed=0, **kwargs):
 
     keras.utils.set_random_seed(seed)
     backbone = keras_hub.models.BertBackbone(
-        vocabulary_size=VOCAB, num_layers=1, num_heads=2, hidden_dim=8,
-        intermediate_dim=16, max_sequence_length=LENGTH, dropout=0.0,
+        vocabulary_size=VOCAB,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=8,
+        intermediate_dim=16,
+        max_sequence_length=LENGTH,
+        dropout=0.0,
     )
     return keras_hub.models.BertTextClassifier(
         backbone=backbone, num_classes=3, preprocessor=None, dropout=0.0, **kwargs
@@ -53,8 +63,14 @@ def gemma(seed=0):
 
     keras.utils.set_random_seed(seed)
     backbone = keras_hub.models.GemmaBackbone(
-        vocabulary_size=VOCAB, num_layers=1, num_query_heads=2, num_key_value_heads=1,
-        hidden_dim=8, intermediate_dim=16, head_dim=4, dropout=0.0,
+        vocabulary_size=VOCAB,
+        num_layers=1,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=8,
+        intermediate_dim=16,
+        head_dim=4,
+        dropout=0.0,
     )
     return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
 

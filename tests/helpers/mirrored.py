@@ -50,6 +50,7 @@ def _plain(out):
 
 # -- data parallel training against one device (test_distributed.py) -----------
 
+
 class CountingReductions(tf.distribute.ReductionToOneDevice):
     """Counts, at run time, cross-device reductions of non-scalar values
     (gradients), leaving out the scalar ones Keras makes for metrics."""
@@ -69,7 +70,9 @@ class CountingReductions(tf.distribute.ReductionToOneDevice):
 
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
         with tf.control_dependencies(self._counted([per_replica_value])):
-            return super().reduce_implementation(reduce_op, per_replica_value, destinations, options)
+            return super().reduce_implementation(
+                reduce_op, per_replica_value, destinations, options
+            )
 
 
 def max_diff(a, b):
@@ -77,7 +80,9 @@ def max_diff(a, b):
 
 
 def history_diff(ha, hb):
-    return float(max(np.abs(np.array(ha.history[k]) - np.array(hb.history[k])).max() for k in ha.history))
+    return float(
+        max(np.abs(np.array(ha.history[k]) - np.array(hb.history[k])).max() for k in ha.history)
+    )
 
 
 def checks(n_replicas):
@@ -208,12 +213,19 @@ def checks(n_replicas):
     plain = functional()
     plain.compile(OPTIMIZERS["adam"](), loss())
     for epoch, batch in enumerate((8, 16, 32)):
-        plain.fit(x, y, batch_size=batch, epochs=epoch + 1, initial_epoch=epoch, shuffle=False, verbose=0)
+        plain.fit(
+            x, y, batch_size=batch, epochs=epoch + 1, initial_epoch=epoch, shuffle=False, verbose=0
+        )
     with strategy.scope():
         acc = functional(AccumModel)
         acc.compile(OPTIMIZERS["adam"](), loss())
     acc.fit(
-        x, y, batch_size=8, epochs=3, shuffle=False, verbose=0,
+        x,
+        y,
+        batch_size=8,
+        epochs=3,
+        shuffle=False,
+        verbose=0,
         callbacks=[AccumScheduler({0: 1, 1: 2, 2: 4})],
     )
     out["schedule"] = max_diff(plain, acc)
@@ -242,9 +254,9 @@ def checks(n_replicas):
         out["skip"][f"nan_on_replica_{replica}"] = {
             "diff": max_diff(plain, acc),
             "finite": bool(all(np.isfinite(w).all() for w in acc.get_weights())),
-            "replicas_differ": float(max(
-                np.abs(c.numpy() - r[0].numpy()).max() for r in replicas for c in r
-            )),
+            "replicas_differ": float(
+                max(np.abs(c.numpy() - r[0].numpy()).max() for r in replicas for c in r)
+            ),
             "replicas": len(replicas[0]),
             "skipped": acc.skipped_windows,
             "logged": history.history["skipped_windows"],
@@ -268,7 +280,6 @@ def checks(n_replicas):
         "accum": [v.tolist() for v in moving(acc)],
     }
     return _plain(out)
-
 
 
 # -- the noise scale (test_noise_scale.py) ---------------------------------------
@@ -304,7 +315,9 @@ def noise_checks(replicas):
         history = model.fit(x, y, batch_size=NOISE_BATCH, epochs=2, shuffle=False, verbose=0)
         grads = per_example_gradients(model, x, y)
         windows = windows_of(
-            NOISE_N, NOISE_BATCH, kwargs.get("accum_steps", 1),
+            NOISE_N,
+            NOISE_BATCH,
+            kwargs.get("accum_steps", 1),
             None if kwargs.get("micro_batch_size") == "auto" else kwargs.get("micro_batch_size"),
             replicas=replicas,
         )
@@ -321,13 +334,18 @@ def noise_checks(replicas):
         for noise_scale in (True, False):
             with strategy.scope():
                 model = functional(AccumModel, noise_scale=noise_scale, **kwargs)
-                model.compile(keras.optimizers.Adam(0.01), "sparse_categorical_crossentropy",
-                              metrics=["accuracy"])
+                model.compile(
+                    keras.optimizers.Adam(0.01),
+                    "sparse_categorical_crossentropy",
+                    metrics=["accuracy"],
+                )
             history = model.fit(xc, yc, batch_size=NOISE_BATCH, epochs=2, shuffle=False, verbose=0)
             runs.append((model, history.history))
         (on, h_on), (off, h_off) = runs
         out["identical"][name] = {
-            "weights": all(np.array_equal(a, b) for a, b in zip(on.get_weights(), off.get_weights())),
+            "weights": all(
+                np.array_equal(a, b) for a, b in zip(on.get_weights(), off.get_weights())
+            ),
             "history": all(h_on[k] == h_off[k] for k in h_off),
             "iterations": [int(m.optimizer.iterations.numpy()) for m in (on, off)],
             "noise_scale": h_on["noise_scale"],
@@ -352,11 +370,17 @@ def schedule_run(strategy, probe=False):
         model = regression_net(AccumModel, accum_steps=2, noise_scale=True)
         model.compile(keras.optimizers.Adam(SCHEDULE_TUNED), "mse")
     held = regression_data(512, noise=4.0, seed=5) if probe else None
-    scheduler = AccumScheduler("noise_scale", max_accum_steps=12, every_updates=3,
-                               learning_rate_rule="sqrt", probe=held,
-                               probe_windows=4 if probe else None)
-    model.fit(x, y, batch_size=SCHEDULE_MICRO, epochs=3, shuffle=False, verbose=0,
-              callbacks=[scheduler])
+    scheduler = AccumScheduler(
+        "noise_scale",
+        max_accum_steps=12,
+        every_updates=3,
+        learning_rate_rule="sqrt",
+        probe=held,
+        probe_windows=4 if probe else None,
+    )
+    model.fit(
+        x, y, batch_size=SCHEDULE_MICRO, epochs=3, shuffle=False, verbose=0, callbacks=[scheduler]
+    )
     out = {
         "path": [(d.updates, d.accum_steps, d.learning_rate) for d in scheduler.path],
         "probed": [d.probed for d in scheduler.path],
@@ -372,7 +396,6 @@ def schedule_run(strategy, probe=False):
         measure = NoiseProbe(held, windows=4).measure
         out["probe_values"] = [measure(m, SCHEDULE_MICRO).value for m in (model, one_device)]
     return out
-
 
 
 # -- embeddings (test_sparse.py, test_small_tables.py) ---------------------------
@@ -419,7 +442,6 @@ def sparse_checks(replicas, small=False, optimizers=("adam", "rmsprop")):
     return _plain(out)
 
 
-
 # -- BackupAndRestore and mid-window saves (test_fault_tolerance.py) -------------
 
 
@@ -429,8 +451,9 @@ def interrupt():
 
 
 def _fit(model, x, y, epochs, callbacks=()):
-    return model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0,
-                     callbacks=list(callbacks))
+    return model.fit(
+        x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0, callbacks=list(callbacks)
+    )
 
 
 def backup_checks(replicas, directory):
@@ -482,4 +505,3 @@ def backup_checks(replicas, directory):
     _fit(model, x, y, 1)  # the third
     out["saved_mid_window"] = [w.tolist() for w in model.get_weights()]
     return _plain(out)
-

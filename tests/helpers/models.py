@@ -24,6 +24,7 @@ from helpers.data import (
     TEXT_VOCAB,
 )
 
+
 def _keras_optimizer(name, **kwargs):
     """`keras.optimizers.<name>(**kwargs)`, made fresh per call; the test
     skips on a Keras without it."""
@@ -59,13 +60,9 @@ OPTIMIZERS = {
     "adam": lambda: keras.optimizers.Adam(0.01),
     "adamw": lambda: keras.optimizers.AdamW(0.01, weight_decay=0.1),
     "rmsprop": lambda: keras.optimizers.RMSprop(0.01, momentum=0.5),
-    "adam_ema": lambda: keras.optimizers.Adam(
-        0.01, use_ema=True, ema_momentum=0.5
-    ),
+    "adam_ema": lambda: keras.optimizers.Adam(0.01, use_ema=True, ema_momentum=0.5),
     "sgd_clipnorm": lambda: keras.optimizers.SGD(0.5, clipnorm=0.05),
-    "adam_global_clipnorm": lambda: keras.optimizers.Adam(
-        0.01, global_clipnorm=0.05
-    ),
+    "adam_global_clipnorm": lambda: keras.optimizers.Adam(0.01, global_clipnorm=0.05),
     "sgd_clipvalue": lambda: keras.optimizers.SGD(0.5, clipvalue=0.005),
     "adam_exponential_decay": lambda: keras.optimizers.Adam(
         keras.optimizers.schedules.ExponentialDecay(0.02, 2, 0.5)
@@ -93,9 +90,9 @@ def functional(cls=keras.Model, seed=0, regularizer=None, **kwargs):
     """A small MLP; `cls` is keras.Model or AccumModel, same weights by seed."""
     keras.utils.set_random_seed(seed)
     inputs = keras.Input((FEATURES,), name="x")
-    h = keras.layers.Dense(
-        16, activation="tanh", kernel_regularizer=regularizer, name="hidden"
-    )(inputs)
+    h = keras.layers.Dense(16, activation="tanh", kernel_regularizer=regularizer, name="hidden")(
+        inputs
+    )
     outputs = keras.layers.Dense(CLASSES, name="logits")(h)
     return cls(inputs, outputs, name="net", **kwargs)
 
@@ -170,7 +167,9 @@ def ways_in(functional, plain_class, accum_class, **more):
 # The small MLP's ways in: `WAYS_IN[name](**settings)` gives the pair's two
 # makers; the settings (accum_steps=..., ...) go to the accumulating one.
 WAYS_IN = ways_in(
-    functional, PlainNet, AccumNet,
+    functional,
+    PlainNet,
+    AccumNet,
     wrap_built_subclassed=lambda **kw: (
         lambda: keras_accum.wrap(subclassed(), **kw),
         subclassed,
@@ -388,9 +387,7 @@ class DenseGradientModel(keras.Model):
         with tf.GradientTape() as tape:
             value = self.compute_loss(x, y, self(x, training=True))
         grads = tape.gradient(value, self.trainable_variables)
-        self.optimizer.apply(
-            [tf.convert_to_tensor(g) for g in grads], self.trainable_variables
-        )
+        self.optimizer.apply([tf.convert_to_tensor(g) for g in grads], self.trainable_variables)
         return {"loss": value}
 
 

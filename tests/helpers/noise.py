@@ -66,9 +66,7 @@ def per_example_gradients(model, x, y, loss=None):
         losses = loss(y, model(x, training=True))
     jacobians = tape.jacobian(losses, variables)
     n = len(x) if not isinstance(x, (list, tuple)) else len(x[0])
-    return np.concatenate(
-        [np.asarray(j, np.float64).reshape(n, -1) for j in jacobians], axis=1
-    )
+    return np.concatenate([np.asarray(j, np.float64).reshape(n, -1) for j in jacobians], axis=1)
 
 
 def windows_of(n, batch_size, accum_steps=1, micro_batch_size=None, replicas=1):
@@ -80,11 +78,11 @@ def windows_of(n, batch_size, accum_steps=1, micro_batch_size=None, replicas=1):
     windows = []
     for first in range(0, len(batches), accum_steps):
         window = []
-        for batch in batches[first:first + accum_steps]:
+        for batch in batches[first : first + accum_steps]:
             assert len(batch) % replicas == 0, "uneven replica shares"
             for share in np.split(batch, replicas):
                 size = micro_batch_size or len(share)
-                window.extend(share[s:s + size] for s in range(0, len(share), size))
+                window.extend(share[s : s + size] for s in range(0, len(share), size))
         windows.append(window)
     return windows
 

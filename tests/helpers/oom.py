@@ -25,9 +25,7 @@ def _impossible(n, like):
 def _limited(x, k):
     """`x`, plus an impossible allocation if `x` holds more than `k` samples."""
     n = tf.shape(x, out_type=tf.int64)[0]
-    return x + tf.cond(
-        n > k, lambda: _impossible(n, x), lambda: tf.zeros((), x.dtype)
-    )
+    return x + tf.cond(n > k, lambda: _impossible(n, x), lambda: tf.zeros((), x.dtype))
 
 
 class Limit(keras.layers.Layer):

@@ -115,9 +115,7 @@ class Cluster:
         self.logs.mkdir(parents=True, exist_ok=True)
         self.processes = []
         for i, config in enumerate(tf_configs(workers)):
-            with open(self.logs / f"out-{i}", "w") as out, open(
-                self.logs / f"err-{i}", "w"
-            ) as err:
+            with open(self.logs / f"out-{i}", "w") as out, open(self.logs / f"err-{i}", "w") as err:
                 self.processes.append(
                     subprocess.Popen(
                         [sys.executable, *args],
@@ -184,10 +182,7 @@ def run_workers(*args, workers=2, timeout=600, logs=None, **env):
     logs = logs or tempfile.mkdtemp(prefix="workers-")
     with Cluster(*args, logs=logs, workers=workers, **env) as cluster:
         deadline = time.monotonic() + timeout
-        codes = [
-            cluster.wait(i, max(1.0, deadline - time.monotonic()))
-            for i in range(workers)
-        ]
+        codes = [cluster.wait(i, max(1.0, deadline - time.monotonic())) for i in range(workers)]
         return [
             subprocess.CompletedProcess(
                 cluster.processes[i].args, codes[i], cluster.output(i), cluster.error(i)

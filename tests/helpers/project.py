@@ -32,7 +32,8 @@ def nox_constant(name):
     """A constant of noxfile.py (`PAIRS`, `CORE`), read without nox."""
     tree = ast.parse((ROOT / "noxfile.py").read_text())
     node = next(
-        n for n in tree.body
+        n
+        for n in tree.body
         if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == name
     )
     return ast.literal_eval(node.value)

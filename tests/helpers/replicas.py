@@ -34,7 +34,7 @@ def configure(workers=1):
         tf.config.threading.set_inter_op_parallelism_threads(threads)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def mirrored(replicas):
     """The MirroredStrategy of `replicas` replicas on this process's CPUs,
     one per process for each count.

@@ -23,7 +23,8 @@ def wide(values, keep):
     one case of several parameters (`"a, b"` in `parametrize`)."""
     assert set(keep) <= set(values), (keep, values)
     return [
-        v if v in keep
+        v
+        if v in keep
         else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow)
         for v in values
     ]

@@ -44,8 +44,19 @@ class Trained(NamedTuple):
     accum_history: dict
 
 
-def fit_pair(make_accum, make_plain, x, y, make_optimizer, *, big_batch, accum_batch,
-             epochs=2, fit_kwargs=None, **compile_kwargs):
+def fit_pair(
+    make_accum,
+    make_plain,
+    x,
+    y,
+    make_optimizer,
+    *,
+    big_batch,
+    accum_batch,
+    epochs=2,
+    fit_kwargs=None,
+    **compile_kwargs,
+):
     """The plain model on `big_batch` and the accumulating one on
     `accum_batch`, each compiled with its own `make_optimizer()` (and the
     tests' loss unless `compile_kwargs` gives one), trained alike: `Trained`."""
@@ -58,8 +69,9 @@ def fit_pair(make_accum, make_plain, x, y, make_optimizer, *, big_batch, accum_b
     return Trained(plain, accum, plain_history, accum_history)
 
 
-def fit_alone(make_model, x, y, make_optimizer, batch_size, epochs=2, fit_kwargs=None,
-              **compile_kwargs):
+def fit_alone(
+    make_model, x, y, make_optimizer, batch_size, epochs=2, fit_kwargs=None, **compile_kwargs
+):
     """One model of `fit_pair`, trained as `fit_pair` trains it: `(model, history)`."""
     model = make_model()
     model.compile(make_optimizer(), **{"loss": loss(), **compile_kwargs})

@@ -29,12 +29,12 @@ strategy = tf.distribute.MultiWorkerMirroredStrategy()
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+
 from helpers import coupled, internals  # noqa: E402
 from helpers.auto_replicas import AutoRuns  # noqa: E402
 from helpers.data import make_data, small_table_data  # noqa: E402
 from helpers.models import OPTIMIZERS, functional, loss, small_tables_net  # noqa: E402
 from helpers.noise import regression_data, regression_net  # noqa: E402
-
 from keras_accum import AccumModel  # noqa: E402
 
 MICRO_BATCH = 8  # global: 4 per worker
@@ -42,9 +42,7 @@ MICRO_BATCH = 8  # global: 4 per worker
 
 def dataset(x, y, batch=MICRO_BATCH):
     options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = (
-        tf.data.experimental.AutoShardPolicy.DATA
-    )
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch).with_options(options)
 
 
@@ -87,7 +85,11 @@ def distributed(task):
     # numpy input: Keras makes the dataset and shards it the same way.
     model = compiled(4)
     history = model.fit(
-        *make_data(76), batch_size=MICRO_BATCH, epochs=2, shuffle=False, verbose=0,
+        *make_data(76),
+        batch_size=MICRO_BATCH,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
         validation_data=make_data(20, seed=3),
     )
     out["numpy"] = {"weights": weights(model), "history": history.history}
@@ -106,8 +108,7 @@ def distributed(task):
     # The noise scale: measured on every worker alike, training unchanged.
     regression = dataset(*regression_data(92, noise=1.0))
     out["noise_scale"] = {}
-    for name, noise_scale, rate in (("on", True, 0.05), ("off", False, 0.05),
-                                    ("still", True, 0.0)):
+    for name, noise_scale, rate in (("on", True, 0.05), ("off", False, 0.05), ("still", True, 0.0)):
         with strategy.scope():
             model = regression_net(AccumModel, accum_steps=4, noise_scale=noise_scale)
             model.compile(keras.optimizers.SGD(rate), "mse")
@@ -118,13 +119,15 @@ def distributed(task):
     # on the global batch (test_coupled.py's model: batches of 32, 16 per
     # worker, the last 28; micro-batches of 8).
     with strategy.scope():
-        model = coupled.two_tower(AccumModel, micro_batch_size=coupled.MICRO,
-                                  coupled_from=coupled.TOWERS)
+        model = coupled.two_tower(
+            AccumModel, micro_batch_size=coupled.MICRO, coupled_from=coupled.TOWERS
+        )
         model.compile(keras.optimizers.Adam(0.01), coupled.InBatchSoftmax())
     (queries, items), y = coupled.data()
     history = model.fit(
         dataset({"queries": queries, "items": items}, y, batch=coupled.BATCH),
-        epochs=coupled.FIT["epochs"], verbose=0,
+        epochs=coupled.FIT["epochs"],
+        verbose=0,
     )
     out["coupled"] = {"weights": weights(model), "history": history.history}
 

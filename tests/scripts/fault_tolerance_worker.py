@@ -27,6 +27,8 @@ strategy = tf.distribute.MultiWorkerMirroredStrategy()
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+
+import keras_accum  # noqa: E402
 from helpers import internals  # noqa: E402
 from helpers.data import make_data  # noqa: E402
 from helpers.models import OPTIMIZERS, functional, loss  # noqa: E402
@@ -34,17 +36,13 @@ from helpers.oom import LimitedLoss  # noqa: E402
 from helpers.processes import WAIT, pause_at, task_index, wait_for_file  # noqa: E402
 from helpers.training import InterruptAt  # noqa: E402
 
-import keras_accum  # noqa: E402
-
 MICRO_BATCH, ACCUM_STEPS, EPOCHS = 8, 4, 4  # global micro-batch: 4 per worker
 # 100 samples: 13 micro-batches an epoch, windows of 4, 4, 4 and 1.
 
 
 def dataset():
     options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = (
-        tf.data.experimental.AutoShardPolicy.DATA
-    )
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     x, y = make_data(100)
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(MICRO_BATCH).with_options(options)
 
@@ -127,9 +125,7 @@ def train(out):
     )
     # The committed backups this worker starts with.
     out["held"] = [list(p) for p in internals.restore_points_on_disk(backup)]
-    history = model.fit(
-        dataset(), epochs=EPOCHS, verbose=0, callbacks=[Points(), backup]
-    )
+    history = model.fit(dataset(), epochs=EPOCHS, verbose=0, callbacks=[Points(), backup])
     out["epochs_run"] = len(history.history["loss"])
     out["chosen"] = model.chosen_micro_batch_size if AUTO else None
     out["weights"] = [w.tolist() for w in model.get_weights()]

@@ -7,10 +7,10 @@ mid-window, train the rest of the data on it, write the weights.
 import sys
 
 import keras
+import keras_hub  # noqa: F401
 import numpy as np
 
 import keras_accum  # noqa: F401 (registers the classes the file names)
-import keras_hub  # noqa: F401
 
 path, data_path, start, stop, out = sys.argv[1:]
 model = keras.saving.load_model(path)
@@ -25,4 +25,3 @@ for begin in range(int(start), int(stop), 8):
         sample_weight=None if weights is None else weights[begin:end],
     )
 np.savez(out, *model.get_weights())
-

@@ -79,12 +79,18 @@ EVEN_SAMPLES = 96
 VARIANTS = {
     "accum": dict(kwargs={}, wrap=False, nan=False, backup=True, optimizer=False),
     "skip_nonfinite": dict(
-        kwargs={"skip_nonfinite": True}, wrap=False, nan=True, backup=False,
+        kwargs={"skip_nonfinite": True},
+        wrap=False,
+        nan=True,
+        backup=False,
         optimizer=False,
     ),
     "wrap_subclassed": dict(kwargs={}, wrap=True, nan=False, backup=False, optimizer=False),
     "optimizer": dict(
-        kwargs={"skip_nonfinite": True}, wrap=False, nan=True, backup=False,
+        kwargs={"skip_nonfinite": True},
+        wrap=False,
+        nan=True,
+        backup=False,
         optimizer=True,
     ),
 }
@@ -96,9 +102,7 @@ def data(variant="accum"):
     samples = EVEN_SAMPLES if VARIANTS[variant]["optimizer"] else SAMPLES
     rng = np.random.default_rng(0)
     # Scaled and shifted, so that the batch-norm moments are far from 0 and 1.
-    x = (rng.normal(size=(samples, FEATURES)) * np.arange(1, FEATURES + 1) + 2).astype(
-        "float32"
-    )
+    x = (rng.normal(size=(samples, FEATURES)) * np.arange(1, FEATURES + 1) + 2).astype("float32")
     ids = rng.integers(0, VOCAB, size=(samples, IDS)).astype("int32")
     y = ((x[:, 0] + x[:, 1] > 4).astype("int64") + (ids[:, 0] >= VOCAB // 2)).astype("int64")
     weight = np.ones(samples, "float32")
@@ -116,7 +120,10 @@ def _layers():
         logits=keras.layers.Dense(CLASSES, name="logits"),
         batchnorm=keras.layers.BatchNormalization(momentum=0.6, name="batchnorm"),
         probe=keras.layers.Dense(
-            CLASSES, use_bias=False, kernel_initializer="zeros", trainable=False,
+            CLASSES,
+            use_bias=False,
+            kernel_initializer="zeros",
+            trainable=False,
             name="probe",
         ),
         out=keras.layers.Add(name="out"),
