@@ -142,9 +142,8 @@ class AccumOptimizer(keras.optimizers.Optimizer):
         self.inner_optimizer = optimizer
         self._accum_steps = accum_steps
         self._accum_state = AccumState.new(accum_dtype, skip_nonfinite)
-        # The attribute names are the saved files' paths: kept as they were.
+        # The files' path (the skip count: `_accumulator/nonfinite`).
         self._accumulator = self._accum_state.buffers
-        self._nonfinite = self._accum_state.buffers.nonfinite
 
     @property
     def skipped_windows(self) -> int:
@@ -327,7 +326,7 @@ class AccumOptimizer(keras.optimizers.Optimizer):
             "accum_dtype": None
             if self._accumulator.dtype is None
             else self._accumulator.dtype.name,
-            "skip_nonfinite": self._nonfinite is not None,
+            "skip_nonfinite": self._accum_state.skipping,
         }
 
     @classmethod

@@ -1,5 +1,6 @@
 """`AccumState`, and the one rule by which a window closes (`close`): the skip
-policy decides once; applied, in each replica every observer closes its part
+policy (None: every window is applied; `NonFiniteWindows`; called as
+`policy(finite, optimizer, apply, discard)`) decides once; applied, in each replica every observer closes its part
 (`ClosedWindow`), the optimizer applies the gradient and the buffers start
 anew; skipped, every part is discarded. A batch split without buffers is a
 window of one step (`close_batch`). Observers (batchnorm.py, noise_scale.py)
@@ -16,27 +17,6 @@ from keras_accum.window import nonfinite
 from keras_accum.window.buffers import GradientAccumulator
 
 
-class AlwaysApply:
-    """The skip policy without `skip_nonfinite`: every window is applied.
-
-    A policy is called as `policy(finite, optimizer, apply, discard)` and runs
-    `apply()` or `discard()`: both handed in, as a traced conditional needs both.
-    """
-
-    def __call__(self, finite, optimizer, apply, discard):
-        apply()
-
-    def snapshot(self):
-        """Nothing: the policy holds nothing."""
-        return None
-
-    def restore(self, snapshot):
-        """Nothing to put back."""
-
-
-ALWAYS_APPLY = AlwaysApply()
-
-
 class ClosedWindow(NamedTuple):
     """What a window's observers learn as it is applied (in a replica):
     `gradients` as the optimizer receives them (this replica's share, loss scale
@@ -51,13 +31,14 @@ class ClosedWindow(NamedTuple):
 
 
 class AccumState:
-    """A model's accumulation state: one window of gradients and its observers
-    (`moments` None for an `AccumOptimizer`, which has no layers)."""
+    """A model's accumulation state: one window of gradients, its skip policy
+    and its observers; None for each that is off (`moments` for an
+    `AccumOptimizer`, which has no layers)."""
 
     def __init__(self, buffers, moments=None, skip=None, noise=None):
         self.buffers = buffers
         self.moments = moments
-        self.skip = ALWAYS_APPLY if skip is None else skip
+        self.skip = skip
         self.noise = noise
         # Also held by the buffers so files keep their layout: Keras saves an
         # object at the first attribute path that reaches it.
@@ -83,7 +64,7 @@ class AccumState:
     @property
     def skipping(self):
         """Whether a window can be skipped (`skip_nonfinite`)."""
-        return self.skip is not ALWAYS_APPLY
+        return self.skip is not None
 
     def bind(self, variables, accum_steps, strategy, optimizer):
         """Makes the window the trainable `variables`' and builds `optimizer`,
@@ -140,7 +121,8 @@ class AccumState:
         """This process's buffers, BatchNormalization moments and skip count as
         numpy, for `restore` (a file can fail to load after its count loaded)."""
         moments = None if self.moments is None else self.moments.snapshot()
-        return self.buffers.snapshot(), moments, self.skip.snapshot()
+        skip = None if self.skip is None else self.skip.snapshot()
+        return self.buffers.snapshot(), moments, skip
 
     def restore(self, snapshot):
         """Puts back a `snapshot()` (after a failed load)."""
@@ -148,7 +130,8 @@ class AccumState:
         self.buffers.restore(buffers)
         if self.moments is not None:
             self.moments.restore(moments)
-        self.skip.restore(skipped)
+        if self.skip is not None:
+            self.skip.restore(skipped)
 
 
 def close(state, optimizer, strategy=None, last=None):
@@ -204,7 +187,10 @@ def _decide(state, optimizer, loss_scale, replicas, run, gradients, finite, last
 
         run(in_replica)
 
-    state.skip(finite, optimizer, apply, lambda: run(state.discard))
+    if state.skip is None:
+        apply()
+    else:
+        state.skip(finite, optimizer, apply, lambda: run(state.discard))
 
 
 def close_batch(state, optimizer, batch, noise_sums, variables):
