@@ -33,7 +33,7 @@ PAIRS = {
 # big batch or a reviewed fingerprint: its internals (test_keras_internals),
 # the public surface and its errors (test_api), big-batch equality on the
 # reference models (test_exactness) and in every execution mode, XLA first
-# (test_variants), files written by the last release (test_file_compat) and
+# (test_execution_modes), files written by the last release (test_file_compat) and
 # the traced step (test_step_graph). CI runs their unit and integration
 # tiers (`-m "not slow"`); every tier on every pair, `nox`, runs before a
 # release: CI keeps within its time.
@@ -41,7 +41,7 @@ CORE = [
     "tests/test_keras_internals.py",
     "tests/test_api.py",
     "tests/test_exactness.py",
-    "tests/test_variants.py",
+    "tests/test_execution_modes.py",
     "tests/test_file_compat.py",
     "tests/test_step_graph.py",
 ]
