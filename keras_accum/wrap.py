@@ -241,7 +241,11 @@ def wrap(
 
 # What fit, evaluate and predict call on the model they run. A wrapper runs
 # its own, so the wrapped model's versions would be silently ignored.
-_STEP_METHODS = ("train_step", "test_step", "predict_step", "compute_loss", "compute_metrics")
+# A `fit` of its own (KerasHub's text-to-image tasks raise there: not
+# trainable by `fit`) would be bypassed alike.
+_STEP_METHODS = (
+    "fit", "train_step", "test_step", "predict_step", "compute_loss", "compute_metrics",
+)
 
 
 def _check_no_step_overrides(model):

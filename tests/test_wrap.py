@@ -170,7 +170,23 @@ class _CustomStep(keras.Model):
         return super().train_step(data)
 
 
-@pytest.mark.parametrize("cls,method", [(_CustomLoss, "compute_loss"), (_CustomStep, "train_step")])
+class _CustomFit(keras.Model):
+    # As KerasHub's text-to-image tasks: `fit` refuses to train it.
+    def __init__(self):
+        super().__init__()
+        self.dense = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.dense(x)
+
+    def fit(self, *args, **kwargs):
+        raise NotImplementedError("not trained by fit")
+
+
+@pytest.mark.parametrize(
+    "cls,method",
+    [(_CustomLoss, "compute_loss"), (_CustomStep, "train_step"), (_CustomFit, "fit")],
+)
 @pytest.mark.unit
 def test_wrap_refuses_a_model_whose_overrides_it_would_ignore(cls, method):
     with pytest.raises(ValueError, match=rf"(?s)_{cls.__name__[1:]}.*`{method}`.*AccumModel"):
