@@ -262,3 +262,14 @@ def test_the_spec_of_a_pipeline_with_optional_entries_builds():
     model = _compile(functional(keras_accum.AccumModel, accum_steps=N))
     model.fit(batches(), epochs=1, steps_per_epoch=12, verbose=0)
     assert_weights_close(plain, model)
+
+
+def test_evaluate_before_fit_draws_what_a_plain_model_draws():
+    # An unbuilt model is built for evaluate too: from the spec, drawing
+    # nothing a plain model would not.
+    reads = []
+    for make in (functional, lambda: functional(keras_accum.AccumModel, accum_steps=N)):
+        data = Counted()
+        _compile(make()).evaluate(data.batches(BIG), verbose=0)
+        reads.append(data.drawn)
+    assert reads[1] == reads[0] and len(reads[0]) == SAMPLES
