@@ -126,12 +126,24 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
             with strategy.scope():
                 optimizer.build(self.model.trainable_variables)
         self.model.load_weights(self._weights_file(point))
+        self._restore_written_otherwise(point)
         self._restore_settings(point)
         epoch, batches = point
         internals.set_initial_epoch(self.model, epoch)
         if batches:
             self._restored = point
             fast_forward(self.model, batches, engine_of(self.model))
+
+    def _restore_written_otherwise(self, point):
+        # What Keras's weights file leaves out or merges (LoRA adapters,
+        # seed generators' states: internals.written_otherwise), kept
+        # beside it, put back as saved.
+        path = self._extra_file(point)
+        if os.path.exists(path):
+            with np.load(path) as kept:
+                values = [kept[f"arr_{i}"] for i in range(len(kept.files))]
+            for variable, value in zip(internals.written_otherwise(self.model), values):
+                variable.assign(value)
 
     def _restore_settings(self, point):
         # By position and class: a backup of a fit with other settings
@@ -200,6 +212,11 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         partial = os.path.join(self.backup_dir, f"partial-{_name(point)}.weights.h5")
         self.model.save_weights(partial, overwrite=True)
         os.replace(partial, self._weights_file(point))
+        extra = internals.written_otherwise(self.model)
+        if extra:
+            partial = os.path.join(self.backup_dir, f"partial-{_name(point)}.extra.npz")
+            np.savez(partial, *[np.asarray(v.numpy()) for v in extra])
+            os.replace(partial, self._extra_file(point))
         # The point file commits the backup: written last, also atomically.
         epoch, batch = point
         settings = [callback.state() for callback in self._settings_callbacks()]
@@ -220,6 +237,9 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
     def _weights_file(self, point):
         return os.path.join(self.backup_dir, f"{_name(point)}.weights.h5")
 
+    def _extra_file(self, point):
+        return os.path.join(self.backup_dir, f"{_name(point)}.extra.npz")
+
     def _point_file(self, point):
         return os.path.join(self.backup_dir, f"{_name(point)}.json")
 
@@ -234,7 +254,7 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
 
     def _remove(self, point):
         # The point file first: a backup is never committed without weights.
-        for path in (self._point_file(point), self._weights_file(point)):
+        for path in (self._point_file(point), self._weights_file(point), self._extra_file(point)):
             if os.path.exists(path):
                 os.remove(path)
 

@@ -21,7 +21,7 @@ import keras_accum
 from helpers import internals, references
 from helpers import mirrored as mirrored_runs
 from helpers.assertions import ATOL, RTOL, assert_no_open_window, assert_weights_close
-from helpers.data import make_data
+from helpers.data import CLASSES, FEATURES, make_data
 from helpers.models import OPTIMIZERS, AccumNet, PlainNet, functional, loss, subclassed
 from helpers.processes import Cluster, run_python, run_workers, script, wait_for_file
 from helpers.project import DOCS, blocks
@@ -418,6 +418,31 @@ def test_batch_level_backup_resumes_exactly(tmp_path, save_freq, steps_per_execu
     history = accum_fit(resumed, backup)
     assert len(history.history["loss"]) == 2
     assert_weights_close(resumed, plain_big_batch())
+
+
+def test_a_backup_resumes_lora_adapters_and_dropout_masks_exactly(tmp_path):
+    # Keras's weights files merge a LoRA layer's adapters into its kernel
+    # (loaded, they are zero) and leave seed generators out (Dropout would
+    # draw other masks): the backup keeps both beside the weights file.
+    def model():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((FEATURES,))
+        hidden = keras.layers.Dense(16, activation="tanh", name="hidden")
+        h = keras.layers.Dropout(0.3, seed=7)(hidden(inputs))
+        made = keras_accum.AccumModel(inputs, keras.layers.Dense(CLASSES)(h), accum_steps=4)
+        hidden.enable_lora(2)
+        made.compile(OPTIMIZERS["adam"](), loss())
+        return made
+
+    uninterrupted = model()
+    accum_fit(uninterrupted, keras_accum.BackupAndRestore(tmp_path / "a", save_freq=5))
+    backup = keras_accum.BackupAndRestore(tmp_path / "b", save_freq=5)
+    with pytest.raises(KeyboardInterrupt):
+        accum_fit(model(), interrupt(), [backup])
+    assert any(name.endswith(".extra.npz") for name in os.listdir(tmp_path / "b"))
+    resumed = model()
+    accum_fit(resumed, backup)
+    assert_weights_close(uninterrupted, resumed, rtol=0, atol=0)
 
 
 def _batch_end_is_the_executions_last():

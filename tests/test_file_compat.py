@@ -4,8 +4,9 @@ Each folder of `FOLDERS` holds what one keras_accum wrote half-way through
 an accumulation window (its README says which commit and Keras;
 tests/scripts/make_file_fixtures.py wrote them, and defines the models):
 tests/fixtures/files_0_1/ release 0.1.0's, tests/fixtures/files_main_a577af5/
-main's at a577af5, which pins today's layout across the core's redesign
-(issue 37). Each holds a `.keras` file, a `.weights.h5` file and a
+main's at a577af5, which pins the layout across the core's redesign
+(issue 37), and tests/fixtures/files_main_7dd4b68/ main's at 7dd4b68,
+across the engine's (issue 60). Each holds a `.keras` file, a `.weights.h5` file and a
 `tf.train.Checkpoint` for a functional `AccumModel`, for one with
 `skip_nonfinite=True` (a window skipped) and for `keras_accum.wrap` of a
 subclassed model, and a `BackupAndRestore` backup of the first; the newer
@@ -47,7 +48,7 @@ _spec.loader.exec_module(fixtures)
 # The folders of files, each written by one keras_accum (its README says
 # which and why), and what each wrote them with (its versions.json).
 FIXTURES = ROOT / "tests" / "fixtures"
-FOLDERS = ("files_0_1", "files_main_a577af5")
+FOLDERS = ("files_0_1", "files_main_a577af5", "files_main_7dd4b68")
 VERSIONS = {
     folder: json.loads((FIXTURES / folder / "versions.json").read_text()) for folder in FOLDERS
 }

@@ -129,6 +129,27 @@ def test_tf_train_checkpoint_into_an_untrained_model_restores_on_build(tmp_path)
     assert_weights_close(uninterrupted(), restored, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("then", ["flush", "reset_window"])
+def test_a_window_a_tf_train_checkpoint_restored_is_there_to_flush_or_discard(then, tmp_path):
+    # Restored before the buffers exist (TensorFlow's deferred restoration),
+    # the window must not wait for the next step to come back: flush()
+    # applies it now, reset_window() drops it for good.
+    model = train(compiled(functional(AccumModel, accum_steps=4)), range(6))
+    prefix = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
+        str(tmp_path / "ckpt")
+    )
+    restored = fresh()
+    tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).restore(prefix)
+    getattr(restored, then)()
+    assert int(restored.optimizer.iterations) == (2 if then == "flush" else 1)
+    train(restored, range(6, 10))  # a window of 4: one update either way
+    expected = compiled(functional(AccumModel, accum_steps=4))
+    train(expected, range(6))
+    getattr(expected, then)()
+    train(expected, range(6, 10))
+    assert_weights_close(expected, restored, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("suffix", [".weights.h5", ".keras"])
 def test_load_weights_resumes_a_pending_window(suffix, tmp_path):
     model = train(compiled(functional(AccumModel, accum_steps=4)), range(6))

@@ -100,6 +100,7 @@ from keras_accum._internals.saving import (  # noqa: E402
     copy_build_shapes,
     legacy_keras_hint,
     no_automatic_dependency_tracking,
+    written_otherwise,
 )
 from keras_accum._internals.trainer import (  # noqa: E402
     TensorFlowTrainer,

@@ -20,6 +20,28 @@ def no_automatic_dependency_tracking(method):
     return moved
 
 
+def written_otherwise(model):
+    """The variables of `model` that Keras's weights files leave out or write
+    as other values, which a backup keeps beside them.
+
+    A layer with LoRA enabled is written with its adapters merged into its
+    kernel, and loads with them zero (the same predictions, another
+    training); a seed generator's state is not written at all (Dropout would
+    draw other masks). Both are read here by public names: `lora_enabled`,
+    and the seed state's variable name.
+    """
+    found, seen = [], set()
+    for layer in required(model, "_flatten_layers")(include_self=False, recursive=True):
+        if getattr(layer, "lora_enabled", False):
+            found += [v for v in layer.variables if id(v) not in seen]
+            seen |= {id(v) for v in layer.variables}
+    for variable in model.variables:
+        if variable.name == "seed_generator_state" and id(variable) not in seen:
+            found.append(variable)
+            seen.add(id(variable))
+    return found
+
+
 def check_saving():
     """Raises `KerasInternalsChanged` unless Keras's saving still asks a
     saveable object its kind through `_obj_type` (which `SavedState`

@@ -162,6 +162,7 @@ class Engine:
     def flush(self):
         """Applies the open window now (a no-op if none is)."""
         state, model = self.state, self.model
+        self._restored_window()
         if not state.open_micro_batches():
             return
         self._restore_batchnorm_window()
@@ -173,9 +174,21 @@ class Engine:
 
     def reset_window(self):
         """Discards the open window (a no-op if none is)."""
+        self._restored_window()
         if self.state.open_micro_batches():
             self._restore_batchnorm_window()
             self.state.discard()
+
+    def _restored_window(self):
+        # A window a `tf.train.Checkpoint` restored before the buffers were
+        # made waits for them (TensorFlow's deferred restoration): made now,
+        # it is applied or discarded, not brought back by the next step.
+        settings, model = self.settings, self.model
+        uses_buffers = settings.accum_steps > 1 or settings.skip_nonfinite
+        if uses_buffers and model.built and not self.state.buffers.built:
+            self.state.buffers.bind(
+                model.trainable_variables, settings.accum_steps, model.distribute_strategy
+            )
 
     def _restore_batchnorm_window(self):
         # Moments loaded from a file wait for their layers' variables: made
