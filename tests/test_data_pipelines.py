@@ -273,3 +273,27 @@ def test_evaluate_before_fit_draws_what_a_plain_model_draws():
         _compile(make()).evaluate(data.batches(BIG), verbose=0)
         reads.append(data.drawn)
     assert reads[1] == reads[0] and len(reads[0]) == SAMPLES
+
+
+def test_the_first_batch_is_trained_by_the_traced_step():
+    # Where only the first step can tell the batch size, its batches still go
+    # through the traced train function (one trace for the fit, as for
+    # arrays), not step by step eagerly, which holds twice the memory.
+    calls = []
+
+    class Counting(keras_accum.AccumModel):
+        def train_step(self, data):
+            calls.append(1)  # Python: once per trace, or per eager step
+            return super().train_step(data)
+
+    def traces(data, **fit_kwargs):
+        calls.clear()
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((X.shape[1],))
+        model = Counting(inputs, keras.layers.Dense(3)(inputs), accum_steps=N)
+        _compile(model, steps_per_execution=3)
+        model.fit(data, epochs=1, verbose=0, **fit_kwargs)
+        return len(calls)
+
+    arrays = traces(X, y=Y, batch_size=MICRO, shuffle=False)
+    assert traces(Counted().batches(MICRO)) == arrays

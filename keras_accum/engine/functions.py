@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import keras
 import tensorflow as tf
+from keras import tree
 
 from keras_accum import _internals as internals
 from keras_accum import window
@@ -198,9 +199,11 @@ class TrainFunctions:
         For data whose batch size no spec tells (`tf.data` batched without
         `drop_remainder`, a generator): the size comes from the batch the first
         step trains, never from one drawn apart (a seeded shuffle would reorder).
-        That call's batches are trained eagerly by the model's own step, so no
-        trace is spent on them alone; "auto", which draws in Python, takes them
-        as they come; a fast-forward's first batch is seen as it is skipped.
+        That call's batches go through the traced train function itself, each
+        as a data set of one batch with the iterator's element spec (no trace
+        of its own; run eagerly, a step holds all of its tensors at once:
+        twice a traced step's memory). "auto", which draws in Python, takes
+        them as they come; a fast-forward's first batch is seen as it is skipped.
         """
         model = engine.model
 
@@ -215,10 +218,10 @@ class TrainFunctions:
             batches = itertools.chain([first], iterator)
             if getattr(function, "draws_batches", False):
                 return function(batches)
-            step_on = internals.make_step_on_data(model, engine.train_step, eager=True)
-            return internals.each_batch(
-                model, batches, lambda data: step_on(internals.optionals_to_none(data))
-            )
+            logs = None
+            for batch in itertools.islice(batches, model.steps_per_execution):
+                logs = function(iter(_one_batch(batch, iterator.element_spec)))
+            return logs
 
         self._first_batch = seeing_first
         self._see = see
@@ -238,6 +241,26 @@ class TrainFunctions:
             function = lambda: traced()  # noqa: E731
             self._flush = (captured, function)
         return function
+
+
+def _one_batch(batch, spec):
+    """A data set of `batch` alone whose element spec is `spec` (the static
+    shapes relaxed to it), so that the train function traced for `spec`'s
+    iterator takes it without tracing again."""
+
+    def relaxed(*parts):
+        parts = parts[0] if len(parts) == 1 else parts
+        return tree.map_structure(
+            lambda t, s: (
+                tf.compat.v1.placeholder_with_default(t, s.shape)
+                if isinstance(s, tf.TensorSpec)
+                else t
+            ),
+            parts,
+            spec,
+        )
+
+    return tf.data.Dataset.from_tensors(batch).map(relaxed)
 
 
 def _step_on_data(engine):
