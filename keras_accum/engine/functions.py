@@ -154,7 +154,7 @@ class TrainFunctions:
                 return internals.make_replicated_function(model, *_replica_step(engine))
         elif internals.multi_worker(strategy):
             # Keras's own fails across workers (tensorflow/tensorflow#72388).
-            return internals.make_replicated_function(model, engine.train_step)
+            return internals.make_replicated_function(model, model.train_step)
         # Keras's own (it assigns train_function: `assign` here).
         keras.Model.make_train_function(model, force=True)
         return self.function
@@ -269,7 +269,7 @@ def _step_on_data(engine):
     if engine.plan().uses_buffers and internals.replicated(model.distribute_strategy):
         # One replica: the window closes in cross-replica context.
         return internals.make_step_on_data(model, *_replica_step(engine), reduce_retracing=False)
-    return internals.make_step_on_data(model, engine.train_step, reduce_retracing=False)
+    return internals.make_step_on_data(model, model.train_step, reduce_retracing=False)
 
 
 def _replica_step(engine):
