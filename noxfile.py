@@ -80,7 +80,11 @@ def kerashub(session):
     _install(session, tensorflow, keras, f"keras-hub=={KERAS_HUB}")
     _print_versions(session)
     session.run(
-        "python", "-m", "pytest", "tests/test_kerashub.py", *session.posargs,
+        "python",
+        "-m",
+        "pytest",
+        "tests/test_kerashub.py",
+        *session.posargs,
         env={"KERAS_ACCUM_REQUIRE_KERAS_HUB": "1"},
     )
 
@@ -104,14 +108,15 @@ def _install(session, tensorflow, keras, *extra):
         # run_install: part of the install step, so `--install-only` (CI
         # prepares the virtualenvs while its tiers run) swaps them too.
         session.run_install("python", "-m", "pip", "uninstall", "-y", *replaced, silent=True)
-        session.install(*[
-            f"{nightlies[name][0]}=={nightlies[name][1].split(':', 1)[1]}" for name in replaced
-        ])
+        session.install(
+            *[f"{nightlies[name][0]}=={nightlies[name][1].split(':', 1)[1]}" for name in replaced]
+        )
 
 
 def _print_versions(session):
     session.run(
-        "python", "-c",
+        "python",
+        "-c",
         "import keras, tensorflow; print('Keras', keras.__version__, 'TensorFlow', tensorflow.__version__)",
         env={"TF_CPP_MIN_LOG_LEVEL": "3"},
     )

@@ -78,7 +78,7 @@ STUDENT_HIDDEN = (64,)
 TASK_SEED = 0
 
 BATCH_SIZES = (8, 16, 32, 64, 128, 256, 512, 1024, 2048)
-LR_FACTOR = 2 ** 0.5  # the learning-rate grid's step
+LR_FACTOR = 2**0.5  # the learning-rate grid's step
 FIRST_LR = 0.05  # where the walk starts at the smallest batch size
 RESOLUTION = 0.02  # relative spacing of the held-out checks, in updates
 CUTOFF = 1.25  # stop a run past this many times the batch size's best updates
@@ -179,9 +179,15 @@ class Task:
         return self.optimizer(learning_rate)
 
 
-def make_task(seed=TASK_SEED, n_train=N_TRAIN, n_test=N_TEST, target=TARGET,
-              input_dim=INPUT_DIM, teacher_hidden=TEACHER_HIDDEN,
-              student_hidden=STUDENT_HIDDEN):
+def make_task(
+    seed=TASK_SEED,
+    n_train=N_TRAIN,
+    n_test=N_TEST,
+    target=TARGET,
+    input_dim=INPUT_DIM,
+    teacher_hidden=TEACHER_HIDDEN,
+    student_hidden=STUDENT_HIDDEN,
+):
     """The task from `seed`: the teacher's weights, the inputs and the
     label noise, all in numpy (no Keras state touched)."""
     rng = np.random.default_rng(seed)
@@ -211,8 +217,18 @@ def make_task(seed=TASK_SEED, n_train=N_TRAIN, n_test=N_TEST, target=TARGET,
     x_test = rng.normal(size=(n_test, input_dim)).astype(np.float32)
     y_test = labels(x_test)
     y_test_noisy = y_test + rng.normal(0, SIGMA, (n_test, 1)).astype(np.float32)
-    return Task(x_train, y_train, x_test, y_test, y_test_noisy, SIGMA**2, target, seed,
-                input_dim, tuple(student_hidden))
+    return Task(
+        x_train,
+        y_train,
+        x_test,
+        y_test,
+        y_test_noisy,
+        SIGMA**2,
+        target,
+        seed,
+        input_dim,
+        tuple(student_hidden),
+    )
 
 
 def _keras_callback_base():
@@ -257,9 +273,18 @@ class ReachTarget(_keras_callback_base()):
         verbose: print each check.
     """
 
-    def __init__(self, task, batch_size, target=None, n_samples="train",
-                 resolution=RESOLUTION, max_examples=MAX_EXAMPLES,
-                 max_updates=MAX_UPDATES, diverged=DIVERGED, verbose=0):
+    def __init__(
+        self,
+        task,
+        batch_size,
+        target=None,
+        n_samples="train",
+        resolution=RESOLUTION,
+        max_examples=MAX_EXAMPLES,
+        max_updates=MAX_UPDATES,
+        diverged=DIVERGED,
+        verbose=0,
+    ):
         super().__init__()
         self.task = task
         self.batch_size = int(batch_size)
@@ -392,8 +417,16 @@ def dataset(task, batch_size, shuffle_seed=0):
     return data.batch(batch_size).prefetch(2)
 
 
-def run(task, model, batch_size, callbacks=(), max_epochs=None, shuffle_seed=0, reach=None,
-        **reach_kwargs):
+def run(
+    task,
+    model,
+    batch_size,
+    callbacks=(),
+    max_epochs=None,
+    shuffle_seed=0,
+    reach=None,
+    **reach_kwargs,
+):
     """Fits `model` (a compiled model, or a function returning one) on the
     task's training set in batches of `batch_size` until the held-out excess
     loss reaches the target, or a cap; returns `ReachTarget.record()`.
@@ -413,7 +446,10 @@ def run(task, model, batch_size, callbacks=(), max_epochs=None, shuffle_seed=0, 
     if max_epochs is None:
         max_epochs = math.ceil((reach.max_examples or MAX_EXAMPLES) / len(task.x_train))
     model.fit(
-        dataset(task, batch_size, shuffle_seed), epochs=max_epochs, verbose=0, shuffle=False,
+        dataset(task, batch_size, shuffle_seed),
+        epochs=max_epochs,
+        verbose=0,
+        shuffle=False,
         callbacks=[reach, *callbacks],
     )
     return reach.record()
@@ -455,8 +491,14 @@ def _trial(task, batch_size, lr, seeds, max_updates, verbose):
     counts, records = [], []
     for seed in seeds:
         reach = ReachTarget(task, batch_size)
-        record = run(task, task.student(seed, lr), batch_size,
-                     callbacks=[_Cutoff(reach, max_updates)], shuffle_seed=seed, reach=reach)
+        record = run(
+            task,
+            task.student(seed, lr),
+            batch_size,
+            callbacks=[_Cutoff(reach, max_updates)],
+            shuffle_seed=seed,
+            reach=reach,
+        )
         record.update(learning_rate=lr, seed=seed)
         records.append(record)
         counts.append(record["updates"] if record["reached"] else math.inf)
@@ -465,7 +507,8 @@ def _trial(task, batch_size, lr, seeds, max_updates, verbose):
                 f"B={batch_size:5d} lr={lr:<8.4g} seed={seed} "
                 f"{record['stopped']:8s} updates={record['stopped_at']['updates']:6d} "
                 f"examples={record['stopped_at']['examples']:9d} "
-                f"({record['seconds']:.1f} s)", flush=True,
+                f"({record['seconds']:.1f} s)",
+                flush=True,
             )
         keras.backend.clear_session()  # the graphs of the runs before
         if math.isinf(counts[-1]):
@@ -474,8 +517,15 @@ def _trial(task, batch_size, lr, seeds, max_updates, verbose):
     return median, records
 
 
-def sweep(task, batch_sizes=BATCH_SIZES, seeds=(0, 1), first_lr=FIRST_LR,
-          lr_factor=LR_FACTOR, cutoff=CUTOFF, verbose=True):
+def sweep(
+    task,
+    batch_sizes=BATCH_SIZES,
+    seeds=(0, 1),
+    first_lr=FIRST_LR,
+    lr_factor=LR_FACTOR,
+    cutoff=CUTOFF,
+    verbose=True,
+):
     """The sweep: for each batch size, walks the learning-rate grid
     (`lr_factor ** i`) from the previous batch size's best, up while the
     median updates do not grow, then (unless that found fewer) down
@@ -487,7 +537,7 @@ def sweep(task, batch_sizes=BATCH_SIZES, seeds=(0, 1), first_lr=FIRST_LR,
     lr_index = round(math.log(first_lr) / math.log(lr_factor))
 
     def grid(i):
-        return float(f"{lr_factor ** i:.4g}")
+        return float(f"{lr_factor**i:.4g}")
 
     for batch_size in batch_sizes:
         tried = {}  # grid index: median updates (inf when any seed failed)
@@ -496,8 +546,9 @@ def sweep(task, batch_sizes=BATCH_SIZES, seeds=(0, 1), first_lr=FIRST_LR,
             # Runs grid point i (once); whether it did worse than `than`.
             if i not in tried:
                 best_updates = min(tried.values(), default=math.inf)
-                tried[i], records = _trial(task, batch_size, grid(i), seeds,
-                                           best_updates * cutoff, verbose)
+                tried[i], records = _trial(
+                    task, batch_size, grid(i), seeds, best_updates * cutoff, verbose
+                )
                 runs.extend(records)
             return math.isinf(tried[i]) or tried[i] > tried[than]
 
@@ -523,8 +574,9 @@ def sweep(task, batch_sizes=BATCH_SIZES, seeds=(0, 1), first_lr=FIRST_LR,
             "learning_rate": lr,
             "updates": updates,
             "examples": updates * batch_size,
-            "tried": {_lr_key(grid(j)): (None if math.isinf(v) else v)
-                      for j, v in sorted(tried.items())},
+            "tried": {
+                _lr_key(grid(j)): (None if math.isinf(v) else v) for j, v in sorted(tried.items())
+            },
             "best_at_grid_edge": winner in (min(tried), max(tried)),
         }
     points = [(int(b), v["updates"]) for b, v in best.items()]
@@ -550,8 +602,9 @@ RULES_MAX_EXAMPLES = 2_000_000
 # The default schedule deciding on a probe where the window is outgrown:
 # the held-out inputs with labels drawn as the training set's (8,192
 # examples, never trained on), 8 windows.
-PROBE_STARTS = {f"{name}, probe of 8,192 held-out examples": start
-                for name, start in STARTS.items()}
+PROBE_STARTS = {
+    f"{name}, probe of 8,192 held-out examples": start for name, start in STARTS.items()
+}
 
 
 def rule_name(rule):
@@ -564,15 +617,22 @@ def rule_runs(task, best, fit, seeds, rules=RULES, **scheduler_kwargs):
     each to RULES_MAX_EXAMPLES examples."""
     out = {}
     for rule in rules:
-        out.update(schedule_runs(
-            task, best, fit, seeds, {rule_name(rule): dict(rate_of=16, tuned_batch=None)},
-            reach_kwargs=dict(max_examples=RULES_MAX_EXAMPLES),
-            learning_rate_rule=rule, **scheduler_kwargs))
+        out.update(
+            schedule_runs(
+                task,
+                best,
+                fit,
+                seeds,
+                {rule_name(rule): dict(rate_of=16, tuned_batch=None)},
+                reach_kwargs=dict(max_examples=RULES_MAX_EXAMPLES),
+                learning_rate_rule=rule,
+                **scheduler_kwargs,
+            )
+        )
     return out
 
 
-def schedule_runs(task, best, fit, seeds, starts=STARTS, *, reach_kwargs=None,
-                  **scheduler_kwargs):
+def schedule_runs(task, best, fit, seeds, starts=STARTS, *, reach_kwargs=None, **scheduler_kwargs):
     """The default `AccumScheduler("noise_scale", max_accum_steps=128)` on
     the task, from batch 16, with each start's rate, per seed: updates and
     examples to the target (also in S_min and E_min), its decisions, and
@@ -586,32 +646,60 @@ def schedule_runs(task, best, fit, seeds, starts=STARTS, *, reach_kwargs=None,
         rate = best[str(start["rate_of"])]["learning_rate"]
         runs = []
         for seed in seeds:
-            model = task.student(seed, rate, model_class=keras_accum.AccumModel,
-                                 accum_steps=SCHEDULE_START, noise_scale=True)
+            model = task.student(
+                seed,
+                rate,
+                model_class=keras_accum.AccumModel,
+                accum_steps=SCHEDULE_START,
+                noise_scale=True,
+            )
             scheduler = keras_accum.AccumScheduler(
-                "noise_scale", max_accum_steps=SCHEDULE_CAP,
-                tuned_batch=start["tuned_batch"], **scheduler_kwargs)
-            record = run(task, model, SCHEDULE_MICRO, callbacks=[scheduler], shuffle_seed=seed,
-                         **(reach_kwargs or {}))
+                "noise_scale",
+                max_accum_steps=SCHEDULE_CAP,
+                tuned_batch=start["tuned_batch"],
+                **scheduler_kwargs,
+            )
+            record = run(
+                task,
+                model,
+                SCHEDULE_MICRO,
+                callbacks=[scheduler],
+                shuffle_seed=seed,
+                **(reach_kwargs or {}),
+            )
             record["decisions"] = [
-                {"updates": d.updates, "samples": d.samples,
-                 "batch": d.accum_steps * SCHEDULE_MICRO, "learning_rate": d.learning_rate,
-                 "noise_scale": d.estimate.value, "low": d.estimate.low,
-                 "high": d.estimate.high, "resolved": d.estimate.resolved,
-                 "probed": d.probed}
+                {
+                    "updates": d.updates,
+                    "samples": d.samples,
+                    "batch": d.accum_steps * SCHEDULE_MICRO,
+                    "learning_rate": d.learning_rate,
+                    "noise_scale": d.estimate.value,
+                    "low": d.estimate.low,
+                    "high": d.estimate.high,
+                    "resolved": d.estimate.resolved,
+                    "probed": d.probed,
+                }
                 for d in scheduler.path
             ]
             record["seed"] = seed
             if scheduler_kwargs.get("probe") is not None:
                 # Measured, not trained on: a forward and backward pass each.
                 record["probe_samples"] = len(scheduler_kwargs["probe"][0]) * sum(
-                    d.probed for d in scheduler.path)
+                    d.probed for d in scheduler.path
+                )
             runs.append(record)
-            print(f"{name}, seed {seed}: {record['updates']} updates, "
-                  f"{record['examples']} examples ({record['stopped']})", flush=True)
+            print(
+                f"{name}, seed {seed}: {record['updates']} updates, "
+                f"{record['examples']} examples ({record['stopped']})",
+                flush=True,
+            )
         reached = [r for r in runs if r["reached"]]
-        summary = {"learning_rate": rate, "tuned_batch": start["tuned_batch"],
-                   "reached": len(reached), "runs": runs}
+        summary = {
+            "learning_rate": rate,
+            "tuned_batch": start["tuned_batch"],
+            "reached": len(reached),
+            "runs": runs,
+        }
         if reached and fit:
             summary["updates"] = statistics.median(r["updates"] for r in reached)
             summary["examples"] = statistics.median(r["examples"] for r in reached)
@@ -624,8 +712,11 @@ def schedule_runs(task, best, fit, seeds, starts=STARTS, *, reach_kwargs=None,
 def _compact_json(results):
     """The JSON written: the sweep's runs without their checks' paths (the
     scheduler's keep theirs, for the plot), each path on one line."""
-    results = copy.deepcopy(dict(results, runs=[
-        {k: v for k, v in run.items() if k != "path"} for run in results["runs"]]))
+    results = copy.deepcopy(
+        dict(
+            results, runs=[{k: v for k, v in run.items() if k != "path"} for run in results["runs"]]
+        )
+    )
     paths = {}
     for summary in results.get("schedule", {}).values():
         for run in summary["runs"]:
@@ -643,7 +734,9 @@ def report(results):
     scheduler's runs against them (benchmarks/batch_growth.md)."""
     lines = ["| batch B | best rate | updates S | examples E |", "|---|---|---|---|"]
     for b, v in results["best"].items():
-        lines.append(f"| {b} | {v['learning_rate']:.3g} | {v['updates']:g} | {v['examples']:,.0f} |")
+        lines.append(
+            f"| {b} | {v['learning_rate']:.3g} | {v['updates']:g} | {v['examples']:,.0f} |"
+        )
     fit = results["fit"]
     seeds = ", ".join(str(s) for s in results["sweep"]["seeds"])
     lines += [
@@ -654,38 +747,45 @@ def report(results):
         f"critical batch `B_crit = E_min / S_min` = {fit['B_crit']:.0f}; the knee is "
         f"{2 * fit['S_min']:.0f} updates and {2 * fit['E_min']:,.0f} examples.",
         "",
-        "| AccumScheduler(\"noise_scale\", max_accum_steps=128), from batch 16 | rate "
+        '| AccumScheduler("noise_scale", max_accum_steps=128), from batch 16 | rate '
         "| updates (in `S_min`) | examples (in `E_min`) | reached |",
         "|---|---|---|---|---|",
     ]
     for name, summary in results.get("schedule", {}).items():
         if "updates" not in summary:
-            lines.append(f"| {name} | {summary['learning_rate']:.3g} | - | - | 0 of "
-                         f"{len(summary['runs'])} |")
+            lines.append(
+                f"| {name} | {summary['learning_rate']:.3g} | - | - | 0 of {len(summary['runs'])} |"
+            )
             continue
         per_seed = ", ".join(f"{r['updates']}" for r in summary["runs"] if r["reached"])
         probed = [r["probe_samples"] for r in summary["runs"] if "probe_samples" in r]
-        measured = (f"; and {statistics.median(probed):,.0f} measured on the probe"
-                    if probed else "")
+        measured = f"; and {statistics.median(probed):,.0f} measured on the probe" if probed else ""
         lines.append(
             f"| {name} | {summary['learning_rate']:.3g} | {summary['updates']:g} "
             f"({summary['updates_in_S_min']:.2f}; seeds: {per_seed}) | "
             f"{summary['examples']:,.0f} ({summary['examples_in_E_min']:.2f}){measured} | "
-            f"{summary['reached']} of {len(summary['runs'])} |")
+            f"{summary['reached']} of {len(summary['runs'])} |"
+        )
     for b in ("16", "256"):
         if b in results["best"]:
             v = results["best"][b]
             lines.append(
                 f"| fixed batch {b}, its best rate (the sweep) | {v['learning_rate']:.3g} | "
                 f"{v['updates']:g} ({v['updates'] / fit['S_min']:.2f}) | "
-                f"{v['examples']:,.0f} ({v['examples'] / fit['E_min']:.2f}) | |")
-    lines += ["", f"Run {results['date']}, TensorFlow {results['versions']['tensorflow']}, "
-              f"Keras {results['versions']['keras']}, {results['threads']} thread(s), "
-              f"{results['wall_seconds']:.0f} s"]
+                f"{v['examples']:,.0f} ({v['examples'] / fit['E_min']:.2f}) | |"
+            )
+    lines += [
+        "",
+        f"Run {results['date']}, TensorFlow {results['versions']['tensorflow']}, "
+        f"Keras {results['versions']['keras']}, {results['threads']} thread(s), "
+        f"{results['wall_seconds']:.0f} s",
+    ]
     if "sweep_run" in results:  # the scheduler's runs on a committed sweep
         sweep_run = results["sweep_run"]
-        lines[-1] += (f" for the scheduler's runs, on the sweep of {sweep_run['date']} "
-                      f"({sweep_run['wall_seconds']:.0f} s, {sweep_run['threads']} thread(s))")
+        lines[-1] += (
+            f" for the scheduler's runs, on the sweep of {sweep_run['date']} "
+            f"({sweep_run['wall_seconds']:.0f} s, {sweep_run['threads']} thread(s))"
+        )
     lines[-1] += "."
     return "\n".join(lines) + "\n"
 
@@ -725,15 +825,19 @@ def plot(results, path, extra_paths=()):
     updates = np.array([v["updates"] for v in best.values()], dtype=float)
     ax.plot(updates * batch, updates, "o", color="C0", label="best learning rate per batch")
     for b, s in zip(batch, updates):
-        ax.annotate(f"{int(b)}", (s * b, s), textcoords="offset points", xytext=(4, 4),
-                    fontsize=8)
+        ax.annotate(f"{int(b)}", (s * b, s), textcoords="offset points", xytext=(4, 4), fontsize=8)
     fit = results.get("fit")
     if fit:
         s_min, e_min = fit["S_min"], fit["E_min"]
         bs = np.geomspace(batch.min() / 2, batch.max() * 4, 200)
         bs = bs[s_min + e_min / bs > 0]
-        ax.plot(bs * (s_min + e_min / bs), s_min + e_min / bs, "-", color="C1",
-                label=f"S = S_min + E_min/B: S_min={s_min:.0f}, E_min={e_min:.3g}")
+        ax.plot(
+            bs * (s_min + e_min / bs),
+            s_min + e_min / bs,
+            "-",
+            color="C1",
+            label=f"S = S_min + E_min/B: S_min={s_min:.0f}, E_min={e_min:.3g}",
+        )
         # A fit of a non-positive S_min or E_min (points not on a
         # hyperbola) has no asymptote or knee in log axes.
         if s_min > 0:
@@ -741,8 +845,14 @@ def plot(results, path, extra_paths=()):
         if e_min > 0:
             ax.axvline(e_min, color="C1", ls=":", lw=0.8)
         if s_min > 0 and e_min > 0:
-            ax.plot([2 * e_min], [2 * s_min], "*", ms=14, color="C3",
-                    label=f"knee: B_crit = E_min/S_min = {fit['B_crit']:.0f}")
+            ax.plot(
+                [2 * e_min],
+                [2 * s_min],
+                "*",
+                ms=14,
+                color="C3",
+                label=f"knee: B_crit = E_min/S_min = {fit['B_crit']:.0f}",
+            )
     for index, item in enumerate(extra_paths):
         label, e, s = _as_path(item)
         ax.plot(e, s, "-", color=f"C{index + 4}", lw=1.5, label=label or f"path {index + 1}")
@@ -770,8 +880,11 @@ def run_record(threads, seconds, quick):
 
     return {
         "date": datetime.date.today().isoformat(),
-        "versions": {"tensorflow": tf.__version__, "keras": keras.__version__,
-                     "python": sys.version.split()[0]},
+        "versions": {
+            "tensorflow": tf.__version__,
+            "keras": keras.__version__,
+            "python": sys.version.split()[0],
+        },
         "threads": threads,
         "wall_seconds": round(seconds, 1),
         "quick": quick,
@@ -790,15 +903,19 @@ def print_summary(results):
         print(f"| {b} | {v['learning_rate']:.4g}{edge} | {v['updates']:g} | {v['examples']:g} |")
     fit = results["fit"]
     if fit:
-        print(f"\nS_min = {fit['S_min']:.0f} updates, E_min = {fit['E_min']:.0f} examples, "
-              f"B_crit = {fit['B_crit']:.0f}; knee at S = {2 * fit['S_min']:.0f}, "
-              f"E = {2 * fit['E_min']:.0f}")
+        print(
+            f"\nS_min = {fit['S_min']:.0f} updates, E_min = {fit['E_min']:.0f} examples, "
+            f"B_crit = {fit['B_crit']:.0f}; knee at S = {2 * fit['S_min']:.0f}, "
+            f"E = {2 * fit['E_min']:.0f}"
+        )
     for name, summary in results.get("schedule", {}).items():
         if "updates" in summary:
-            print(f"AccumScheduler, {name}: {summary['updates']:g} updates "
-                  f"({summary['updates_in_S_min']:.2f} S_min), {summary['examples']:g} "
-                  f"examples ({summary['examples_in_E_min']:.2f} E_min); reached in "
-                  f"{summary['reached']} of {len(summary['runs'])} seeds")
+            print(
+                f"AccumScheduler, {name}: {summary['updates']:g} updates "
+                f"({summary['updates_in_S_min']:.2f} S_min), {summary['examples']:g} "
+                f"examples ({summary['examples_in_E_min']:.2f} E_min); reached in "
+                f"{summary['reached']} of {len(summary['runs'])} seeds"
+            )
         else:
             print(f"AccumScheduler, {name}: not reached")
 
@@ -806,30 +923,55 @@ def print_summary(results):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES))
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1],
-                        help="student and shuffle seeds; the median is used (default: 0 1)")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[0, 1],
+        help="student and shuffle seeds; the median is used (default: 0 1)",
+    )
     parser.add_argument("--task-seed", type=int, default=TASK_SEED)
-    parser.add_argument("--first-lr", type=float, default=FIRST_LR,
-                        help="learning rate the walk starts from at the first batch size")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="TensorFlow intra- and inter-op threads (default: 1; "
-                        "the machine is shared)")
+    parser.add_argument(
+        "--first-lr",
+        type=float,
+        default=FIRST_LR,
+        help="learning rate the walk starts from at the first batch size",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="TensorFlow intra- and inter-op threads (default: 1; the machine is shared)",
+    )
     parser.add_argument("--quick", action="store_true", help="a few batch sizes: a smoke run")
-    parser.add_argument("--out", default=None,
-                        help="JSON path (default: benchmarks/batch_growth.json; none when --quick)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="JSON path (default: benchmarks/batch_growth.json; none when --quick)",
+    )
     parser.add_argument("--plot", help="draw the trade-off to this PNG (needs matplotlib)")
-    parser.add_argument("--schedule-only", metavar="JSON",
-                        help="skip the sweep: take it from this JSON (a committed run) and "
-                        "run the scheduler only")
-    parser.add_argument("--no-schedule", action="store_true",
-                        help="the sweep only, without the scheduler's runs")
-    parser.add_argument("--no-rules", action="store_true",
-                        help="the default rule only, without the other rules' runs")
-    parser.add_argument("--no-probe", action="store_true",
-                        help="without the runs deciding on a probe")
-    parser.add_argument("--add-runs", action="store_true",
-                        help="with --schedule-only: keep its JSON's scheduler runs and run "
-                        "only the ones it lacks (the seconds add up)")
+    parser.add_argument(
+        "--schedule-only",
+        metavar="JSON",
+        help="skip the sweep: take it from this JSON (a committed run) and run the scheduler only",
+    )
+    parser.add_argument(
+        "--no-schedule", action="store_true", help="the sweep only, without the scheduler's runs"
+    )
+    parser.add_argument(
+        "--no-rules",
+        action="store_true",
+        help="the default rule only, without the other rules' runs",
+    )
+    parser.add_argument(
+        "--no-probe", action="store_true", help="without the runs deciding on a probe"
+    )
+    parser.add_argument(
+        "--add-runs",
+        action="store_true",
+        help="with --schedule-only: keep its JSON's scheduler runs and run "
+        "only the ones it lacks (the seconds add up)",
+    )
     args = parser.parse_args(argv)
     import tensorflow as tf
 
@@ -850,7 +992,8 @@ def main(argv=None):
         swept = json.loads(Path(args.schedule_only).read_text())
         results = {k: swept[k] for k in ("runs", "best", "fit")}
         results["sweep_run"] = swept.get("sweep_run") or {
-            k: swept[k] for k in ("date", "wall_seconds", "threads")}
+            k: swept[k] for k in ("date", "wall_seconds", "threads")
+        }
         seeds = tuple(swept["sweep"]["seeds"])
         if args.add_runs:  # the JSON's scheduler runs kept, the missing ones run
             kept, kept_seconds = swept.get("schedule", {}), swept["wall_seconds"]
@@ -868,30 +1011,53 @@ def main(argv=None):
             return any(name not in kept for name in names)
 
         if missing(starts):
-            results["schedule"].update(schedule_runs(
-                task, results["best"], results["fit"], seeds, starts, **every))
+            results["schedule"].update(
+                schedule_runs(task, results["best"], results["fit"], seeds, starts, **every)
+            )
         if not args.quick and not args.no_rules and missing(map(rule_name, RULES)):
             results["schedule"].update(
-                rule_runs(task, results["best"], results["fit"], seeds, **every))
+                rule_runs(task, results["best"], results["fit"], seeds, **every)
+            )
         if not args.quick and not args.no_probe and missing(PROBE_STARTS):
-            results["schedule"].update(schedule_runs(
-                task, results["best"], results["fit"], seeds, PROBE_STARTS,
-                probe=(task.x_test, task.y_test_noisy), **every))
+            results["schedule"].update(
+                schedule_runs(
+                    task,
+                    results["best"],
+                    results["fit"],
+                    seeds,
+                    PROBE_STARTS,
+                    probe=(task.x_test, task.y_test_noisy),
+                    **every,
+                )
+            )
     seconds = time.perf_counter() - began + kept_seconds
     results = {
         **run_record(args.threads, seconds, args.quick),
         "task": {
-            "seed": args.task_seed, "n_train": len(task.x_train), "n_test": len(task.x_test),
-            "input_dim": INPUT_DIM, "teacher_hidden": list(TEACHER_HIDDEN),
-            "student_hidden": list(STUDENT_HIDDEN), "activation": "tanh",
-            "sigma": SIGMA, "noise_floor": task.noise_floor, "target": task.target,
+            "seed": args.task_seed,
+            "n_train": len(task.x_train),
+            "n_test": len(task.x_test),
+            "input_dim": INPUT_DIM,
+            "teacher_hidden": list(TEACHER_HIDDEN),
+            "student_hidden": list(STUDENT_HIDDEN),
+            "activation": "tanh",
+            "sigma": SIGMA,
+            "noise_floor": task.noise_floor,
+            "target": task.target,
             "held_out": "noise-free teacher targets (the MSE is the excess loss)",
         },
-        "sweep": {"seeds": list(seeds), "batch_sizes": list(batch_sizes),
-                  "lr_factor": LR_FACTOR, "first_lr": args.first_lr, "resolution": RESOLUTION,
-                  "cutoff": CUTOFF, "max_examples": MAX_EXAMPLES,
-                  "max_updates": MAX_UPDATES, "optimizer": "keras.optimizers.SGD, no momentum",
-                  "loss": "mse"},
+        "sweep": {
+            "seeds": list(seeds),
+            "batch_sizes": list(batch_sizes),
+            "lr_factor": LR_FACTOR,
+            "first_lr": args.first_lr,
+            "resolution": RESOLUTION,
+            "cutoff": CUTOFF,
+            "max_examples": MAX_EXAMPLES,
+            "max_updates": MAX_UPDATES,
+            "optimizer": "keras.optimizers.SGD, no momentum",
+            "loss": "mse",
+        },
         **results,
     }
     print_summary(results)
@@ -902,11 +1068,16 @@ def main(argv=None):
         print(f"wrote {out} and its .md")
     if args.plot:
         try:
-            plot(results, args.plot, extra_paths=[
-                (f"AccumScheduler, {name}, seed {r['seed']}", r)
-                for name, summary in results.get("schedule", {}).items()
-                if name in STARTS for r in summary["runs"][:1]
-            ])
+            plot(
+                results,
+                args.plot,
+                extra_paths=[
+                    (f"AccumScheduler, {name}, seed {r['seed']}", r)
+                    for name, summary in results.get("schedule", {}).items()
+                    if name in STARTS
+                    for r in summary["runs"][:1]
+                ],
+            )
             print(f"wrote {args.plot}")
         except ImportError:
             print("matplotlib is not importable: no plot")

@@ -72,8 +72,14 @@ FIRST_LR = 2e-3  # Adam's: where the walk starts at the smallest batch size (on 
 # The scheduler's runs: each rule from batch 16 at the rate the sweep found
 # best there (the names are the JSON's and the report's; the values
 # `learning_rate_rule`'s).
-RULES = {"auto": "auto", "sqrt": "sqrt", "adascale": "adascale",
-         "adascale_sqrt": "adascale_sqrt", "linear": "linear", "None": None}
+RULES = {
+    "auto": "auto",
+    "sqrt": "sqrt",
+    "adascale": "adascale",
+    "adascale_sqrt": "adascale_sqrt",
+    "linear": "linear",
+    "None": None,
+}
 TUNED_256 = "auto, rate tuned for 256, tuned_batch=256"
 # The scheduler's runs' cap, in examples (the sweep's is 4M): some 12 E_min
 # here, several times what the rules that reach the target use. A rule
@@ -95,9 +101,17 @@ def error_rate(logits, labels):
     return tf.where(finite, rate, tf.constant(math.nan, tf.float32))
 
 
-def make_task(seed=TASK_SEED, n_train=N_TRAIN, n_test=N_TEST, target=TARGET,
-              classes=CLASSES, label_noise=LABEL_NOISE, input_dim=INPUT_DIM,
-              teacher_hidden=TEACHER_HIDDEN, student_hidden=STUDENT_HIDDEN):
+def make_task(
+    seed=TASK_SEED,
+    n_train=N_TRAIN,
+    n_test=N_TEST,
+    target=TARGET,
+    classes=CLASSES,
+    label_noise=LABEL_NOISE,
+    input_dim=INPUT_DIM,
+    teacher_hidden=TEACHER_HIDDEN,
+    student_hidden=STUDENT_HIDDEN,
+):
     """The classification task from `seed` as a `batch_growth.Task`: int32
     labels (shape `(n,)`), `y_test` the teacher's, `y_test_noisy` with the
     training set's label noise; `noise_floor` is the error rate of the
@@ -127,11 +141,22 @@ def make_task(seed=TASK_SEED, n_train=N_TRAIN, n_test=N_TEST, target=TARGET,
     y_test = labels(x_test)
     y_test_noisy = noisy(y_test)
     return bg.Task(
-        x_train, y_train, x_test, y_test, y_test_noisy,
-        noise_floor=label_noise * (1 - 1 / classes), target=target, seed=seed,
-        input_dim=input_dim, student_hidden=tuple(student_hidden), output_dim=classes,
-        optimizer="Adam", loss=_loss(), held_out=error_rate,
-        held_out_name="held-out error rate")
+        x_train,
+        y_train,
+        x_test,
+        y_test,
+        y_test_noisy,
+        noise_floor=label_noise * (1 - 1 / classes),
+        target=target,
+        seed=seed,
+        input_dim=input_dim,
+        student_hidden=tuple(student_hidden),
+        output_dim=classes,
+        optimizer="Adam",
+        loss=_loss(),
+        held_out=error_rate,
+        held_out_name="held-out error rate",
+    )
 
 
 def _loss():
@@ -150,8 +175,16 @@ def auto_is():
     return next(name for name, rule in rate_rules.RULES.items() if rule is chosen)
 
 
-def schedule(task, best, fit, seeds, rules=tuple(RULES), tuned_256=True,
-             max_examples=SCHEDULE_MAX_EXAMPLES, **scheduler_kwargs):
+def schedule(
+    task,
+    best,
+    fit,
+    seeds,
+    rules=tuple(RULES),
+    tuned_256=True,
+    max_examples=SCHEDULE_MAX_EXAMPLES,
+    **scheduler_kwargs,
+):
     """`batch_growth.schedule_runs` once per rule (`RULES`' names), from
     batch 16 at its swept best rate; with `tuned_256`, also "auto" from
     batch 16 at the rate swept best at 256, told so (`tuned_batch=256`).
@@ -163,13 +196,33 @@ def schedule(task, best, fit, seeds, rules=tuple(RULES), tuned_256=True,
     first = min(best, key=int)  # 16, unless the sweep began elsewhere
     for name in rules:
         starts = {name: dict(rate_of=int(first), tuned_batch=None)}
-        out.update(bg.schedule_runs(task, best, fit, seeds, starts, reach_kwargs=reach_kwargs,
-                                    learning_rate_rule=RULES[name], **scheduler_kwargs))
+        out.update(
+            bg.schedule_runs(
+                task,
+                best,
+                fit,
+                seeds,
+                starts,
+                reach_kwargs=reach_kwargs,
+                learning_rate_rule=RULES[name],
+                **scheduler_kwargs,
+            )
+        )
         out[name]["rule"] = name
     if tuned_256 and "256" in best:
         starts = {TUNED_256: dict(rate_of=256, tuned_batch=256)}
-        out.update(bg.schedule_runs(task, best, fit, seeds, starts, reach_kwargs=reach_kwargs,
-                                    learning_rate_rule="auto", **scheduler_kwargs))
+        out.update(
+            bg.schedule_runs(
+                task,
+                best,
+                fit,
+                seeds,
+                starts,
+                reach_kwargs=reach_kwargs,
+                learning_rate_rule="auto",
+                **scheduler_kwargs,
+            )
+        )
         out[TUNED_256]["rule"] = "auto"
     for summary in out.values():
         for run in summary["runs"]:
@@ -178,8 +231,9 @@ def schedule(task, best, fit, seeds, rules=tuple(RULES), tuned_256=True,
             # when the batch changes, the decision's rate None otherwise,
             # and always without a rule).
             decisions = run["decisions"]
-            run["final_batch"] = (decisions[-1]["batch"] if decisions
-                                  else bg.SCHEDULE_MICRO * bg.SCHEDULE_START)
+            run["final_batch"] = (
+                decisions[-1]["batch"] if decisions else bg.SCHEDULE_MICRO * bg.SCHEDULE_START
+            )
             rates = [d["learning_rate"] for d in decisions if d["learning_rate"] is not None]
             run["final_rate_factor"] = rates[-1] / summary["learning_rate"] if rates else None
     return out
@@ -211,8 +265,12 @@ def _thinned_decisions(decisions, growth=0.1):
     per `growth` (relative) of the updates, and the last."""
     kept = []
     for d in decisions:
-        if (not kept or d["batch"] != kept[-1]["batch"]
-                or d["updates"] >= kept[-1]["updates"] * (1 + growth) or d is decisions[-1]):
+        if (
+            not kept
+            or d["batch"] != kept[-1]["batch"]
+            or d["updates"] >= kept[-1]["updates"] * (1 + growth)
+            or d is decisions[-1]
+        ):
             kept.append(d)
     return kept
 
@@ -222,8 +280,9 @@ def compact_json(results):
     checks, the scheduler's with a thinned path (one check per 10% of
     updates) and thinned decisions (each change of the batch, else one per
     10% of updates), one run's path or decisions per line."""
-    results = dict(results, runs=[{k: v for k, v in run.items() if k != "path"}
-                                  for run in results["runs"]])
+    results = dict(
+        results, runs=[{k: v for k, v in run.items() if k != "path"} for run in results["runs"]]
+    )
     results = _rounded(results)
     inline = {}
     for summary in results.get("schedule", {}).values():
@@ -261,10 +320,11 @@ def report(results):
     ]
     for b, v in results["best"].items():
         edge = " (grid edge)" if v["best_at_grid_edge"] else ""
-        tried = ", ".join(f"{lr}: {'-' if u is None else f'{u:g}'}"
-                          for lr, u in v["tried"].items())
-        lines.append(f"| {b} | {v['learning_rate']:.3g}{edge} | {v['updates']:g} | "
-                     f"{v['examples']:,.0f} | {tried} |")
+        tried = ", ".join(f"{lr}: {'-' if u is None else f'{u:g}'}" for lr, u in v["tried"].items())
+        lines.append(
+            f"| {b} | {v['learning_rate']:.3g}{edge} | {v['updates']:g} | "
+            f"{v['examples']:,.0f} | {tried} |"
+        )
     fit = results["fit"]
     residuals = ", ".join(f"{r:+.2f}" for r in fit["relative_residuals"])
     lines += [
@@ -275,7 +335,7 @@ def report(results):
         f"`S_min` = {fit['S_min']:.0f} updates, `E_min` = {fit['E_min']:,.0f} examples, "
         f"`B_crit` = {fit['B_crit']:.0f} (relative residuals {residuals}).",
         "",
-        "| AccumScheduler(\"noise_scale\", max_accum_steps=128) from batch 16, "
+        '| AccumScheduler("noise_scale", max_accum_steps=128) from batch 16, '
         "learning_rate_rule | rate | updates (in `S_min`) | examples (in `E_min`) | "
         "per seed: updates / examples (final batch, rate factor) | reached |",
         "|---|---|---|---|---|---|",
@@ -286,16 +346,19 @@ def report(results):
             + f" ({r['final_batch']}, "
             + ("-" if r["final_rate_factor"] is None else f"x{r['final_rate_factor']:.3g}")
             + ")"
-            for r in summary["runs"])
+            for r in summary["runs"]
+        )
         count = f"{summary['reached']} of {len(summary['runs'])}"
         if "updates" not in summary:
-            lines.append(f"| {name} | {summary['learning_rate']:.3g} | - | - | {per_seed} "
-                         f"| {count} |")
+            lines.append(
+                f"| {name} | {summary['learning_rate']:.3g} | - | - | {per_seed} | {count} |"
+            )
             continue
         lines.append(
             f"| {name} | {summary['learning_rate']:.3g} | {summary['updates']:g} "
             f"({summary['updates_in_S_min']:.2f}) | {summary['examples']:,.0f} "
-            f"({summary['examples_in_E_min']:.2f}) | {per_seed} | {count} |")
+            f"({summary['examples_in_E_min']:.2f}) | {per_seed} | {count} |"
+        )
     # The start, and the batch the scheduler's cap allows (1024): the
     # swept best there, for comparison.
     cap = str(bg.SCHEDULE_MICRO * bg.SCHEDULE_CAP)
@@ -305,7 +368,8 @@ def report(results):
             lines.append(
                 f"| fixed batch {b}, its best rate (the sweep) | {v['learning_rate']:.3g} | "
                 f"{v['updates']:g} ({v['updates'] / fit['S_min']:.2f}) | "
-                f"{v['examples']:,.0f} ({v['examples'] / fit['E_min']:.2f}) | | |")
+                f"{v['examples']:,.0f} ({v['examples'] / fit['E_min']:.2f}) | | |"
+            )
     lines += [
         "",
         "| learning_rate_rule | per seed: batch 1024 (the cap) from update (examples) | "
@@ -318,13 +382,14 @@ def report(results):
             at = next((d for d in r["decisions"] if d["batch"] == int(cap)), None)
             grown.append("-" if at is None else f"{at['updates']} ({at['samples']:,})")
             d = r["decisions"][-1] if r["decisions"] else None
-            last.append("-" if d is None else
-                        f"{d['noise_scale']:,.0f} ({d['low']:,.0f}-{d['high']:,.0f})")
+            last.append(
+                "-" if d is None else f"{d['noise_scale']:,.0f} ({d['low']:,.0f}-{d['high']:,.0f})"
+            )
         lines.append(f"| {name} | {'; '.join(grown)} | {'; '.join(last)} |")
     lines += [
         "",
-        "Medians over the seeds that reached the target; \"auto\" is "
-        f"\"{results.get('auto_is', 'adascale_sqrt')}\" for Adam. Per seed, \"cap\": not reached within "
+        'Medians over the seeds that reached the target; "auto" is '
+        f'"{results.get("auto_is", "adascale_sqrt")}" for Adam. Per seed, "cap": not reached within '
         f"{results.get('schedule_max_examples', bg.MAX_EXAMPLES):,} examples. Final batch: the "
         "scheduler's last decision's; rate factor: the last rate its rule set over the "
         "start's (a rule sets it only when the batch changes; '-': no rule).",
@@ -335,8 +400,10 @@ def report(results):
     ]
     if "sweep_run" in results:
         sweep_run = results["sweep_run"]
-        lines[-1] += (f" for the scheduler's runs, on the sweep of {sweep_run['date']} "
-                      f"({sweep_run['wall_seconds']:.0f} s)")
+        lines[-1] += (
+            f" for the scheduler's runs, on the sweep of {sweep_run['date']} "
+            f"({sweep_run['wall_seconds']:.0f} s)"
+        )
     elif "sweep_seconds" in results:
         lines[-1] += f" (the sweep {results['sweep_seconds']:.0f} s)"
     lines[-1] += "."
@@ -346,28 +413,53 @@ def report(results):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES))
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2],
-                        help="the sweep's student and shuffle seeds; the median is used")
-    parser.add_argument("--rule-seeds", type=int, nargs="+", default=[0, 1, 2],
-                        help="the scheduler's seeds, per rule")
+    parser.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        default=[0, 1, 2],
+        help="the sweep's student and shuffle seeds; the median is used",
+    )
+    parser.add_argument(
+        "--rule-seeds",
+        type=int,
+        nargs="+",
+        default=[0, 1, 2],
+        help="the scheduler's seeds, per rule",
+    )
     parser.add_argument("--rules", nargs="+", default=list(RULES), choices=list(RULES))
-    parser.add_argument("--no-256", action="store_true",
-                        help="without \"auto\" from the rate tuned for 256")
+    parser.add_argument(
+        "--no-256", action="store_true", help='without "auto" from the rate tuned for 256'
+    )
     parser.add_argument("--task-seed", type=int, default=TASK_SEED)
     parser.add_argument("--target", type=float, default=TARGET)
-    parser.add_argument("--first-lr", type=float, default=FIRST_LR,
-                        help="learning rate the walk starts from at the first batch size")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="TensorFlow intra- and inter-op threads (default: 1; "
-                        "the machine is shared)")
+    parser.add_argument(
+        "--first-lr",
+        type=float,
+        default=FIRST_LR,
+        help="learning rate the walk starts from at the first batch size",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="TensorFlow intra- and inter-op threads (default: 1; the machine is shared)",
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run, not a measurement")
-    parser.add_argument("--out", default=None, help="JSON path (default: "
-                        "benchmarks/batch_growth_adam.json; none when --quick)")
-    parser.add_argument("--schedule-only", metavar="JSON",
-                        help="skip the sweep: take it from this JSON and run the scheduler only")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="JSON path (default: benchmarks/batch_growth_adam.json; none when --quick)",
+    )
+    parser.add_argument(
+        "--schedule-only",
+        metavar="JSON",
+        help="skip the sweep: take it from this JSON and run the scheduler only",
+    )
     parser.add_argument("--no-schedule", action="store_true", help="the sweep only")
-    parser.add_argument("--report", metavar="JSON",
-                        help="only rewrite the .md next to this JSON, from it")
+    parser.add_argument(
+        "--report", metavar="JSON", help="only rewrite the .md next to this JSON, from it"
+    )
     args = parser.parse_args(argv)
     if args.report:
         path = Path(args.report)
@@ -379,8 +471,9 @@ def main(argv=None):
     tf.config.threading.set_intra_op_parallelism_threads(args.threads)
     tf.config.threading.set_inter_op_parallelism_threads(args.threads)
 
-    out = args.out or (None if args.quick else
-                       str(Path(__file__).parent / "batch_growth_adam.json"))
+    out = args.out or (
+        None if args.quick else str(Path(__file__).parent / "batch_growth_adam.json")
+    )
     task = make_task(args.task_seed, target=args.target)
     batch_sizes, seeds, rule_seeds = args.batch_sizes, tuple(args.seeds), tuple(args.rule_seeds)
     rules, tuned_256, every = args.rules, not args.no_256, {}
@@ -403,23 +496,36 @@ def main(argv=None):
         results = bg.sweep(task, batch_sizes, seeds, first_lr=args.first_lr)
         results["sweep_seconds"] = round(time.perf_counter() - began, 1)
         sweep_meta = {
-            "seeds": list(seeds), "batch_sizes": list(batch_sizes), "lr_factor": bg.LR_FACTOR,
-            "first_lr": args.first_lr, "resolution": bg.RESOLUTION, "cutoff": bg.CUTOFF,
-            "max_examples": bg.MAX_EXAMPLES, "max_updates": bg.MAX_UPDATES,
+            "seeds": list(seeds),
+            "batch_sizes": list(batch_sizes),
+            "lr_factor": bg.LR_FACTOR,
+            "first_lr": args.first_lr,
+            "resolution": bg.RESOLUTION,
+            "cutoff": bg.CUTOFF,
+            "max_examples": bg.MAX_EXAMPLES,
+            "max_updates": bg.MAX_UPDATES,
             "optimizer": "keras.optimizers.Adam, Keras's defaults but the rate",
-            "loss": "sparse categorical cross-entropy from logits"}
+            "loss": "sparse categorical cross-entropy from logits",
+        }
     if not args.no_schedule and results["fit"]:
-        results["schedule"] = schedule(task, results["best"], results["fit"], rule_seeds,
-                                       rules, tuned_256, **every)
+        results["schedule"] = schedule(
+            task, results["best"], results["fit"], rule_seeds, rules, tuned_256, **every
+        )
     seconds = time.perf_counter() - began
     results = {
         **bg.run_record(args.threads, seconds, args.quick),
         "task": {
-            "seed": args.task_seed, "n_train": len(task.x_train), "n_test": len(task.x_test),
-            "input_dim": task.input_dim, "teacher_hidden": list(TEACHER_HIDDEN),
-            "student_hidden": list(task.student_hidden), "activation": "tanh",
-            "classes": task.output_dim, "label_noise": LABEL_NOISE,
-            "noise_floor": task.noise_floor, "target": task.target,
+            "seed": args.task_seed,
+            "n_train": len(task.x_train),
+            "n_test": len(task.x_test),
+            "input_dim": task.input_dim,
+            "teacher_hidden": list(TEACHER_HIDDEN),
+            "student_hidden": list(task.student_hidden),
+            "activation": "tanh",
+            "classes": task.output_dim,
+            "label_noise": LABEL_NOISE,
+            "noise_floor": task.noise_floor,
+            "target": task.target,
             "held_out": "error rate (1 - accuracy) against the noise-free teacher labels",
         },
         "sweep": sweep_meta,

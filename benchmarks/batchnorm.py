@@ -217,7 +217,11 @@ def main(argv=None):
     parser.add_argument("--out", help="write the result here as JSON")
     args = parser.parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-    result = overhead(args.rounds) if args.what == "overhead" else real(args.quick, args.epochs, application=args.model)
+    result = (
+        overhead(args.rounds)
+        if args.what == "overhead"
+        else real(args.quick, args.epochs, application=args.model)
+    )
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

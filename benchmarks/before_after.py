@@ -68,9 +68,7 @@ MODES = ("step", "micro")
 
 
 def _git(*arguments):
-    return subprocess.run(
-        ["git", *arguments], cwd=REPO, capture_output=True, check=True
-    ).stdout
+    return subprocess.run(["git", *arguments], cwd=REPO, capture_output=True, check=True).stdout
 
 
 def extract(revision, directory):
@@ -105,9 +103,7 @@ def make(name, workload, versions):
     optimizer = keras.optimizers.Adam(workloads.LEARNING_RATE)
     if name == "builtin":
         model, batch_size = keras.Model(inputs, outputs), b
-        optimizer = keras.optimizers.Adam(
-            workloads.LEARNING_RATE, gradient_accumulation_steps=n
-        )
+        optimizer = keras.optimizers.Adam(workloads.LEARNING_RATE, gradient_accumulation_steps=n)
     else:
         mode, version = name.split()
         accum = versions[version]
@@ -149,7 +145,12 @@ def train_one_epoch(model, x, y, batch_size):
 
     timer = EpochTimer()
     model.fit(
-        x, y, batch_size=batch_size, epochs=1, shuffle=False, verbose=0,
+        x,
+        y,
+        batch_size=batch_size,
+        epochs=1,
+        shuffle=False,
+        verbose=0,
         callbacks=[timer],
     )
     return timer.seconds
@@ -193,9 +194,7 @@ def _summary(values):
     }
 
 
-def run_workload(
-    workload_name, rounds, quick, modes, versions, windows=None, unit="epoch"
-):
+def run_workload(workload_name, rounds, quick, modes, versions, windows=None, unit="epoch"):
     """Times every model of one workload; returns its JSON-able result."""
     workload = workloads.timing_workload(workload_name, quick)
     x, y = workload.data(np.random.default_rng(workloads.SEED))
@@ -228,8 +227,7 @@ def run_workload(
                 times[name] = timers[name]()
         label = "warm-up" if round_index == 0 else f"round {round_index}/{rounds}"
         print(
-            f"  {workload_name} {label}: "
-            + ", ".join(f"{n} {times[n][0]:.3f}s" for n in models),
+            f"  {workload_name} {label}: " + ", ".join(f"{n} {times[n][0]:.3f}s" for n in models),
             flush=True,
         )
         if round_index:
@@ -339,9 +337,7 @@ def main(argv=None):
             flush=True,
         )
         results = {
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime(
-                "%Y-%m-%d %H:%M UTC"
-            ),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "before": {"revision": args.before, "commit": before_commit},
             "after": keras_accum_revision(),
             "machine": {
@@ -360,7 +356,12 @@ def main(argv=None):
         }
         for name in args.workloads:
             results["workloads"][name] = run_workload(
-                name, rounds, args.quick, args.modes, versions, args.windows,
+                name,
+                rounds,
+                args.quick,
+                args.modes,
+                versions,
+                args.windows,
                 args.unit,
             )
             # Written after each workload: a long run interrupted keeps

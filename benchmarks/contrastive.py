@@ -129,8 +129,15 @@ def measure_memory(name, quick):
 
 
 def _memory_in_fresh_process(config, quick, out):
-    command = [sys.executable, "-m", "benchmarks.contrastive", "--memory-worker", config,
-               "--json", str(out)] + (["--quick"] if quick else [])
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.contrastive",
+        "--memory-worker",
+        config,
+        "--json",
+        str(out),
+    ] + (["--quick"] if quick else [])
     env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true", "PYTHONPATH": str(ROOT)}
     subprocess.run(command, cwd=ROOT, env=env, check=True, timeout=1800)
     return json.loads(Path(out).read_text())
@@ -139,8 +146,11 @@ def _memory_in_fresh_process(config, quick, out):
 # The second forward pass alone (timed), and the steps under XLA (Keras's
 # default on one GPU), each against the big batch under XLA.
 SECOND_FORWARD = "the encoders' forward pass, micro-batches of b (no tape)"
-XLA = {"big batch, XLA": "big batch", "coupled_from, b, XLA": "coupled_from, b",
-       "ordinary micro-batching, b, XLA": "ordinary micro-batching, b"}
+XLA = {
+    "big batch, XLA": "big batch",
+    "coupled_from, b, XLA": "coupled_from, b",
+    "ordinary micro-batching, b, XLA": "ordinary micro-batching, b",
+}
 
 
 # The floor: the step written bare, one `tf.function` with Adam's update and
@@ -172,8 +182,9 @@ class SecondForward:
             (queries, items), _ = next(iterator)
             total = tf.constant(0.0)
             for start in range(0, big, micro):
-                reps = encoders([queries[start:start + micro], items[start:start + micro]],
-                                training=True)
+                reps = encoders(
+                    [queries[start : start + micro], items[start : start + micro]], training=True
+                )
                 total += tf.add_n([tf.reduce_sum(r) for r in reps])
             return {"loss": total}
 
@@ -212,7 +223,7 @@ class Bare:
         @tf.function
         def two_passes(iterator):
             (queries, items), y = next(iterator)
-            parts = [[queries[s:s + micro], items[s:s + micro]] for s in range(0, big, micro)]
+            parts = [[queries[s : s + micro], items[s : s + micro]] for s in range(0, big, micro)]
             reps = [[tf.stop_gradient(r) for r in encoders(p, training=True)] for p in parts]
             whole = [tf.concat(r, 0) for r in zip(*reps)]
             with tf.GradientTape() as tape:
@@ -222,10 +233,12 @@ class Bare:
             grads = None
             for k, part in enumerate(parts):
                 with tf.GradientTape() as tape:
-                    surrogate = tf.add_n([
-                        tf.reduce_sum(r * u[k * micro:(k + 1) * micro])
-                        for r, u in zip(encoders(part, training=True), upstream)
-                    ])
+                    surrogate = tf.add_n(
+                        [
+                            tf.reduce_sum(r * u[k * micro : (k + 1) * micro])
+                            for r, u in zip(encoders(part, training=True), upstream)
+                        ]
+                    )
                 g = tape.gradient(surrogate, variables)
                 grads = g if grads is None else [a + b for a, b in zip(grads, g)]
             optimizer.apply(grads, variables)
@@ -237,11 +250,18 @@ class Bare:
 def measure_time(rounds, quick):
     x, y = data(quick)
     models = {config: make_model(config, quick) for config in CONFIGS if config != "plain at b"}
-    models.update({name: make_model(config, quick, jit_compile=True)
-                   for name, config in XLA.items()})
+    models.update(
+        {name: make_model(config, quick, jit_compile=True) for name, config in XLA.items()}
+    )
     for name, model in models.items():
-        model.fit(x, y, batch_size=batch_of(XLA.get(name, name), quick), epochs=1,
-                  shuffle=False, verbose=0)
+        model.fit(
+            x,
+            y,
+            batch_size=batch_of(XLA.get(name, name), quick),
+            epochs=1,
+            shuffle=False,
+            verbose=0,
+        )
     reference = models["big batch"].get_weights()
     difference = max(
         float(np.max(np.abs(a - b)))
@@ -267,10 +287,19 @@ def run(rounds, quick, out):
 
     features, width, depth, dim, big, micro = SIZES["quick" if quick else "full"]
     result = {
-        "date": datetime.date.today().isoformat(), "keras": keras.__version__,
-        "tensorflow": tf.__version__, "cpus": os.cpu_count(), "rounds": rounds,
-        "sizes": {"features": features, "width": width, "depth": depth,
-                  "representation": dim, "B": big, "b": micro},
+        "date": datetime.date.today().isoformat(),
+        "keras": keras.__version__,
+        "tensorflow": tf.__version__,
+        "cpus": os.cpu_count(),
+        "rounds": rounds,
+        "sizes": {
+            "features": features,
+            "width": width,
+            "depth": depth,
+            "representation": dim,
+            "B": big,
+            "b": micro,
+        },
         # Both towers' representations of a batch, float32.
         "representations_mib": 2 * big * dim * 4 / memory.MIB,
         "similarity_mib": big * big * 4 / memory.MIB,
@@ -284,8 +313,7 @@ def run(rounds, quick, out):
     result["max_weight_difference"] = difference
     result["time_ms"] = {c: _summary([1000 * s for s in v]) for c, v in seconds.items()}
     result["time_ratio"] = {
-        c: _summary([a / b for a, b in zip(v, seconds[baseline_of(c)])])
-        for c, v in seconds.items()
+        c: _summary([a / b for a, b in zip(v, seconds[baseline_of(c)])]) for c, v in seconds.items()
     }
     return result
 
@@ -312,8 +340,11 @@ def report(result):
         ratio = result["time_ratio"].get(config)
         lines.append(
             f"| {config} | {mem[config]:.0f} | {mem[config] / mem['plain at b']:.2f} | "
-            + (f"{timing['median']:.0f} | {ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f}) |"
-               if timing else "- | - (batches of b: not the same step) |")
+            + (
+                f"{timing['median']:.0f} | {ratio['median']:.2f} ({ratio['min']:.2f}-{ratio['max']:.2f}) |"
+                if timing
+                else "- | - (batches of b: not the same step) |"
+            )
         )
     lines += [
         "",
@@ -325,10 +356,14 @@ def report(result):
         timing, ratio = result["time_ms"][name], result["time_ratio"][name]
         peak = result["memory"].get(name)
         lines.append(f"| {name} | {peak['growth_mib']:.0f} | " if peak else f"| {name} | - | ")
-        lines[-1] += (f"{timing['median']:.0f} | {ratio['median']:.2f} "
-                      f"({ratio['min']:.2f}-{ratio['max']:.2f}) |")
-    floor = (result["time_ratio"]["ordinary micro-batching, b"]["median"]
-             + result["time_ratio"][SECOND_FORWARD]["median"])
+        lines[-1] += (
+            f"{timing['median']:.0f} | {ratio['median']:.2f} "
+            f"({ratio['min']:.2f}-{ratio['max']:.2f}) |"
+        )
+    floor = (
+        result["time_ratio"]["ordinary micro-batching, b"]["median"]
+        + result["time_ratio"][SECOND_FORWARD]["median"]
+    )
     lines += [
         "",
         f"Ordinary micro-batching plus the second forward pass: {floor:.2f}x the big batch "
@@ -358,8 +393,11 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--memory-worker", choices=(*CONFIGS, *XLA), help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks"),
-                        help="directory for contrastive.json and contrastive.md")
+    parser.add_argument(
+        "--out",
+        default=str(ROOT / "benchmarks"),
+        help="directory for contrastive.json and contrastive.md",
+    )
     args = parser.parse_args(argv)
     if args.memory_worker:
         Path(args.json).write_text(json.dumps(measure_memory(args.memory_worker, args.quick)))

@@ -133,9 +133,7 @@ def run(config, quick):
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(input_batch)
     if input_batch != batch_size:
         dataset = dataset.rebatch(batch_size)
-    weight_bytes = sum(
-        int(np.prod(v.shape)) * 4 for v in model.trainable_variables
-    )
+    weight_bytes = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
     gc.collect()
 
     before = _status_bytes("VmRSS")

@@ -105,9 +105,7 @@ def measure_memory(way, batch, micro, quick, jit_compile, pipeline="known"):
         batch_size, drop_remainder=pipeline == "known"
     )
     before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    peak = memory.tensor_peak(
-        lambda: model.fit(dataset, epochs=1, shuffle=False, verbose=0)
-    )
+    peak = memory.tensor_peak(lambda: model.fit(dataset, epochs=1, shuffle=False, verbose=0))
     return {
         "way": way,
         "batch": batch,
@@ -124,14 +122,27 @@ def measure_memory(way, batch, micro, quick, jit_compile, pipeline="known"):
 
 
 def _memory_in_fresh_process(way, batch, micro, quick, jit_compile, pipeline, path):
-    command = [sys.executable, "-m", "benchmarks.memory_curve", "--memory-worker", way,
-               str(batch), pipeline, "--micro-batch", str(micro), "--json", str(path)]
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.memory_curve",
+        "--memory-worker",
+        way,
+        str(batch),
+        pipeline,
+        "--micro-batch",
+        str(micro),
+        "--json",
+        str(path),
+    ]
     command += ["--quick"] if quick else []
     command += ["--jit-compile"] if jit_compile else []
-    env = {**os.environ, "TF_CPU_ALLOCATOR_USE_BFC": "true",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=1200)
+    env = {
+        **os.environ,
+        "TF_CPU_ALLOCATOR_USE_BFC": "true",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200)
     if done.returncode:
         raise RuntimeError(f"memory of {way} at {batch} ({pipeline}): {done.stderr[-3000:]}")
     return json.loads(Path(path).read_text())
@@ -152,15 +163,24 @@ def measure_time(batches, micro, rounds, quick, jit_compile):
             label = f"{way} {batch}"
             print(f"  tracing {label}", flush=True)
             made = []
-            timers[label], _ = xla._timer(spec(way, batch, micro), workload, x, y,
-                                          hlo=False, jit_compile=jit_compile, model_out=made)
+            timers[label], _ = xla._timer(
+                spec(way, batch, micro),
+                workload,
+                x,
+                y,
+                hlo=False,
+                jit_compile=jit_compile,
+                model_out=made,
+            )
             weights[label] = made[0].get_weights()
     difference = {
         f"{way} {batch}": max(
             float(np.max(np.abs(a - b)))
             for a, b in zip(weights[f"{way} {batch}"], weights[f"plain {batch}"])
         )
-        for batch in batches for way in WAYS if way != "plain"
+        for batch in batches
+        for way in WAYS
+        if way != "plain"
     }
     print(f"  {rounds} rounds, load {load_average()}", flush=True)
     measured = rotated_rounds(timers, rounds)
@@ -170,8 +190,13 @@ def measure_time(batches, micro, rounds, quick, jit_compile):
 
 
 def _summary(values):
-    return {"median": statistics.median(values), "median_ci95": median_interval(values),
-            "min": min(values), "max": max(values), "rounds": len(values)}
+    return {
+        "median": statistics.median(values),
+        "median_ci95": median_interval(values),
+        "min": min(values),
+        "max": max(values),
+        "rounds": len(values),
+    }
 
 
 def summarise(results):
@@ -203,9 +228,13 @@ def summarise(results):
                 "vs_allowance": None if way == "plain" else held["peak_bytes"] / allowance,
                 "weight_difference_vs_plain": results["weight_difference_vs_plain"].get(label),
             }
-    return {"allowance_bytes": allowance, "plain_at_m_bytes": plain_m["peak_bytes"],
-            "weight_copy_bytes": plain_m["weight_copy_bytes"], "rows": rows,
-            "pipelines": pipelines}
+    return {
+        "allowance_bytes": allowance,
+        "plain_at_m_bytes": plain_m["peak_bytes"],
+        "weight_copy_bytes": plain_m["weight_copy_bytes"],
+        "rows": rows,
+        "pipelines": pipelines,
+    }
 
 
 def _mb(value):
@@ -216,7 +245,9 @@ def markdown(results):
     summary = summarise(results)
     machine, versions = results["machine"], results["versions"]
     micro = results["micro_batch"]
-    command = "python -m benchmarks.memory_curve" + (" --jit-compile" if results["jit_compile"] else "")
+    command = "python -m benchmarks.memory_curve" + (
+        " --jit-compile" if results["jit_compile"] else ""
+    )
     out = ["# Memory and time per sample against the effective batch", ""]
     if results["quick"]:
         out += ["**Quick mode**: a tiny decoder, a smoke run; the numbers mean nothing.", ""]
@@ -225,14 +256,20 @@ def markdown(results):
         f"cores, load average {machine['load_start']} at the start and {machine['load_end']} "
         f"at the end; Python {versions['python']}, TensorFlow {versions['tensorflow']}, "
         f"Keras {versions['keras']}; keras_accum at {machine['keras_accum']}"
-        + (f"; the time columns from the run of {machine['timing_from']} "
-           "(`--timing-from`)." if machine.get("timing_from") else "."),
+        + (
+            f"; the time columns from the run of {machine['timing_from']} (`--timing-from`)."
+            if machine.get("timing_from")
+            else "."
+        ),
         "",
         f"Workload: {results['description']}; {results['variables']} trainable variables, "
         f"{results['parameters']:,} parameters (one float32 copy: "
         f"{_mb(summary['weight_copy_bytes'])} MB). Adam; "
-        + ("compiled with `jit_compile=True` (XLA). " if results["jit_compile"] else
-           "compiled as Keras compiles on a CPU by default (no XLA). ")
+        + (
+            "compiled with `jit_compile=True` (XLA). "
+            if results["jit_compile"]
+            else "compiled as Keras compiles on a CPU by default (no XLA). "
+        )
         + f"Micro-batch m = {micro}; each way makes updates of B sequences:",
         "",
     ]
@@ -255,7 +292,9 @@ def markdown(results):
         + "| ms per sample (wall) "
         "| ms per sample (CPU) | / plain at B, wall (95% CI) | / plain at B, CPU "
         "| weights vs plain at B |",
-        "|---:|---|---:|---:|" + "---:|" * (len(summary["pipelines"]) - 1) + "---:|---:|---|---:|---:|",
+        "|---:|---|---:|---:|"
+        + "---:|" * (len(summary["pipelines"]) - 1)
+        + "---:|---:|---|---:|---:|",
     ]
     for batch in results["batches"]:
         plain_peak = summary["rows"][f"plain {batch}"]["peak_bytes"]
@@ -266,13 +305,18 @@ def markdown(results):
             out.append(
                 f"| {batch} | {way} | {_mb(row['peak_bytes'])} | "
                 f"{row['peak_bytes'] / plain_peak:.2f} | "
-                + "".join(f"{_mb(row['peak_bytes_by_pipeline'][p])} | "
-                          for p in summary["pipelines"][1:])
+                + "".join(
+                    f"{_mb(row['peak_bytes_by_pipeline'][p])} | " for p in summary["pipelines"][1:]
+                )
                 + f"{row['ms_per_sample']:.2f} | "
                 f"{row['cpu_ms_per_sample']:.2f} | "
-                + ("-" if way == "plain" else
-                   f"{ratio['median']:.2f} ({ratio['median_ci95'][0]:.2f}-{ratio['median_ci95'][1]:.2f})")
-                + " | " + ("-" if way == "plain" else f"{row['cpu_vs_plain']['median']:.2f}")
+                + (
+                    "-"
+                    if way == "plain"
+                    else f"{ratio['median']:.2f} ({ratio['median_ci95'][0]:.2f}-{ratio['median_ci95'][1]:.2f})"
+                )
+                + " | "
+                + ("-" if way == "plain" else f"{row['cpu_vs_plain']['median']:.2f}")
                 + f" | {'-' if diff is None else f'{diff:.1e}'} |"
             )
     out += [
@@ -323,12 +367,22 @@ def plot(results, path):
         speed.plot(batches, [r["ms_per_sample"] for r in rows], **style)
         for pipeline in summary["pipelines"][1:]:
             if way != "plain":  # plain's first batch is traced too: the same curve
-                mem.plot(batches, [r["peak_bytes_by_pipeline"][pipeline] / 2**20 for r in rows],
-                         color=COLORS[way], marker=".", linestyle=":", linewidth=1,
-                         label=f"{way}, {pipeline} batch size (first batch eager)")
-    mem.axhline(MEMORY_TARGET * summary["allowance_bytes"] / 2**20, color=COLORS["accum_steps"],
-                linestyle="--", linewidth=0.8,
-                label=f"{MEMORY_TARGET:.2f} x (plain at m = {micro} + weight copy)")
+                mem.plot(
+                    batches,
+                    [r["peak_bytes_by_pipeline"][pipeline] / 2**20 for r in rows],
+                    color=COLORS[way],
+                    marker=".",
+                    linestyle=":",
+                    linewidth=1,
+                    label=f"{way}, {pipeline} batch size (first batch eager)",
+                )
+    mem.axhline(
+        MEMORY_TARGET * summary["allowance_bytes"] / 2**20,
+        color=COLORS["accum_steps"],
+        linestyle="--",
+        linewidth=0.8,
+        label=f"{MEMORY_TARGET:.2f} x (plain at m = {micro} + weight copy)",
+    )
     compile_name = "XLA" if results["jit_compile"] else "no XLA"
     for axis in (mem, speed):
         axis.set_xscale("log", base=2)
@@ -343,8 +397,10 @@ def plot(results, path):
     speed.set_ylabel("median time per sequence (ms, wall)")
     speed.set_title("Time per sample", fontsize=10)
     speed.legend(fontsize=8)
-    title = (f"{results['variables']}-variable decoder, {compile_name}, "
-             f"{results['machine']['cpu']}, {results['machine']['cores']} cores")
+    title = (
+        f"{results['variables']}-variable decoder, {compile_name}, "
+        f"{results['machine']['cpu']}, {results['machine']['cores']} cores"
+    )
     if results["quick"]:
         title += " (quick mode: tiny, not meaningful)"
     fig.suptitle(title, fontsize=10)
@@ -355,25 +411,49 @@ def plot(results, path):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, nargs="+", default=None,
-                        help=f"effective batches B (default: {' '.join(map(str, BATCHES))})")
-    parser.add_argument("--micro-batch", type=int, default=MICRO_BATCH,
-                        help="the micro-batch m (default: %(default)s)")
-    parser.add_argument("--rounds", type=int, default=None,
-                        help="timed rounds after a warm-up round (default: 15, 1 with --quick)")
+    parser.add_argument(
+        "--batches",
+        type=int,
+        nargs="+",
+        default=None,
+        help=f"effective batches B (default: {' '.join(map(str, BATCHES))})",
+    )
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        default=MICRO_BATCH,
+        help="the micro-batch m (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="timed rounds after a warm-up round (default: 15, 1 with --quick)",
+    )
     parser.add_argument("--jit-compile", action="store_true", help="compile with XLA")
     parser.add_argument("--quick", action="store_true", help="a tiny decoder: a smoke run")
-    parser.add_argument("--out", default=str(HERE),
-                        help="folder for memory_curve.{json,md,png} (default: %(default)s)")
-    parser.add_argument("--pipelines", nargs="+", choices=PIPELINES, default=list(PIPELINES),
-                        help="the pipelines measured for memory (default: both; the "
-                        "criterion reads the first)")
-    parser.add_argument("--memory-from", help="a previous run's JSON: its memory readings "
-                        "of pipelines not measured now are kept")
-    parser.add_argument("--timing-from", help="a previous run's JSON: its timing is reused "
-                        "(no timing process)")
-    parser.add_argument("--memory-worker", nargs=3, metavar=("WAY", "B", "PIPELINE"),
-                        help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--out",
+        default=str(HERE),
+        help="folder for memory_curve.{json,md,png} (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--pipelines",
+        nargs="+",
+        choices=PIPELINES,
+        default=list(PIPELINES),
+        help="the pipelines measured for memory (default: both; the criterion reads the first)",
+    )
+    parser.add_argument(
+        "--memory-from",
+        help="a previous run's JSON: its memory readings of pipelines not measured now are kept",
+    )
+    parser.add_argument(
+        "--timing-from", help="a previous run's JSON: its timing is reused (no timing process)"
+    )
+    parser.add_argument(
+        "--memory-worker", nargs=3, metavar=("WAY", "B", "PIPELINE"), help=argparse.SUPPRESS
+    )
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     micro = args.micro_batch
@@ -384,28 +464,47 @@ def main(argv=None):
         return
     batches = sorted(args.batches or BATCHES)
     if micro not in batches or any(b % micro for b in batches):
-        parser.error(f"every B must be a multiple of the micro-batch {micro}, and B = {micro} "
-                     "must be among them (plain at the micro-batch is the reference)")
+        parser.error(
+            f"every B must be a multiple of the micro-batch {micro}, and B = {micro} "
+            "must be among them (plain at the micro-batch is the reference)"
+        )
     rounds = args.rounds or (1 if args.quick else 15)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    machine = {"cpu": cpu_model(), "cores": os.cpu_count(), "load_start": load_average(),
-               "keras_accum": keras_accum_revision()}
-    print(f"memory curve: B = {batches}, m = {micro}, {rounds} rounds; load "
-          f"{machine['load_start']}", flush=True)
+    machine = {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "load_start": load_average(),
+        "keras_accum": keras_accum_revision(),
+    }
+    print(
+        f"memory curve: B = {batches}, m = {micro}, {rounds} rounds; load {machine['load_start']}",
+        flush=True,
+    )
     pipelines = [p for p in PIPELINES if p in args.pipelines]  # `known` first
     readings = []
     if args.memory_from:
-        readings = [r for r in json.loads(Path(args.memory_from).read_text())["memory"]
-                    if r["pipeline"] not in pipelines]
+        readings = [
+            r
+            for r in json.loads(Path(args.memory_from).read_text())["memory"]
+            if r["pipeline"] not in pipelines
+        ]
     for pipeline in pipelines:
         for batch in batches:
             for way in WAYS:
-                reading = _memory_in_fresh_process(way, batch, micro, args.quick,
-                                                   args.jit_compile, pipeline,
-                                                   out / "memory_curve_worker.json")
-                print(f"  memory {way} {batch} ({pipeline}): "
-                      f"{reading['peak_bytes'] / 1e6:.1f} MB", flush=True)
+                reading = _memory_in_fresh_process(
+                    way,
+                    batch,
+                    micro,
+                    args.quick,
+                    args.jit_compile,
+                    pipeline,
+                    out / "memory_curve_worker.json",
+                )
+                print(
+                    f"  memory {way} {batch} ({pipeline}): {reading['peak_bytes'] / 1e6:.1f} MB",
+                    flush=True,
+                )
                 readings.append(reading)
     (out / "memory_curve_worker.json").unlink(missing_ok=True)
     readings.sort(key=lambda r: PIPELINES.index(r["pipeline"]))  # the criterion's first
@@ -418,8 +517,9 @@ def main(argv=None):
         difference, rounds = earlier["weight_difference_vs_plain"], earlier["rounds"]
         machine["timing_from"] = earlier["date"]
     else:
-        seconds, cpu_seconds, difference = measure_time(batches, micro, rounds, args.quick,
-                                                        args.jit_compile)
+        seconds, cpu_seconds, difference = measure_time(
+            batches, micro, rounds, args.quick, args.jit_compile
+        )
     machine["load_end"] = load_average()
     workload = workloads.transformer(args.quick)
     keras.utils.set_random_seed(workloads.SEED)
@@ -428,8 +528,11 @@ def main(argv=None):
     results = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine,
-        "versions": {"tensorflow": tf.__version__, "keras": keras.__version__,
-                     "python": platform.python_version()},
+        "versions": {
+            "tensorflow": tf.__version__,
+            "keras": keras.__version__,
+            "python": platform.python_version(),
+        },
         "quick": args.quick,
         "jit_compile": args.jit_compile,
         "description": workload.description.rsplit(",", 1)[0],  # sequences vary with B
@@ -448,8 +551,9 @@ def main(argv=None):
     (out / "memory_curve.md").write_text(text)
     plot(results, out / "memory_curve.png")
     print(text)
-    print(f"wrote {out / 'memory_curve.md'}, {out / 'memory_curve.png'}, "
-          f"{out / 'memory_curve.json'}")
+    print(
+        f"wrote {out / 'memory_curve.md'}, {out / 'memory_curve.png'}, {out / 'memory_curve.json'}"
+    )
 
 
 if __name__ == "__main__":

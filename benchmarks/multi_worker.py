@@ -67,10 +67,10 @@ def run(rounds, quick, auto=False):
     x = rng.normal(size=(steps * GLOBAL_MICRO_BATCH, features)).astype("float32")
     y = workloads._labels(rng, len(x))
     options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = (
-        tf.data.experimental.AutoShardPolicy.DATA
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    data = (
+        tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_MICRO_BATCH).with_options(options)
     )
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_MICRO_BATCH).with_options(options)
 
     arguments = settings_of(auto)
     settings = tuple(arguments)

@@ -67,12 +67,13 @@ def exact_noise_scale(model, x, y, chunk=512):
     variables = model.trainable_variables
     total, squares, n = None, 0.0, len(x)
     for start in range(0, n, chunk):
-        xb, yb = x[start:start + chunk], y[start:start + chunk]
+        xb, yb = x[start : start + chunk], y[start : start + chunk]
         with tf.GradientTape() as tape:
             losses = tf.reduce_mean(tf.square(model(xb, training=True) - yb), -1)
         jacobians = tape.jacobian(losses, variables)
         rows = np.concatenate(
-            [np.asarray(j, np.float64).reshape(len(xb), -1) for j in jacobians], axis=1)
+            [np.asarray(j, np.float64).reshape(len(xb), -1) for j in jacobians], axis=1
+        )
         total = rows.sum(0) if total is None else total + rows.sum(0)
         squares += float(np.sum(rows * rows))
     mean = total / n
@@ -89,7 +90,7 @@ def checkpoints(task, rate, updates=CHECKPOINTS, batch=256, seed=STUDENT_SEED):
     while done < max(updates):
         order = rng.permutation(len(task.x_train))
         for start in range(0, len(order) - batch + 1, batch):
-            rows = order[start:start + batch]
+            rows = order[start : start + batch]
             model.train_on_batch(task.x_train[rows], task.y_train[rows])
             done += 1
             if done in updates:
@@ -105,8 +106,9 @@ def frozen_student(task, weights, **model_kwargs):
 
     import keras_accum
 
-    model = task.build_student(STUDENT_SEED, keras_accum.AccumModel, noise_scale=True,
-                               **model_kwargs)
+    model = task.build_student(
+        STUDENT_SEED, keras_accum.AccumModel, noise_scale=True, **model_kwargs
+    )
     model.compile(keras.optimizers.SGD(0.0), "mse")
     model.build((None, task.input_dim))
     model.set_weights(weights)
@@ -122,11 +124,19 @@ def windows_estimates(task, weights, window, repeats, updates=WINDOW_UPDATES):
     out = []
     for repeat in range(repeats):
         rows = np.random.default_rng(1000 + repeat).choice(
-            len(task.x_train), updates * window, replace=False)
-        scheduler = keras_accum.AccumScheduler("noise_scale", max_accum_steps=steps,
-                                               learning_rate_rule=None)
-        model.fit(task.x_train[rows], task.y_train[rows], batch_size=WINDOW_MICRO,
-                  shuffle=False, verbose=0, callbacks=[scheduler])
+            len(task.x_train), updates * window, replace=False
+        )
+        scheduler = keras_accum.AccumScheduler(
+            "noise_scale", max_accum_steps=steps, learning_rate_rule=None
+        )
+        model.fit(
+            task.x_train[rows],
+            task.y_train[rows],
+            batch_size=WINDOW_MICRO,
+            shuffle=False,
+            verbose=0,
+            callbacks=[scheduler],
+        )
         out.append(scheduler.path[-1].estimate)
     return out
 
@@ -139,7 +149,8 @@ def probe_estimates(task, weights, samples, repeats):
     out = []
     for repeat in range(repeats):
         rows = np.random.default_rng(2000 + repeat).choice(
-            len(task.x_train), samples, replace=False)
+            len(task.x_train), samples, replace=False
+        )
         probe = NoiseProbe((task.x_train[rows], task.y_train[rows]), windows=PROBE_WINDOWS)
         out.append(probe.measure(model, PROBE_MICRO))
     return out
@@ -155,8 +166,9 @@ def summary(estimates, exact, cost):
         "p90_ratio": float(np.percentile(ratios, 90, method="nearest")),
         "resolved": len(finite) / len(estimates),
         "covers": (sum(e.low <= exact <= e.high for e in finite) / len(finite)) if finite else None,
-        "estimates": [[float(e.value), float(e.low), float(e.high), bool(e.resolved)]
-                      for e in estimates],
+        "estimates": [
+            [float(e.value), float(e.low), float(e.high), bool(e.resolved)] for e in estimates
+        ],
     }
 
 
@@ -169,16 +181,18 @@ def report(results):
     for point in results["checkpoints"]:
         for name, s in point["estimators"].items():
             covers = "-" if s["covers"] is None else f"{s['covers']:.0%}"
-            spread = (f"{s['median_ratio']:.2f} ({s['p10_ratio']:.2f}-{s['p90_ratio']:.2f})"
-                      .replace("inf", "unresolved"))
+            spread = f"{s['median_ratio']:.2f} ({s['p10_ratio']:.2f}-{s['p90_ratio']:.2f})".replace(
+                "inf", "unresolved"
+            )
             lines.append(
                 f"| {point['updates']} | {point['exact']:,.0f} | {name} | "
-                f"{s['cost_samples']:,} | {spread} | {s['resolved']:.0%} | {covers} |")
+                f"{s['cost_samples']:,} | {spread} | {s['resolved']:.0%} | {covers} |"
+            )
     lines += [
         "",
         f"{results['repeats']} repeats per estimator (a new order of the training windows, "
         "or a new draw of the probe), weights frozen. Windows of W: the last decision of "
-        f"the default `AccumScheduler(\"noise_scale\")` after {results['window_updates']} "
+        f'the default `AccumScheduler("noise_scale")` after {results["window_updates"]} '
         "updates of W samples (micro-batches of 8); samples per estimate: the windows' "
         "weight in the smoothed estimate (about 100 windows). Probe of P: `NoiseProbe` of P "
         f"training examples, {results['probe_windows']} windows, micro-batches of "
@@ -197,8 +211,11 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=REPEATS)
     parser.add_argument("--quick", action="store_true", help="a smoke run, not a measurement")
-    parser.add_argument("--out", default=None,
-                        help="JSON path (default: benchmarks/noise_probe.json; none when --quick)")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="JSON path (default: benchmarks/noise_probe.json; none when --quick)",
+    )
     args = parser.parse_args(argv)
     import tensorflow as tf
 
@@ -229,15 +246,25 @@ def main(argv=None):
             estimators[f"windows of {window}"] = summary(estimates, exact, int(weight * window))
         for samples in probes:
             estimators[f"probe of {samples}"] = summary(
-                probe_estimates(task, weights, samples, repeats), exact, samples)
+                probe_estimates(task, weights, samples, repeats), exact, samples
+            )
         points.append({"updates": count, "exact": exact, "estimators": estimators})
-        print(f"{count} updates: exact {exact:,.0f}; " + "; ".join(
-            f"{name} {s['median_ratio']:.2f} ({s['p10_ratio']:.2f}-{s['p90_ratio']:.2f}), "
-            f"resolved {s['resolved']:.0%}" for name, s in estimators.items()), flush=True)
+        print(
+            f"{count} updates: exact {exact:,.0f}; "
+            + "; ".join(
+                f"{name} {s['median_ratio']:.2f} ({s['p10_ratio']:.2f}-{s['p90_ratio']:.2f}), "
+                f"resolved {s['resolved']:.0%}"
+                for name, s in estimators.items()
+            ),
+            flush=True,
+        )
     results = {
         **bg.run_record(args.threads, time.perf_counter() - began, args.quick),
-        "learning_rate": rate, "repeats": repeats, "window_updates": window_updates,
-        "probe_windows": PROBE_WINDOWS, "probe_micro": PROBE_MICRO,
+        "learning_rate": rate,
+        "repeats": repeats,
+        "window_updates": window_updates,
+        "probe_windows": PROBE_WINDOWS,
+        "probe_micro": PROBE_MICRO,
         "checkpoints": points,
     }
     if out:

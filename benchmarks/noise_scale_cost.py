@@ -119,7 +119,7 @@ def run_workload(name, rounds, quick, unit="window", jit_compile=False):
             model = _model(workload, noise_scale, jit_compile, **kwargs)
             models[label] = (model, batch_size)
     # One epoch of fit each (traced), then the same weights on and off?
-    for label, (model, batch_size) in models.items():
+    for _label, (model, batch_size) in models.items():
         train_one_epoch(model, x, y, batch_size)
     identical = {
         mode: all(
@@ -176,12 +176,20 @@ def markdown(results):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", nargs="+", default=list(workloads.TIMING_WORKLOADS),
-                        choices=workloads.TIMING_WORKLOADS)
-    parser.add_argument("--rounds", type=int, default=301, help="timed rounds (default: %(default)s)")
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        default=list(workloads.TIMING_WORKLOADS),
+        choices=workloads.TIMING_WORKLOADS,
+    )
+    parser.add_argument(
+        "--rounds", type=int, default=301, help="timed rounds (default: %(default)s)"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny models: a smoke run")
     parser.add_argument(
-        "--unit", choices=("window", "epoch"), default="window",
+        "--unit",
+        choices=("window", "epoch"),
+        default="window",
         help="what a round times: one window through the train function, or "
         "one epoch of fit (callbacks, epoch end and all) (default: %(default)s)",
     )
@@ -195,8 +203,11 @@ def main(argv=None):
 
     results = {
         "date": datetime.date.today().isoformat(),
-        "versions": {"tensorflow": tf.__version__, "keras": keras.__version__,
-                     "python": sys.version.split()[0]},
+        "versions": {
+            "tensorflow": tf.__version__,
+            "keras": keras.__version__,
+            "python": sys.version.split()[0],
+        },
         "rounds": args.rounds,
         "quick": args.quick,
         "unit": args.unit,

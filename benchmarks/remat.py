@@ -170,15 +170,22 @@ def measure_memory(config, workload, quick):
     model.optimizer.build(model.trainable_variables)
     x, y = data(workload, quick)
     dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(big)
-    result = memory.fit_peak_growth(
-        lambda: model.fit(dataset, epochs=1, shuffle=False, verbose=0)
-    )
+    result = memory.fit_peak_growth(lambda: model.fit(dataset, epochs=1, shuffle=False, verbose=0))
     return {**result, "updates": int(model.optimizer.iterations.numpy())}
 
 
 def _memory_in_fresh_process(config, workload, quick, out):
-    command = [sys.executable, "-m", "benchmarks.remat", "--memory-worker", config,
-               "--workloads", workload, "--json", str(out)] + (["--quick"] if quick else [])
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.remat",
+        "--memory-worker",
+        config,
+        "--workloads",
+        workload,
+        "--json",
+        str(out),
+    ] + (["--quick"] if quick else [])
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "PYTHONPATH": str(ROOT)}
     subprocess.run(command, cwd=ROOT, env=env, check=True, timeout=900)
     return json.loads(Path(out).read_text())
@@ -202,8 +209,12 @@ def measure_time(workload, rounds, quick):
 
 
 def _summary(values):
-    return {"median": statistics.median(values), "min": min(values), "max": max(values),
-            "rounds": len(values)}
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "rounds": len(values),
+    }
 
 
 DESCRIPTIONS = {
@@ -230,7 +241,9 @@ def report(results):
 
 def _workload_report(workload, result):
     size, width, micro, steps, big = result["sizes"]
-    description = DESCRIPTIONS[workload].format(size=size, width=width, width2=2 * width, width8=8 * width)
+    description = DESCRIPTIONS[workload].format(
+        size=size, width=width, width2=2 * width, width8=8 * width
+    )
     lines = [
         f"## {workload}",
         "",
@@ -252,8 +265,11 @@ def _workload_report(workload, result):
     lines += [
         "",
         "Memory: the peak resident memory one `fit` of two updates adds, "
-        + (f"median of {result['memory_repeats']} fresh processes each (min-max)"
-           if result["memory_repeats"] > 1 else "in a fresh process of its own")
+        + (
+            f"median of {result['memory_repeats']} fresh processes each (min-max)"
+            if result["memory_repeats"] > 1
+            else "in a fresh process of its own"
+        )
         + f". Time: "
         f"{result['rounds']} rounds, one step of every model per round in a rotated order; "
         "the ratio is each round's time over the big batch's in the same round.",
@@ -270,17 +286,23 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--memory-repeats", type=int, default=1)
     parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
-    parser.add_argument("--out", default=str(ROOT / "benchmarks"), help="folder for remat.md and remat.json")
+    parser.add_argument(
+        "--out", default=str(ROOT / "benchmarks"), help="folder for remat.md and remat.json"
+    )
     parser.add_argument("--memory-worker", choices=CONFIGS, help=argparse.SUPPRESS)
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     import keras
 
     if not hasattr(keras, "RematScope"):
-        sys.exit(f"benchmarks.remat needs keras.RematScope (Keras >= 3.9); this is Keras {keras.__version__}")
+        sys.exit(
+            f"benchmarks.remat needs keras.RematScope (Keras >= 3.9); this is Keras {keras.__version__}"
+        )
     if args.memory_worker:
         (workload,) = args.workloads
-        Path(args.json).write_text(json.dumps(measure_memory(args.memory_worker, workload, args.quick)))
+        Path(args.json).write_text(
+            json.dumps(measure_memory(args.memory_worker, workload, args.quick))
+        )
         return
 
     out = Path(args.out)
@@ -289,9 +311,14 @@ def main(argv=None):
     for repeat in range(args.memory_repeats):
         for workload in args.workloads:
             for config in CONFIGS:
-                print(f"memory {workload} {config} ({repeat + 1}/{args.memory_repeats}, "
-                      "fresh process)", flush=True)
-                reading = _memory_in_fresh_process(config, workload, args.quick, out / "remat_memory.json")
+                print(
+                    f"memory {workload} {config} ({repeat + 1}/{args.memory_repeats}, "
+                    "fresh process)",
+                    flush=True,
+                )
+                reading = _memory_in_fresh_process(
+                    config, workload, args.quick, out / "remat_memory.json"
+                )
                 readings[workload][config].append(reading["growth_mib"])
     (out / "remat_memory.json").unlink()
 

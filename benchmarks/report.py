@@ -167,16 +167,20 @@ def price_targets(results):
         if row["ratio"] is None:
             lines.append((None, f"{name}: micro_batch_size=b: not measured."))
             continue
-        lines.append((
-            round(row["ratio"], 2) <= PRICE_TARGET,
-            f"{name}: micro_batch_size=b / big batch = {row['ratio']:.2f} "
-            f"(target <= {PRICE_TARGET:.2f})",
-        ))
-        lines.append((
-            round(row["vs_step"], 2) <= 1.0,
-            f"{name}: micro_batch_size=b / step mode = {row['vs_step']:.2f} "
-            "(target: never slower, <= 1.00)",
-        ))
+        lines.append(
+            (
+                round(row["ratio"], 2) <= PRICE_TARGET,
+                f"{name}: micro_batch_size=b / big batch = {row['ratio']:.2f} "
+                f"(target <= {PRICE_TARGET:.2f})",
+            )
+        )
+        lines.append(
+            (
+                round(row["vs_step"], 2) <= 1.0,
+                f"{name}: micro_batch_size=b / step mode = {row['vs_step']:.2f} "
+                "(target: never slower, <= 1.00)",
+            )
+        )
     return lines
 
 
@@ -217,7 +221,9 @@ def targets(results):
         for other in OTHERS:
             ratio = summary[other]["ratio"]
             if ratio is None:
-                lines.append((None, f"{name}: AccumModel vs {other}: not measured ({other} unavailable)."))
+                lines.append(
+                    (None, f"{name}: AccumModel vs {other}: not measured ({other} unavailable).")
+                )
                 continue
             # Judged at the precision shown: 1.004 reads as 1.00 and meets it.
             met = round(ratio, 2) <= SPEED_TARGET
@@ -227,11 +233,13 @@ def targets(results):
                 reading = f"{(1 - ratio) * 100:.0f}% less time than {other}'s"
             else:
                 reading = f"{(ratio - 1) * 100:.0f}% more time than {other}'s"
-            lines.append((
-                met,
-                f"{name}: AccumModel / {other} = {ratio:.2f}: AccumModel's "
-                f"epochs take {reading} (target <= {SPEED_TARGET:.2f})",
-            ))
+            lines.append(
+                (
+                    met,
+                    f"{name}: AccumModel / {other} = {ratio:.2f}: AccumModel's "
+                    f"epochs take {reading} (target <= {SPEED_TARGET:.2f})",
+                )
+            )
     memory = memory_by_config(results["memory"])
     if not memory:  # a timing-only run
         return lines + price_targets(results)
@@ -240,48 +248,58 @@ def targets(results):
     big = memory["plain N*b"]
     allowance = plain_b["growth_mib"] + accum["weight_copy_mib"]
     ratio = accum["growth_mib"] / allowance
-    lines.append((
-        ratio <= MEMORY_TARGET,
-        f"memory: AccumModel b x N / (plain b + one float32 weight copy) = "
-        f"{accum['growth_mib']:.0f} / ({plain_b['growth_mib']:.0f} + "
-        f"{accum['weight_copy_mib']:.2f}) MiB = {ratio:.2f} (target <= {MEMORY_TARGET:.2f})",
-    ))
+    lines.append(
+        (
+            ratio <= MEMORY_TARGET,
+            f"memory: AccumModel b x N / (plain b + one float32 weight copy) = "
+            f"{accum['growth_mib']:.0f} / ({plain_b['growth_mib']:.0f} + "
+            f"{accum['weight_copy_mib']:.2f}) MiB = {ratio:.2f} (target <= {MEMORY_TARGET:.2f})",
+        )
+    )
     ratio = accum["growth_mib"] / big["growth_mib"]
-    lines.append((
-        ratio <= FAR_BELOW,
-        f"memory: AccumModel b x N / plain N*b = {accum['growth_mib']:.0f} / "
-        f"{big['growth_mib']:.0f} MiB = {ratio:.2f} (\"far below\": target <= {FAR_BELOW:.2f})",
-    ))
+    lines.append(
+        (
+            ratio <= FAR_BELOW,
+            f"memory: AccumModel b x N / plain N*b = {accum['growth_mib']:.0f} / "
+            f'{big["growth_mib"]:.0f} MiB = {ratio:.2f} ("far below": target <= {FAR_BELOW:.2f})',
+        )
+    )
     micro = memory.get("micro_batch_size b of N*b")
     if micro is not None:
         ratio = micro["growth_mib"] / plain_b["growth_mib"]
-        lines.append((
-            ratio <= MEMORY_TARGET,
-            f"memory: micro_batch_size b of N*b / plain b = "
-            f"{micro['growth_mib']:.0f} / {plain_b['growth_mib']:.0f} MiB = "
-            f"{ratio:.2f} (target <= {MEMORY_TARGET:.2f}; includes the "
-            f"{workloads.ACCUM_STEPS * workloads.MICRO_BATCH}-sample input "
-            "batches the pipeline holds)",
-        ))
+        lines.append(
+            (
+                ratio <= MEMORY_TARGET,
+                f"memory: micro_batch_size b of N*b / plain b = "
+                f"{micro['growth_mib']:.0f} / {plain_b['growth_mib']:.0f} MiB = "
+                f"{ratio:.2f} (target <= {MEMORY_TARGET:.2f}; includes the "
+                f"{workloads.ACCUM_STEPS * workloads.MICRO_BATCH}-sample input "
+                "batches the pipeline holds)",
+            )
+        )
         fed = memory.get("plain b, input in N*b batches")
         if fed is not None:
             ratio = micro["growth_mib"] / fed["growth_mib"]
-            lines.append((
-                ratio <= MEMORY_TARGET,
-                f"memory: micro_batch_size b of N*b / plain b with the same "
-                f"input batches = {micro['growth_mib']:.0f} / "
-                f"{fed['growth_mib']:.0f} MiB = {ratio:.2f} (target <= "
-                f"{MEMORY_TARGET:.2f}: training at the micro-batch's memory)",
-            ))
+            lines.append(
+                (
+                    ratio <= MEMORY_TARGET,
+                    f"memory: micro_batch_size b of N*b / plain b with the same "
+                    f"input batches = {micro['growth_mib']:.0f} / "
+                    f"{fed['growth_mib']:.0f} MiB = {ratio:.2f} (target <= "
+                    f"{MEMORY_TARGET:.2f}: training at the micro-batch's memory)",
+                )
+            )
     lines += price_targets(results)
     if not results.get("multi_worker"):
         return lines
     summary = summarise_multi_worker(results["multi_worker"])
-    lines.append((
-        summary["ratio"] < WELL_UNDER_HALF,
-        f"two workers: epoch at accum_steps {workloads.ACCUM_STEPS} / at 1 = "
-        f"{summary['ratio']:.2f} (\"well under half\": target < {WELL_UNDER_HALF:.2f})",
-    ))
+    lines.append(
+        (
+            summary["ratio"] < WELL_UNDER_HALF,
+            f"two workers: epoch at accum_steps {workloads.ACCUM_STEPS} / at 1 = "
+            f'{summary["ratio"]:.2f} ("well under half": target < {WELL_UNDER_HALF:.2f})',
+        )
+    )
     return lines
 
 
@@ -351,16 +369,20 @@ def markdown(results):
             row = summary[name]
             if row["median"] is None:
                 reason = result["unavailable"].get(name, "did not run")
-                out.append(f"| {result['workload']} | {name} | unavailable: {reason} | | |"
-                           + (" |" if with_cpu else ""))
+                out.append(
+                    f"| {result['workload']} | {name} | unavailable: {reason} | | |"
+                    + (" |" if with_cpu else "")
+                )
                 continue
             ratio = (
                 "-"
                 if name == "AccumModel"
                 else f"**{_fmt(row['ratio'])}** ({_fmt(row['ratio_min'])}-{_fmt(row['ratio_max'])})"
             )
-            cpu = "" if not with_cpu else (
-                " - |" if name == "AccumModel" else f" {_fmt(row.get('cpu_ratio'))} |"
+            cpu = (
+                ""
+                if not with_cpu
+                else (" - |" if name == "AccumModel" else f" {_fmt(row.get('cpu_ratio'))} |")
             )
             out.append(
                 f"| {result['workload']} | {name} | {row['median']:.3f} | "
@@ -510,12 +532,17 @@ def plot(results, path):
     speed.set_title(f"Epoch time, micro-batch {b}, N = {n}")
     top = max(bar.get_height() for bar in speed.patches)
     speed.set_ylim(0, top * 1.22)  # headroom for the legend above the bars
-    speed.legend(fontsize=8, ncols=len(IMPLEMENTATIONS) // (2 if timing_only else 1),
-                 loc="upper center")
+    speed.legend(
+        fontsize=8, ncols=len(IMPLEMENTATIONS) // (2 if timing_only else 1), loc="upper center"
+    )
     if not timing_only:
         _plot_memory_and_workers(results, memory_axis, workers_axis)
-    title = "keras_accum benchmarks" + (" (quick mode: tiny, not meaningful)" if results["quick"] else "")
-    fig.suptitle(f"{title} - {results['machine']['cpu']}, {results['machine']['cores']} cores", fontsize=10)
+    title = "keras_accum benchmarks" + (
+        " (quick mode: tiny, not meaningful)" if results["quick"] else ""
+    )
+    fig.suptitle(
+        f"{title} - {results['machine']['cpu']}, {results['machine']['cores']} cores", fontsize=10
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

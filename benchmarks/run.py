@@ -57,7 +57,10 @@ def keras_accum_revision():
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
-            cwd=REPO, capture_output=True, text=True, check=True,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown (not a git checkout)"
@@ -175,7 +178,9 @@ def main(argv=None):
     machine = {
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
-        "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else os.cpu_count(),
         "python": platform.python_version(),
         "load_start": load_average(),
         "keras_accum": keras_accum_revision(),

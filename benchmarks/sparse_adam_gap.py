@@ -55,9 +55,7 @@ class DenseGradientModel(keras.Model):
         with tf.GradientTape() as tape:
             value = self.compute_loss(x, y, self(x, training=True))
         grads = tape.gradient(value, self.trainable_variables)
-        self.optimizer.apply(
-            [tf.convert_to_tensor(g) for g in grads], self.trainable_variables
-        )
+        self.optimizer.apply([tf.convert_to_tensor(g) for g in grads], self.trainable_variables)
         return {"loss": value}
 
 
@@ -130,7 +128,7 @@ def main(argv=None):
             "Beside it, the same window summed densely (Keras's "
             "`gradient_accumulation_steps`; keras_accum before moments). "
             "Differences are from the big batch's embedding table; "
-            "\"/ change\" divides norms by the norm of the big batch's own "
+            '"/ change" divides norms by the norm of the big batch\'s own '
             "change of the table. Produced by "
             "`python -m benchmarks.sparse_adam_gap`.",
             "",

@@ -63,9 +63,7 @@ def main(argv=None):
 
     @tf.function
     def bare():
-        bare_adam.apply(
-            [tf.IndexedSlices(window_values, window_ids, (rows, WIDTH))], [bare_table]
-        )
+        bare_adam.apply([tf.IndexedSlices(window_values, window_ids, (rows, WIDTH))], [bare_table])
 
     ours_table, ours_adam = table(), keras.optimizers.Adam(1e-3)
     ours_adam.build([ours_table])
@@ -97,9 +95,7 @@ def main(argv=None):
     dense_table, dense_adam = table(), keras.optimizers.Adam(1e-3)
     dense_adam.build([dense_table])
     buffer = tf.Variable(tf.zeros((rows, WIDTH)))
-    summed = tf.math.unsorted_segment_sum(
-        tf.concat(grads, 0) * MICRO, window_ids, rows
-    )
+    summed = tf.math.unsorted_segment_sum(tf.concat(grads, 0) * MICRO, window_ids, rows)
     weight = tf.Variable(float(N * MICRO))
 
     @tf.function
@@ -120,7 +116,7 @@ def main(argv=None):
         "window gradient only": window_gradient,
     }
     times = {name: [] for name in runs}
-    for name, run in runs.items():  # trace and warm up
+    for run in runs.values():  # trace and warm up
         dense_window()
         run()
     names = list(runs)

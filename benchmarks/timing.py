@@ -158,9 +158,7 @@ def run(workload_name, rounds, quick):
                 del models[name]
         print(
             f"  {workload_name} round {round_index + 1}/{rounds}: "
-            + ", ".join(
-                f"{n} {seconds[n][round_index]:.3f}s" for n in models
-            ),
+            + ", ".join(f"{n} {seconds[n][round_index]:.3f}s" for n in models),
             flush=True,
         )
 
@@ -195,9 +193,7 @@ def run(workload_name, rounds, quick):
         "max_weight_difference_vs_big_batch": {
             mode: max(
                 float(np.max(np.abs(a - b)))
-                for a, b in zip(
-                    models[mode].get_weights(), models["big batch"].get_weights()
-                )
+                for a, b in zip(models[mode].get_weights(), models["big batch"].get_weights())
             )
             for mode in workloads.PRICE_MODES
             if mode != "big batch" and mode in models

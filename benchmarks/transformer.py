@@ -108,8 +108,9 @@ def run(rounds, quick):
             print(f"  tracing {label}", flush=True)
             made = []
             try:
-                timers[label], _ = xla._timer(spec, workload, x, y, hlo=False,
-                                              jit_compile=jit_compile, model_out=made)
+                timers[label], _ = xla._timer(
+                    spec, workload, x, y, hlo=False, jit_compile=jit_compile, model_out=made
+                )
             except Exception as error:  # an optional implementation may not run
                 if mode not in OPTIONAL:
                     raise
@@ -117,8 +118,10 @@ def run(rounds, quick):
                 continue
             (model,) = made
             weights[label] = model.get_weights()  # after one epoch of fit
-            parameters = {"variables": len(model.trainable_variables),
-                          "parameters": int(model.count_params())}
+            parameters = {
+                "variables": len(model.trainable_variables),
+                "parameters": int(model.count_params()),
+            }
     difference = {}
     for compile_name in COMPILES:
         reference = weights[f"big batch, {compile_name}"]
@@ -134,6 +137,7 @@ def run(rounds, quick):
     cpu = {label: [c for _, c in values] for label, values in measured.items()}
     results = {}
     for compile_name in COMPILES:
+
         def of(seconds, compile_name=compile_name):
             suffix = f", {compile_name}"
             return {k[: -len(suffix)]: v for k, v in seconds.items() if k.endswith(suffix)}
@@ -143,14 +147,10 @@ def run(rounds, quick):
             "median_window_cpu_ms": {m: 1000 * statistics.median(s) for m, s in of(cpu).items()},
             "ratios": xla.paired_ratios(of(wall), RATIOS),
             "cpu_ratios": xla.paired_ratios(of(cpu), RATIOS),
-            "max_weight_difference_vs_big_batch": {
-                m: d for m, d in of(difference).items()
-            },
+            "max_weight_difference_vs_big_batch": {m: d for m, d in of(difference).items()},
         }
     # XLA against eager, mode by mode (paired too: the same rounds).
-    xla_over_eager = xla.paired_ratios(
-        wall, [(f"{m}, XLA", f"{m}, eager") for m in MODES]
-    )
+    xla_over_eager = xla.paired_ratios(wall, [(f"{m}, XLA", f"{m}, eager") for m in MODES])
     return {
         "description": workload.description,
         **parameters,
@@ -180,12 +180,14 @@ def targets(result):
             if wall is None:
                 lines.append((None, f"{compile_name}: {key}: not measured"))
                 continue
-            lines.append((
-                round(wall["median"], 2) <= TARGET,
-                f"{compile_name}: {key} = {wall['median']:.3f} (95% CI "
-                f"{wall['median_ci95'][0]:.3f}-{wall['median_ci95'][1]:.3f}; CPU time "
-                f"{cpu['median']:.3f}) (target <= {TARGET:.2f})",
-            ))
+            lines.append(
+                (
+                    round(wall["median"], 2) <= TARGET,
+                    f"{compile_name}: {key} = {wall['median']:.3f} (95% CI "
+                    f"{wall['median_ci95'][0]:.3f}-{wall['median_ci95'][1]:.3f}; CPU time "
+                    f"{cpu['median']:.3f}) (target <= {TARGET:.2f})",
+                )
+            )
     return lines
 
 
@@ -248,9 +250,15 @@ def markdown(results):
                 f"| {measured['median_window_cpu_ms'][mode]:.1f} "
                 f"| {'-' if diff is None else f'{diff:.1e}'} |"
             )
-    out += ["", "XLA / eager, mode by mode (wall, paired): " + ", ".join(
-        f"{mode} {_cell(r)}" for mode, r in result["xla_over_eager"].items()
-    ) + ".", "", "## What must hold", ""]
+    out += [
+        "",
+        "XLA / eager, mode by mode (wall, paired): "
+        + ", ".join(f"{mode} {_cell(r)}" for mode, r in result["xla_over_eager"].items())
+        + ".",
+        "",
+        "## What must hold",
+        "",
+    ]
     marks = {True: "met", False: "**missed**", None: "not measured"}
     out += [f"- {marks[met]}: {sentence}" for met, sentence in targets(result)]
     out.append("")
@@ -259,11 +267,18 @@ def markdown(results):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=61,
-                        help="timed rounds after a warm-up round (default: %(default)s)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=61,
+        help="timed rounds after a warm-up round (default: %(default)s)",
+    )
     parser.add_argument("--quick", action="store_true", help="a tiny decoder: a smoke run")
-    parser.add_argument("--out", default=str(HERE),
-                        help="folder for transformer.json and transformer.md (default: %(default)s)")
+    parser.add_argument(
+        "--out",
+        default=str(HERE),
+        help="folder for transformer.json and transformer.md (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     import keras
     import tensorflow as tf
@@ -272,10 +287,16 @@ def main(argv=None):
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    machine = {"cpu": cpu_model(), "cores": os.cpu_count(), "load_start": load_average(),
-               "keras_accum": keras_accum_revision()}
-    print(f"transformer, eager and XLA: {args.rounds} rounds; load {machine['load_start']}",
-          flush=True)
+    machine = {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "load_start": load_average(),
+        "keras_accum": keras_accum_revision(),
+    }
+    print(
+        f"transformer, eager and XLA: {args.rounds} rounds; load {machine['load_start']}",
+        flush=True,
+    )
     result = run(args.rounds, args.quick)
     machine["load_end"] = load_average()
     results = {

@@ -7,7 +7,7 @@ the driver, which only needs the names below, never loads TensorFlow.
 """
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -315,7 +315,10 @@ def transformer(quick=False, samples=None):
 
 def timing_workload(name, quick=False):
     return {
-        "mlp": mlp, "cnn": cnn, "embedding": embedding, "transformer": transformer,
+        "mlp": mlp,
+        "cnn": cnn,
+        "embedding": embedding,
+        "transformer": transformer,
     }[name](quick)
 
 
@@ -374,15 +377,11 @@ def make_model(implementation, workload, accum_steps=ACCUM_STEPS, seed=SEED):
         model = keras.Model(inputs, outputs)
     elif implementation == "builtin":
         model = keras.Model(inputs, outputs)
-        optimizer = keras.optimizers.Adam(
-            LEARNING_RATE, gradient_accumulation_steps=accum_steps
-        )
+        optimizer = keras.optimizers.Adam(LEARNING_RATE, gradient_accumulation_steps=accum_steps)
     elif implementation == "gradient-accumulator":
         from gradient_accumulator import GradientAccumulateModel
 
-        model = GradientAccumulateModel(
-            accum_steps=accum_steps, inputs=inputs, outputs=outputs
-        )
+        model = GradientAccumulateModel(accum_steps=accum_steps, inputs=inputs, outputs=outputs)
     elif implementation == "AccumModel":
         import keras_accum
 

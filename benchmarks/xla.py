@@ -116,9 +116,7 @@ def _keras_model(workload, how, jit_compile=True):
         model = GradientAccumulateModel(accum_steps=N, inputs=inputs, outputs=outputs)
     elif how == "builtin":
         model = keras.Model(inputs, outputs)
-        optimizer = keras.optimizers.Adam(
-            workloads.LEARNING_RATE, gradient_accumulation_steps=N
-        )
+        optimizer = keras.optimizers.Adam(workloads.LEARNING_RATE, gradient_accumulation_steps=N)
     elif how == "plain":
         model = keras.Model(inputs, outputs)
     elif how == "keras floor":
@@ -159,8 +157,12 @@ class Bare:
         @tf.function(jit_compile=jit_compile)
         def step(x, y):
             total, losses = summed_gradients(
-                x, y, micro_batches, in_order,
-                lambda xs, ys: loss(ys, self.model(xs, training=True)), variables,
+                x,
+                y,
+                micro_batches,
+                in_order,
+                lambda xs, ys: loss(ys, self.model(xs, training=True)),
+                variables,
             )
             self.optimizer.apply(total, variables)
             return losses[-1]
@@ -202,7 +204,10 @@ def _keras_floor(inputs, outputs):
         def train_step(self, data):
             x, y = data
             total, losses = summed_gradients(
-                x, y, N, True,
+                x,
+                y,
+                N,
+                True,
                 lambda xs, ys: self.compute_loss(xs, ys, self(xs, training=True)),
                 self.trainable_variables,
             )
@@ -221,7 +226,8 @@ def _plus(a, b):
 
     if isinstance(a, tf.IndexedSlices):
         return tf.IndexedSlices(
-            tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0),
+            tf.concat([a.values, b.values], 0),
+            tf.concat([a.indices, b.indices], 0),
             a.dense_shape,
         )
     return a + b
@@ -246,8 +252,12 @@ def _timer(mode, workload, x, y, hlo=True, jit_compile=True, model_out=None):
     how, batch_size, calls = MODES[mode] if isinstance(mode, str) else mode
     hlo = hlo and jit_compile
     if how in BARE:
-        bare = Bare(workload, N if calls == N else 1, in_order=how == "bare in order",
-                    jit_compile=jit_compile)
+        bare = Bare(
+            workload,
+            N if calls == N else 1,
+            in_order=how == "bare in order",
+            jit_compile=jit_compile,
+        )
         batches = _batches(x, y, N * B)
         first = next(batches)
         bare.step(*first)
@@ -271,8 +281,7 @@ def _timer(mode, workload, x, y, hlo=True, jit_compile=True, model_out=None):
     # The step as Keras compiles it (its train function calls `train_step`
     # in a `tf.function(jit_compile=True)`), traced once more to read it.
     step_bytes = (
-        _hlo_bytes(tf.function(model.train_step, jit_compile=True), next(batches))
-        if hlo else None
+        _hlo_bytes(tf.function(model.train_step, jit_compile=True), next(batches)) if hlo else None
     )
 
     def one_window():
@@ -305,8 +314,9 @@ def peaks(name, quick):
     result = {}
     for mode in MODES:
         args = [sys.executable, "-m", "benchmarks.xla", "--peak-of", name, mode]
-        done = subprocess.run(args + (["--quick"] if quick else []), env=env,
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            args + (["--quick"] if quick else []), env=env, capture_output=True, text=True
+        )
         if done.returncode:
             raise RuntimeError(f"{name}, {mode}: {done.stderr[-3000:]}")
         result[mode] = int(done.stdout.strip().splitlines()[-1])
@@ -322,8 +332,19 @@ def _hlo_bytes(function, *args):
     return hlo_bytes(text)
 
 
-_SIZES = {"f32": 4, "s32": 4, "u32": 4, "f16": 2, "bf16": 2, "f64": 8, "s64": 8, "u64": 8,
-          "pred": 1, "s8": 1, "u8": 1}
+_SIZES = {
+    "f32": 4,
+    "s32": 4,
+    "u32": 4,
+    "f16": 2,
+    "bf16": 2,
+    "f64": 8,
+    "s64": 8,
+    "u64": 8,
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+}
 _SHAPE = re.compile(r"\b(f32|s32|u32|f16|bf16|f64|s64|u64|pred|s8|u8)\[([0-9,]*)\]")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?(%[\w.\-]+) = (.*?) ([\w\-]+)\((.*)$")
 # Instructions that move no data of their own.
@@ -500,19 +521,29 @@ def paired_ratios(seconds, pairs):
 
 
 def markdown(results):
-    lines = ["| workload | ratio | median | 95% CI of the median | min-max | CPU time: median (95% CI) |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| workload | ratio | median | 95% CI of the median | min-max | CPU time: median (95% CI) |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, result in results["workloads"].items():
         for label, r in result["ratios"].items():
             low, high = r["median_ci95"]
             c = result.get("cpu_ratios", {}).get(label)
-            cpu = "-" if c is None else f"{c['median']:.3f} ({c['median_ci95'][0]:.3f}-{c['median_ci95'][1]:.3f})"
+            cpu = (
+                "-"
+                if c is None
+                else f"{c['median']:.3f} ({c['median_ci95'][0]:.3f}-{c['median_ci95'][1]:.3f})"
+            )
             lines.append(
                 f"| {name} | {label} | {r['median']:.3f} | {low:.3f}-{high:.3f} "
                 f"| {r['min']:.2f}-{r['max']:.2f} | {cpu} |"
             )
-    lines += ["", "| workload | mode | median window, ms | HLO traffic per window, MB "
-              "| of which copies, MB | peak tensor memory, MB |", "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "| workload | mode | median window, ms | HLO traffic per window, MB "
+        "| of which copies, MB | peak tensor memory, MB |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, result in results["workloads"].items():
         held = result.get("peak_tensor_bytes") or {}
         for mode, ms in result["median_window_ms"].items():
@@ -525,15 +556,23 @@ def markdown(results):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", nargs="+", default=list(workloads.TIMING_WORKLOADS),
-                        choices=workloads.ALL_WORKLOADS)
+    parser.add_argument(
+        "--workloads",
+        nargs="+",
+        default=list(workloads.TIMING_WORKLOADS),
+        choices=workloads.ALL_WORKLOADS,
+    )
     parser.add_argument("--rounds", type=int, default=31)
     parser.add_argument("--quick", action="store_true", help="tiny models: a smoke run")
     parser.add_argument("--out", default=None, help="JSON path (default: none when --quick)")
-    parser.add_argument("--memory", action="store_true",
-                        help="each mode's peak tensor memory, in a process of its own")
-    parser.add_argument("--peak-of", nargs=2, metavar=("WORKLOAD", "MODE"),
-                        help=argparse.SUPPRESS)  # one mode's peak (`peaks` runs it)
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="each mode's peak tensor memory, in a process of its own",
+    )
+    parser.add_argument(
+        "--peak-of", nargs=2, metavar=("WORKLOAD", "MODE"), help=argparse.SUPPRESS
+    )  # one mode's peak (`peaks` runs it)
     args = parser.parse_args(argv)
     if args.peak_of:
         print(peak_of(*args.peak_of, args.quick))
@@ -543,8 +582,11 @@ def main(argv=None):
 
     results = {
         "date": datetime.date.today().isoformat(),
-        "versions": {"tensorflow": tf.__version__, "keras": keras.__version__,
-                     "python": sys.version.split()[0]},
+        "versions": {
+            "tensorflow": tf.__version__,
+            "keras": keras.__version__,
+            "python": sys.version.split()[0],
+        },
         "accum_steps": N,
         "micro_batch": B,
         "rounds": args.rounds,

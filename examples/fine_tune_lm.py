@@ -66,19 +66,33 @@ import keras_accum  # noqa: E402
 
 # The recipe, scaled down. On a GPU with gpt2_base_en: sequences of 512-1024
 # tokens, a peak rate of about 2e-4 (docs/fine-tuning.md).
-SEQUENCE_LENGTH = 64       # bytes per sequence
-BATCH = 32                 # sequences per update: the recipe's batch
-ACCUM_STEPS = 4            # fit draws BATCH // ACCUM_STEPS = 8 sequences a step
+SEQUENCE_LENGTH = 64  # bytes per sequence
+BATCH = 32  # sequences per update: the recipe's batch
+ACCUM_STEPS = 4  # fit draws BATCH // ACCUM_STEPS = 8 sequences a step
 LORA_RANK = 4
 PEAK_LEARNING_RATE = 2e-2  # a tiny model from random weights takes a large rate
-WARMUP = 0.1               # the share of the updates spent warming up
-DROPOUT = 0.1              # GPT-2's own
+WARMUP = 0.1  # the share of the updates spent warming up
+DROPOUT = 0.1  # GPT-2's own
 
-PAD, END = 0, 1            # token ids; byte b is token b + 2
+PAD, END = 0, 1  # token ids; byte b is token b + 2
 VOCABULARY = 258
-MODULES = ("json", "re", "statistics", "argparse", "csv", "heapq", "itertools",
-           "random", "unittest", "typing", "os", "sqlite3", "tempfile",
-           "collections", "string")
+MODULES = (
+    "json",
+    "re",
+    "statistics",
+    "argparse",
+    "csv",
+    "heapq",
+    "itertools",
+    "random",
+    "unittest",
+    "typing",
+    "os",
+    "sqlite3",
+    "tempfile",
+    "collections",
+    "string",
+)
 
 
 def zen_of_python():
@@ -142,8 +156,13 @@ def build(updates):
     # On a GPU: keras_hub.models.GPT2CausalLM.from_preset("gpt2_base_en",
     # preprocessor=None), and its preprocessor mapped over the dataset.
     backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=VOCABULARY, num_layers=2, num_heads=4, hidden_dim=128,
-        intermediate_dim=512, max_sequence_length=SEQUENCE_LENGTH, dropout=DROPOUT,
+        vocabulary_size=VOCABULARY,
+        num_layers=2,
+        num_heads=4,
+        hidden_dim=128,
+        intermediate_dim=512,
+        max_sequence_length=SEQUENCE_LENGTH,
+        dropout=DROPOUT,
     )
     lm = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
     # Freezes every weight and adds trainable adapters to the attention's
@@ -154,13 +173,14 @@ def build(updates):
     # logit near 0, so the loss could hardly leave ln 258 = 5.55.
     backbone.token_embedding.trainable = True
 
-    model = keras_accum.wrap(
-        lm, accum_steps=ACCUM_STEPS, micro_batch_size="auto", noise_scale=True
-    )
+    model = keras_accum.wrap(lm, accum_steps=ACCUM_STEPS, micro_batch_size="auto", noise_scale=True)
     warmup = max(1, round(WARMUP * updates))
     schedule = keras.optimizers.schedules.CosineDecay(
-        0.0, decay_steps=updates - warmup, alpha=0.1,
-        warmup_target=PEAK_LEARNING_RATE, warmup_steps=warmup,
+        0.0,
+        decay_steps=updates - warmup,
+        alpha=0.1,
+        warmup_target=PEAK_LEARNING_RATE,
+        warmup_steps=warmup,
     )
     model.compile(
         optimizer=keras.optimizers.AdamW(schedule, weight_decay=0.01),
@@ -207,9 +227,14 @@ class EpochReport(keras.callbacks.Callback):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="3 epochs instead of 12")
-    parser.add_argument("--epochs", type=int, help="epochs to train (default 12, or 3 with --quick)")
-    parser.add_argument("--output-dir", help="where the checkpoints and fine_tuned.keras go "
-                        "(default: a temporary directory, deleted at the end)")
+    parser.add_argument(
+        "--epochs", type=int, help="epochs to train (default 12, or 3 with --quick)"
+    )
+    parser.add_argument(
+        "--output-dir",
+        help="where the checkpoints and fine_tuned.keras go "
+        "(default: a temporary directory, deleted at the end)",
+    )
     args = parser.parse_args(argv)
     epochs = args.epochs or (3 if args.quick else 12)
     if args.output_dir:
@@ -231,59 +256,93 @@ def fine_tune(epochs, output):
     validation = len(sequences) // 10
     x_val, y_val, w_val = tokenise(sequences[:validation])
     x, y, w = tokenise(sequences[validation:])
-    print(f"text: {len(sequences)} sequences of at most {SEQUENCE_LENGTH} bytes from the Zen "
-          f"of Python and {len(MODULES)} standard-library docstrings; {validation} held out; "
-          f"{1 - w.mean():.0%} of the training tokens are padding, masked out of the loss")
+    print(
+        f"text: {len(sequences)} sequences of at most {SEQUENCE_LENGTH} bytes from the Zen "
+        f"of Python and {len(MODULES)} standard-library docstrings; {validation} held out; "
+        f"{1 - w.mean():.0%} of the training tokens are padding, masked out of the loss"
+    )
 
     updates_per_epoch = -(-len(y) // BATCH)
     lm, model = build(epochs * updates_per_epoch)
     trainable = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
-    print(f"model: GPT-2, 2 layers, hidden 128, {lm.count_params():,} weights, "
-          f"{trainable:,} trainable (LoRA rank {LORA_RANK}, and the token embedding)")
-    print(f"batch: {BATCH} sequences per update = accum_steps {ACCUM_STEPS} x fit's batch "
-          f"of {BATCH // ACCUM_STEPS}, split further by micro_batch_size='auto' if it runs "
-          f"out of memory; {updates_per_epoch} updates per epoch")
+    print(
+        f"model: GPT-2, 2 layers, hidden 128, {lm.count_params():,} weights, "
+        f"{trainable:,} trainable (LoRA rank {LORA_RANK}, and the token embedding)"
+    )
+    print(
+        f"batch: {BATCH} sequences per update = accum_steps {ACCUM_STEPS} x fit's batch "
+        f"of {BATCH // ACCUM_STEPS}, split further by micro_batch_size='auto' if it runs "
+        f"out of memory; {updates_per_epoch} updates per epoch"
+    )
 
-    before = model.evaluate(x_val, y_val, sample_weight=w_val, batch_size=BATCH, verbose=0,
-                            return_dict=True)["loss"]
-    print(f"validation loss before training: {before:.3f} per token (ln {VOCABULARY} = "
-          f"{np.log(VOCABULARY):.2f}: a uniform guess)")
+    before = model.evaluate(
+        x_val, y_val, sample_weight=w_val, batch_size=BATCH, verbose=0, return_dict=True
+    )["loss"]
+    print(
+        f"validation loss before training: {before:.3f} per token (ln {VOCABULARY} = "
+        f"{np.log(VOCABULARY):.2f}: a uniform guess)"
+    )
 
-    manager = tf.train.CheckpointManager(checkpoint(model), os.path.join(output, "checkpoints"),
-                                         max_to_keep=2)
+    manager = tf.train.CheckpointManager(
+        checkpoint(model), os.path.join(output, "checkpoints"), max_to_keep=2
+    )
     print(f"training {epochs} epochs (a checkpoint each epoch, in {output}):", flush=True)
     history = model.fit(
-        x, y, sample_weight=w, batch_size=BATCH // ACCUM_STEPS, epochs=epochs, shuffle=False,
-        validation_data=(x_val, y_val, w_val), callbacks=[EpochReport(manager, epochs)], verbose=0,
+        x,
+        y,
+        sample_weight=w,
+        batch_size=BATCH // ACCUM_STEPS,
+        epochs=epochs,
+        shuffle=False,
+        validation_data=(x_val, y_val, w_val),
+        callbacks=[EpochReport(manager, epochs)],
+        verbose=0,
     ).history
     after = history["val_loss"][-1]
     print(f"validation loss: {before:.3f} before, {after:.3f} after training")
     chosen = model.chosen_micro_batch_size
-    print("micro_batch_size='auto': "
-          + ("whole batches of 8 fitted" if chosen is None else f"micro-batches of {chosen}"))
+    print(
+        "micro_batch_size='auto': "
+        + ("whole batches of 8 fitted" if chosen is None else f"micro-batches of {chosen}")
+    )
 
     noise = [n for n in history["noise_scale"] if np.isfinite(n)]
     if noise:
-        verdict = (f"below the batch of {BATCH}: a smaller batch would make about as much "
-                   "progress per update, for fewer samples"
-                   if noise[-1] < BATCH else
-                   f"above the batch of {BATCH}: a bigger batch would need about proportionally "
-                   "fewer updates (AccumScheduler('noise_scale') grows the batch towards it)")
-        print(f"noise scale (B_simple, in sequences) by epoch: "
-              f"{' '.join(f'{n:.0f}' for n in noise)}; the last is {verdict}")
+        verdict = (
+            f"below the batch of {BATCH}: a smaller batch would make about as much "
+            "progress per update, for fewer samples"
+            if noise[-1] < BATCH
+            else f"above the batch of {BATCH}: a bigger batch would need about proportionally "
+            "fewer updates (AccumScheduler('noise_scale') grows the batch towards it)"
+        )
+        print(
+            f"noise scale (B_simple, in sequences) by epoch: "
+            f"{' '.join(f'{n:.0f}' for n in noise)}; the last is {verdict}"
+        )
 
     # Resume: a new model, restored from the checkpoint before the last epoch,
     # trains that epoch and ends where the uninterrupted run did.
     if epochs >= 2:
         _, resumed = build(epochs * updates_per_epoch)
         checkpoint(resumed).restore(manager.checkpoints[-2]).assert_existing_objects_matched()
-        resumed.fit(x, y, sample_weight=w, batch_size=BATCH // ACCUM_STEPS, epochs=epochs,
-                    initial_epoch=epochs - 1, shuffle=False, verbose=0)
-        difference = max(float(np.abs(a - b).max())
-                         for a, b in zip(model.get_weights(), resumed.get_weights()))
-        print(f"resumed from {os.path.basename(manager.checkpoints[-2])} in a new model: "
-              f"largest weight difference from the uninterrupted run after the last epoch: "
-              f"{difference:.3g}")
+        resumed.fit(
+            x,
+            y,
+            sample_weight=w,
+            batch_size=BATCH // ACCUM_STEPS,
+            epochs=epochs,
+            initial_epoch=epochs - 1,
+            shuffle=False,
+            verbose=0,
+        )
+        difference = max(
+            float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), resumed.get_weights())
+        )
+        print(
+            f"resumed from {os.path.basename(manager.checkpoints[-2])} in a new model: "
+            f"largest weight difference from the uninterrupted run after the last epoch: "
+            f"{difference:.3g}"
+        )
 
     # Handing it on: a .keras file of the task holds the adapters merged into
     # its weights, a plain GPT2CausalLM without LoRA (resume from the
@@ -295,24 +354,27 @@ def fine_tune(epochs, output):
         # skipped (it was the adapters'; the loaded task has no adapters).
         warnings.simplefilter("ignore", UserWarning)
         handed_on = keras.saving.load_model(os.path.join(output, "fine_tuned.keras"))
-    same = np.allclose(handed_on.predict(x_val, verbose=0), lm.predict(x_val, verbose=0),
-                       rtol=1e-4, atol=1e-4)
-    print(f"saved fine_tuned.keras: {len(handed_on.weights)} weights, all "
-          f"{len(handed_on.trainable_weights)} trainable (the adapters merged in, "
-          f"{'the same' if same else 'NOT the same'} predictions)")
+    same = np.allclose(
+        handed_on.predict(x_val, verbose=0), lm.predict(x_val, verbose=0), rtol=1e-4, atol=1e-4
+    )
+    print(
+        f"saved fine_tuned.keras: {len(handed_on.weights)} weights, all "
+        f"{len(handed_on.trainable_weights)} trainable (the adapters merged in, "
+        f"{'the same' if same else 'NOT the same'} predictions)"
+    )
 
     prompts = [b"Beautiful is", b"Return the"]
     tokens = np.full((len(prompts), SEQUENCE_LENGTH), PAD, "int32")
     for i, prompt in enumerate(prompts):
         tokens[i, : len(prompt) + 1] = [END, *(b + 2 for b in prompt)]
-    generated = lm.generate({"token_ids": tokens, "padding_mask": tokens != PAD},
-                            stop_token_ids=[END])
+    generated = lm.generate(
+        {"token_ids": tokens, "padding_mask": tokens != PAD}, stop_token_ids=[END]
+    )
     for prompt, ids in zip(prompts, generated["token_ids"]):
         print(f"generate({prompt.decode()!r}): {detokenise(ids)!r}")
 
     # process_time: this process's CPU time, on every core, since it started.
-    print(f"finished in {time.time() - STARTED:.0f} s "
-          f"(process time {time.process_time():.0f} s)")
+    print(f"finished in {time.time() - STARTED:.0f} s (process time {time.process_time():.0f} s)")
 
 
 if __name__ == "__main__":

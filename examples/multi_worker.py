@@ -66,9 +66,7 @@ def train():
     # The dataset is batched with the *global* micro-batch; DATA sharding
     # gives each worker its share of every batch.
     options = tf.data.Options()
-    options.experimental_distribute.auto_shard_policy = (
-        tf.data.experimental.AutoShardPolicy.DATA
-    )
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
 
     def dataset(x, y):
         return (
@@ -89,7 +87,10 @@ def train():
         double_checkpoint=True,
     )
     model.fit(
-        dataset(x_train, y_train), epochs=EPOCHS, shuffle=False, verbose=0,
+        dataset(x_train, y_train),
+        epochs=EPOCHS,
+        shuffle=False,
+        verbose=0,
         callbacks=[backup],
     )
     accuracy = model.evaluate(dataset(x_test, y_test), verbose=0, return_dict=True)["accuracy"]

@@ -48,9 +48,7 @@ def main(argv=None):
     inputs = keras.Input((64,))
     hidden = keras.layers.Dense(128, activation="relu")(inputs)
     outputs = keras.layers.Dense(10, activation="softmax")(hidden)
-    model = keras_accum.AccumModel(
-        inputs, outputs, accum_steps=START_ACCUM_STEPS, noise_scale=True
-    )
+    model = keras_accum.AccumModel(inputs, outputs, accum_steps=START_ACCUM_STEPS, noise_scale=True)
     model.compile(
         optimizer=keras.optimizers.Adam(1e-3),
         loss="sparse_categorical_crossentropy",
@@ -60,8 +58,13 @@ def main(argv=None):
         "noise_scale", max_accum_steps=MAX_ACCUM_STEPS, every_updates=25
     )
     history = model.fit(
-        x_train, y_train, batch_size=MICRO_BATCH, epochs=args.epochs,
-        validation_data=(x_test, y_test), callbacks=[grow], verbose=0,
+        x_train,
+        y_train,
+        batch_size=MICRO_BATCH,
+        epochs=args.epochs,
+        validation_data=(x_test, y_test),
+        callbacks=[grow],
+        verbose=0,
     ).history
 
     print("update  noise_scale  (95% interval)     resolved  accum_steps  learning_rate")
@@ -94,8 +97,12 @@ def plot(history, path):
     epochs = np.arange(1, len(history["noise_scale"]) + 1)
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
     top.plot(epochs, history["noise_scale"], "o-", label="noise_scale (B_simple, samples)")
-    top.step(epochs, np.array(history["accum_steps"]) * MICRO_BATCH, where="mid",
-             label="effective batch chosen (16 x accum_steps)")
+    top.step(
+        epochs,
+        np.array(history["accum_steps"]) * MICRO_BATCH,
+        where="mid",
+        label="effective batch chosen (16 x accum_steps)",
+    )
     top.axhline(MAX_ACCUM_STEPS * MICRO_BATCH, color="grey", ls=":", label="cap (max_accum_steps)")
     top.set_yscale("log")
     top.set_ylabel("samples")

@@ -80,14 +80,15 @@ def main():
 
     big_acc = big.evaluate(x_test, y_test, verbose=0, return_dict=True)["accuracy"]
     acc_acc = accum.evaluate(x_test, y_test, verbose=0, return_dict=True)["accuracy"]
-    diff = max(
-        float(np.abs(a - b).max())
-        for a, b in zip(big.get_weights(), accum.get_weights())
+    diff = max(float(np.abs(a - b).max()) for a, b in zip(big.get_weights(), accum.get_weights()))
+    print(
+        f"plain keras.Model, batch {MICRO_BATCH * ACCUM_STEPS}: "
+        f"test accuracy {big_acc:.4f}, {int(big.optimizer.iterations)} updates"
     )
-    print(f"plain keras.Model, batch {MICRO_BATCH * ACCUM_STEPS}: "
-          f"test accuracy {big_acc:.4f}, {int(big.optimizer.iterations)} updates")
-    print(f"AccumModel, batch {MICRO_BATCH} x accum_steps {ACCUM_STEPS}: "
-          f"test accuracy {acc_acc:.4f}, {int(accum.optimizer.iterations)} updates")
+    print(
+        f"AccumModel, batch {MICRO_BATCH} x accum_steps {ACCUM_STEPS}: "
+        f"test accuracy {acc_acc:.4f}, {int(accum.optimizer.iterations)} updates"
+    )
     print(f"largest weight difference: {diff:.3g}")
 
 

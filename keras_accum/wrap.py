@@ -244,7 +244,12 @@ def wrap(
 # A `fit` of its own (KerasHub's text-to-image tasks raise there: not
 # trainable by `fit`) would be bypassed alike.
 _STEP_METHODS = (
-    "fit", "train_step", "test_step", "predict_step", "compute_loss", "compute_metrics",
+    "fit",
+    "train_step",
+    "test_step",
+    "predict_step",
+    "compute_loss",
+    "compute_metrics",
 )
 
 

@@ -5,6 +5,7 @@ numbers: those depend on the machine and on its load.
 """
 
 import pytest
+
 from helpers.processes import run_python
 
 # Each runs a benchmark in a process of its own.
@@ -29,8 +30,15 @@ def test_quick_benchmark_writes_its_report(tmp_path):
         # is checked, not what it measures. The CNN: the MLP and embedding
         # workloads run in the `release` tests below (before_after,
         # noise_scale_cost).
-        "-m", "benchmarks.run", "--quick", "--rounds", "2", "--workloads", "cnn",
-        "--out", str(tmp_path),
+        "-m",
+        "benchmarks.run",
+        "--quick",
+        "--rounds",
+        "2",
+        "--workloads",
+        "cnn",
+        "--out",
+        str(tmp_path),
         timeout=900,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -60,8 +68,19 @@ def test_quick_memory_curve_writes_its_report_and_plot(tmp_path):
     # both pipelines (each in a process of its own for its memory), one
     # timed round.
     result = run_python(
-        "-m", "benchmarks.memory_curve", "--quick", "--batches", "2", "4",
-        "--micro-batch", "2", "--rounds", "1", "--out", str(tmp_path), timeout=900,
+        "-m",
+        "benchmarks.memory_curve",
+        "--quick",
+        "--batches",
+        "2",
+        "4",
+        "--micro-batch",
+        "2",
+        "--rounds",
+        "1",
+        "--out",
+        str(tmp_path),
+        timeout=900,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     import json
@@ -88,7 +107,13 @@ def test_quick_memory_curve_writes_its_report_and_plot(tmp_path):
 @pytest.mark.release
 def test_transformer_benchmark_times_every_mode_eagerly_and_under_xla(tmp_path):
     result = run_python(
-        "-m", "benchmarks.transformer", "--quick", "--rounds", "1", "--out", str(tmp_path),
+        "-m",
+        "benchmarks.transformer",
+        "--quick",
+        "--rounds",
+        "1",
+        "--out",
+        str(tmp_path),
         timeout=900,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -115,8 +140,17 @@ def test_timing_only_run_times_the_transformer(tmp_path):
     # The transformer beside the committed timing run: its rows alone, with
     # CPU time, and no memory or two-worker sections.
     result = run_python(
-        "-m", "benchmarks.run", "--quick", "--timing-only", "--rounds", "2",
-        "--workloads", "transformer", "--out", str(tmp_path), timeout=900,
+        "-m",
+        "benchmarks.run",
+        "--quick",
+        "--timing-only",
+        "--rounds",
+        "2",
+        "--workloads",
+        "transformer",
+        "--out",
+        str(tmp_path),
+        timeout=900,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = (tmp_path / "results.md").read_text()
@@ -133,8 +167,16 @@ def test_timing_only_run_times_the_transformer(tmp_path):
 def test_xla_benchmark_runs_the_transformer_and_its_floors(tmp_path):
     out = tmp_path / "xla.json"
     result = run_python(
-        "-m", "benchmarks.xla", "--quick", "--rounds", "1", "--workloads", "transformer",
-        "--out", str(out), timeout=900,
+        "-m",
+        "benchmarks.xla",
+        "--quick",
+        "--rounds",
+        "1",
+        "--workloads",
+        "transformer",
+        "--out",
+        str(out),
+        timeout=900,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     import json
@@ -148,8 +190,14 @@ def test_xla_benchmark_runs_the_transformer_and_its_floors(tmp_path):
 @pytest.mark.release
 def test_micro_batch_split_timing_runs():
     result = run_python(
-        "-m", "benchmarks.micro_batch_split", "--quick", "--rounds", "1",
-        "--workloads", "mlp", timeout=600,
+        "-m",
+        "benchmarks.micro_batch_split",
+        "--quick",
+        "--rounds",
+        "1",
+        "--workloads",
+        "mlp",
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for label in ("big batch", "micro_batch_size=32", "step mode", "summed"):
@@ -161,8 +209,19 @@ def test_micro_batch_split_timing_runs():
 def test_before_after_runs_and_writes_its_json(tmp_path, unit):
     out = tmp_path / "before_after.json"
     result = run_python(
-        "-m", "benchmarks.before_after", "--before", "HEAD", "--quick",
-        "--rounds", "1", "--workloads", "mlp", "--unit", unit, "--out", str(out),
+        "-m",
+        "benchmarks.before_after",
+        "--before",
+        "HEAD",
+        "--quick",
+        "--rounds",
+        "1",
+        "--workloads",
+        "mlp",
+        "--unit",
+        unit,
+        "--out",
+        str(out),
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -182,8 +241,17 @@ def test_before_after_runs_and_writes_its_json(tmp_path, unit):
 def test_noise_scale_cost_runs_and_checks_bit_identity(tmp_path):
     out = tmp_path / "noise_scale_cost.json"
     result = run_python(
-        "-m", "benchmarks.noise_scale_cost", "--quick", "--rounds", "1",
-        "--workloads", "mlp", "embedding", "--out", str(out), timeout=600,
+        "-m",
+        "benchmarks.noise_scale_cost",
+        "--quick",
+        "--rounds",
+        "1",
+        "--workloads",
+        "mlp",
+        "embedding",
+        "--out",
+        str(out),
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     import json
@@ -212,8 +280,16 @@ def test_sparse_norm_runs_and_both_ways_give_the_same_norm():
 )
 def test_remat_benchmark_runs_and_writes_its_report(tmp_path):
     result = run_python(
-        "-m", "benchmarks.remat", "--quick", "--rounds", "1", "--workloads", "ffn",
-        "--out", str(tmp_path), timeout=900,
+        "-m",
+        "benchmarks.remat",
+        "--quick",
+        "--rounds",
+        "1",
+        "--workloads",
+        "ffn",
+        "--out",
+        str(tmp_path),
+        timeout=900,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     import json
@@ -230,15 +306,27 @@ def test_remat_benchmark_runs_and_writes_its_report(tmp_path):
 @pytest.mark.slow  # five fresh processes
 def test_contrastive_benchmark_runs_and_writes_its_report(tmp_path):
     result = run_python(
-        "-m", "benchmarks.contrastive", "--quick", "--rounds", "1", "--out", str(tmp_path),
+        "-m",
+        "benchmarks.contrastive",
+        "--quick",
+        "--rounds",
+        "1",
+        "--out",
+        str(tmp_path),
         timeout=900,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     import json
 
     report = (tmp_path / "contrastive.md").read_text()
-    for config in ("big batch", "coupled_from, b", "plain at b", "ordinary micro-batching, b",
-                   "big batch, XLA", "coupled_from, b, XLA"):
+    for config in (
+        "big batch",
+        "coupled_from, b",
+        "plain at b",
+        "ordinary micro-batching, b",
+        "big batch, XLA",
+        "coupled_from, b, XLA",
+    ):
         assert f"| {config} |" in report, config
     assert "the encoders' forward pass" in report
     measured = json.loads((tmp_path / "contrastive.json").read_text())
@@ -251,8 +339,17 @@ def test_contrastive_benchmark_runs_and_writes_its_report(tmp_path):
 def test_xla_benchmark_runs_and_reads_each_steps_traffic(tmp_path):
     out = tmp_path / "xla.json"
     result = run_python(
-        "-m", "benchmarks.xla", "--quick", "--rounds", "1", "--workloads", "mlp",
-        "--memory", "--out", str(out), timeout=900,
+        "-m",
+        "benchmarks.xla",
+        "--quick",
+        "--rounds",
+        "1",
+        "--workloads",
+        "mlp",
+        "--memory",
+        "--out",
+        str(out),
+        timeout=900,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     import json
@@ -275,8 +372,14 @@ def test_xla_benchmark_runs_and_reads_each_steps_traffic(tmp_path):
 def test_batch_growth_benchmark_sweeps_fits_and_runs_the_scheduler(tmp_path):
     out = tmp_path / "batch_growth.json"
     result = run_python(
-        "-m", "benchmarks.batch_growth", "--quick", "--out", str(out),
-        "--plot", str(tmp_path / "batch_growth.png"), timeout=600,
+        "-m",
+        "benchmarks.batch_growth",
+        "--quick",
+        "--out",
+        str(out),
+        "--plot",
+        str(tmp_path / "batch_growth.png"),
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     import json
@@ -295,7 +398,12 @@ def test_batch_growth_adam_benchmark_sweeps_fits_and_runs_a_rule(tmp_path):
     # scheduler runs (its Task carrying the optimizer, loss and measure).
     out = tmp_path / "batch_growth_adam.json"
     result = run_python(
-        "-m", "benchmarks.batch_growth_adam", "--quick", "--out", str(out), timeout=600,
+        "-m",
+        "benchmarks.batch_growth_adam",
+        "--quick",
+        "--out",
+        str(out),
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     import json
@@ -312,8 +420,7 @@ def test_batch_growth_adam_benchmark_sweeps_fits_and_runs_a_rule(tmp_path):
 @pytest.mark.release
 def test_noise_probe_benchmark_compares_windows_and_probe_with_the_exact_value(tmp_path):
     out = tmp_path / "noise_probe.json"
-    result = run_python("-m", "benchmarks.noise_probe", "--quick", "--out", str(out),
-                        timeout=600)
+    result = run_python("-m", "benchmarks.noise_probe", "--quick", "--out", str(out), timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     import json
 

@@ -486,6 +486,9 @@ def _check_command(words, errors):
     elif module == "mkdocs":
         if args not in (["build", "--strict"], ["serve"]):
             errors.append(f"mkdocs {args}")
+    elif module == "ruff":
+        if args not in (["check", "."], ["format", "--check", "."]):
+            errors.append(f"ruff {args}")
     elif module == "twine":
         if args[:2] != ["check", "--strict"]:
             errors.append(f"twine {args}")
@@ -516,12 +519,14 @@ def test_shell_commands_name_what_the_project_has():
 
 
 @pytest.mark.unit
-def test_docs_page_has_the_readme_test_command_and_ci_builds_the_site():
+def test_docs_page_has_the_readme_test_command_and_ci_lints_and_builds_the_site():
     page = (DOCS / "development.md").read_text()
     assert code_blocks("bash")[-1].strip() in page
     build = 'python -m pip install -e ".[docs]" && python -m mkdocs build --strict'
     assert build in page and build in README
     assert build in (ROOT / ".ci" / "run").read_text().splitlines()
+    lint = 'python -m pip install -e ".[lint]" && python -m ruff check . && python -m ruff format --check .'
+    assert lint in page and lint in (ROOT / ".ci" / "run").read_text().splitlines()
 
 
 @pytest.mark.unit

@@ -19,14 +19,13 @@ if os.environ.get("KERAS_ACCUM_REQUIRE_KERAS_HUB"):
 else:
     pytest.importorskip("keras_hub")
 
+import keras_accum  # noqa: E402
 from helpers import internals  # noqa: E402
 from helpers import kerashub as hub  # noqa: E402
 from helpers.assertions import assert_history_close, assert_trained, assert_weights_close  # noqa: E402
 from helpers.oom import LimitedLoss  # noqa: E402
 from helpers.processes import run_python, script  # noqa: E402
 from helpers.project import PAGES, ROOT, blocks  # noqa: E402
-
-import keras_accum  # noqa: E402
 
 # KerasHub models, and processes of their own: the slow tier (CI runs it
 # in the `kerashub` nox session, with keras-hub installed).
@@ -50,8 +49,14 @@ def _optimizer():
 def _fit(model, data, batch_size, **kwargs):
     x, y, weights = data
     return model.fit(
-        x, y, sample_weight=weights, batch_size=batch_size, epochs=2,
-        shuffle=False, verbose=0, **kwargs,
+        x,
+        y,
+        sample_weight=weights,
+        batch_size=batch_size,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        **kwargs,
     )
 
 
@@ -126,8 +131,11 @@ def _described(model):
     plain, weighted = internals.compiled_metrics(model)
     metrics = [(type(m).__name__, m.name) for m in [*plain, *weighted]]
     return (
-        type(optimizer).__name__, float(optimizer.learning_rate),
-        type(loss).__name__, getattr(loss, "from_logits", None), metrics,
+        type(optimizer).__name__,
+        float(optimizer.learning_rate),
+        type(loss).__name__,
+        getattr(loss, "from_logits", None),
+        metrics,
     )
 
 
@@ -171,7 +179,8 @@ def _train_on_batches(model, data, start, stop):
     for begin in range(start, stop, 8):
         end = min(begin + 8, stop)
         model.train_on_batch(
-            {k: v[begin:end] for k, v in x.items()}, y[begin:end],
+            {k: v[begin:end] for k, v in x.items()},
+            y[begin:end],
             sample_weight=None if weights is None else weights[begin:end],
         )
 
@@ -194,8 +203,12 @@ def test_keras_file_saved_mid_window_loads_in_a_fresh_process_and_resumes(name, 
     np.savez(tmp_path / "data.npz", **arrays)
 
     result = run_python(
-        script("kerashub_resume.py"), str(tmp_path / "lm.keras"),
-        str(tmp_path / "data.npz"), "80", str(hub.N), str(tmp_path / "out.npz"),
+        script("kerashub_resume.py"),
+        str(tmp_path / "lm.keras"),
+        str(tmp_path / "data.npz"),
+        "80",
+        str(hub.N),
+        str(tmp_path / "out.npz"),
     )
     assert result.returncode == 0, result.stderr[-4000:]
     resumed = np.load(tmp_path / "out.npz")
@@ -230,8 +243,10 @@ def test_export_of_a_wrapped_kerashub_model_serves_without_keras_accum(name, tmp
     np.savez(tmp_path / "x.npz", **x)
     (tmp_path / "serve.py").write_text(SERVE)
     result = run_python(
-        str(tmp_path / "serve.py"), str(tmp_path / "served"),
-        str(tmp_path / "x.npz"), str(tmp_path / "served.npy"),
+        str(tmp_path / "serve.py"),
+        str(tmp_path / "served"),
+        str(tmp_path / "x.npz"),
+        str(tmp_path / "served.npy"),
     )
     assert result.returncode == 0, result.stderr[-4000:]
     np.testing.assert_allclose(
@@ -283,8 +298,10 @@ def test_docs_pages_with_kerashub_blocks_run_whole(tmp_path):
             # buffers (tensorflow/tensorflow#117700, #123109). Run once
             # more; the first crash's tracebacks (faulthandler) are kept
             # as a warning. A second crash, or any Python error, fails.
-            warnings.warn(f"{page.name}: died by signal {-result.returncode}, "
-                          f"run again:\n{result.stderr[-3000:]}")
+            warnings.warn(
+                f"{page.name}: died by signal {-result.returncode}, "
+                f"run again:\n{result.stderr[-3000:]}"
+            )
             workdir = tmp_path / f"{i}-again"
             workdir.mkdir()
             result = run_program(code, workdir)
@@ -304,12 +321,23 @@ def _siglip():
 
     keras.utils.set_random_seed(0)
     vision = keras_hub.models.SigLIPVisionEncoder(
-        patch_size=4, hidden_dim=16, num_layers=1, num_heads=2, intermediate_dim=32,
-        image_shape=(8, 8, 3), name="vision_encoder",
+        patch_size=4,
+        hidden_dim=16,
+        num_layers=1,
+        num_heads=2,
+        intermediate_dim=32,
+        image_shape=(8, 8, 3),
+        name="vision_encoder",
     )
     text = keras_hub.models.SigLIPTextEncoder(
-        vocabulary_size=50, embedding_dim=16, hidden_dim=16, num_layers=1, num_heads=2,
-        intermediate_dim=32, max_sequence_length=6, name="text_encoder",
+        vocabulary_size=50,
+        embedding_dim=16,
+        hidden_dim=16,
+        num_layers=1,
+        num_heads=2,
+        intermediate_dim=32,
+        max_sequence_length=6,
+        name="text_encoder",
     )
     backbone = keras_hub.models.SigLIPBackbone(vision, text)
     return keras.Model(backbone.input, backbone.output)
@@ -343,14 +371,17 @@ def test_siglip_loss_on_a_wrapped_siglip_backbone_coupled_at_its_encoders_is_the
         # whose rows the big batch sums over its samples and micro-batches
         # each sum over theirs; Adam reads each row's square, SGD the sum
         # only (so does ordinary micro-batching, not coupling, differ there).
-        model.compile(keras.optimizers.SGD(0.1, momentum=0.9),
-                      loss={"text_logits": _pairwise_sigmoid()})
+        model.compile(
+            keras.optimizers.SGD(0.1, momentum=0.9), loss={"text_logits": _pairwise_sigmoid()}
+        )
         return model, model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
 
     plain, h_plain = fit(_siglip())
-    model, history = fit(keras_accum.wrap(
-        _siglip(), micro_batch_size=4, coupled_from=["vision_encoder", "text_encoder"]
-    ))
+    model, history = fit(
+        keras_accum.wrap(
+            _siglip(), micro_batch_size=4, coupled_from=["vision_encoder", "text_encoder"]
+        )
+    )
     assert_weights_close(plain, model)
     assert_history_close(h_plain, history)
 
@@ -390,7 +421,7 @@ def test_lora_task_resumes_mid_window_from_a_tf_train_checkpoint(tmp_path):
     plain = _lora_big_batch(data, optimizer=_momentum)
     model = _lora_wrapped(optimizer=_momentum)
     _train_on_batches(model, data, 0, hub.N)  # epoch 1: windows of 4, 4 and 4 micro-batches
-    _train_on_batches(model, data, 0, 80)     # epoch 2: 4, 4 and 2 of the next 4
+    _train_on_batches(model, data, 0, 80)  # epoch 2: 4, 4 and 2 of the next 4
     assert int(model.optimizer.iterations) == 5
     path = hub.lora_checkpoint(model).save(str(tmp_path / "ckpt"))
 
@@ -428,13 +459,21 @@ def test_lora_task_resumes_from_epoch_checkpoints_of_a_repeating_stream(tmp_path
     _compile(plain, _optimizer())
     plain.fit(stream(32), steps_per_epoch=2, epochs=4, shuffle=False, verbose=0)  # 8 updates
     model = _lora_wrapped()
-    model.fit(stream(8), steps_per_epoch=8, epochs=4, shuffle=False, verbose=0, callbacks=[Checkpoints()])
+    model.fit(
+        stream(8), steps_per_epoch=8, epochs=4, shuffle=False, verbose=0, callbacks=[Checkpoints()]
+    )
     assert_weights_close(plain, model)
 
     resumed = _lora_wrapped()
     hub.lora_checkpoint(resumed).restore(str(tmp_path / "ckpt-2")).assert_existing_objects_matched()
-    resumed.fit(stream(8).skip(2 * 8), steps_per_epoch=8, epochs=4, initial_epoch=2,
-                shuffle=False, verbose=0)
+    resumed.fit(
+        stream(8).skip(2 * 8),
+        steps_per_epoch=8,
+        epochs=4,
+        initial_epoch=2,
+        shuffle=False,
+        verbose=0,
+    )
     assert int(resumed.optimizer.iterations) == 8
     assert_weights_close(plain, resumed)
 
@@ -462,7 +501,8 @@ def test_dropout_resumes_the_same_masks_only_with_the_seeds_in_the_checkpoint(tm
         if seeds:
             assert_weights_close(uninterrupted, resumed)
         differences[seeds] = max(
-            float(np.abs(a - b).max()) for a, b in zip(uninterrupted.get_weights(), resumed.get_weights())
+            float(np.abs(a - b).max())
+            for a, b in zip(uninterrupted.get_weights(), resumed.get_weights())
         )
     assert differences[False] > 1e-4, differences  # other masks after the resume
 
@@ -492,7 +532,9 @@ def test_weights_files_of_a_lora_task_hold_the_adapters_merged(tmp_path):
     model.flush()
     _train_on_batches(model, data, 80, hub.N)
     _train_on_batches(reloaded, data, 80, hub.N)
-    moved_apart = max(float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), reloaded.get_weights()))
+    moved_apart = max(
+        float(np.abs(a - b).max()) for a, b in zip(model.get_weights(), reloaded.get_weights())
+    )
     assert moved_apart > 1e-2, moved_apart
 
 
@@ -515,12 +557,22 @@ def test_backup_and_restore_of_a_kerashub_task(lora, dropout, tmp_path):
     def fitted(*callbacks):
         model = keras_accum.wrap(hub.gpt2_lora(dropout=dropout, rank=rank), accum_steps=4)
         _compile(model, _optimizer())
-        model.fit(x, y, sample_weight=weights, batch_size=8, epochs=2, shuffle=False,
-                  verbose=0, callbacks=list(callbacks))
+        model.fit(
+            x,
+            y,
+            sample_weight=weights,
+            batch_size=8,
+            epochs=2,
+            shuffle=False,
+            verbose=0,
+            callbacks=list(callbacks),
+        )
         return model
 
     def backup():
-        return keras_accum.BackupAndRestore(str(tmp_path / "backup"), save_freq=3, double_checkpoint=True)
+        return keras_accum.BackupAndRestore(
+            str(tmp_path / "backup"), save_freq=3, double_checkpoint=True
+        )
 
     uninterrupted = fitted()
     with pytest.raises(KeyboardInterrupt):
@@ -529,7 +581,8 @@ def test_backup_and_restore_of_a_kerashub_task(lora, dropout, tmp_path):
     adapters = Adapters()
     resumed = fitted(backup(), adapters)
     difference = max(
-        float(np.abs(a - b).max()) for a, b in zip(uninterrupted.get_weights(), resumed.get_weights())
+        float(np.abs(a - b).max())
+        for a, b in zip(uninterrupted.get_weights(), resumed.get_weights())
     )
     if lora:
         assert len(adapters.restored) == 4 and not any(np.any(a) for a in adapters.restored)
@@ -586,19 +639,30 @@ def test_fine_tune_example_trains_resumes_and_generates(tmp_path):
     import tensorflow as tf
 
     result = run_python(
-        str(ROOT / "examples" / "fine_tune_lm.py"), "--quick", "--output-dir", str(tmp_path),
+        str(ROOT / "examples" / "fine_tune_lm.py"),
+        "--quick",
+        "--output-dir",
+        str(tmp_path),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
-    before, after = map(float, re.search(r"validation loss: (\S+) before, (\S+) after training", out).groups())
+    before, after = map(
+        float, re.search(r"validation loss: (\S+) before, (\S+) after training", out).groups()
+    )
     assert before > 5.0 and after < before - 1.5, out  # 5.55 (uniform over 258 tokens) -> 2.93
     resumed = re.search(r"^resumed from ckpt-2 in a new model: .*: (\S+)$", out, flags=re.M)
     assert resumed and float(resumed[1]) < 1e-6, out
     if not tf.config.list_physical_devices("GPU"):
         assert out.startswith("precision: float32 (no GPU"), out
-    assert re.search(r"^saved fine_tuned.keras: (\d+) weights, all \1 trainable "
-                     r"\(the adapters merged in, the same predictions\)$", out, flags=re.M), out
-    assert len(re.findall(r"^generate\('(Beautiful is|Return the)'\): '\1", out, flags=re.M)) == 2, out
+    assert re.search(
+        r"^saved fine_tuned.keras: (\d+) weights, all \1 trainable "
+        r"\(the adapters merged in, the same predictions\)$",
+        out,
+        flags=re.M,
+    ), out
+    assert (
+        len(re.findall(r"^generate\('(Beautiful is|Return the)'\): '\1", out, flags=re.M)) == 2
+    ), out
     assert re.search(r"^finished in \d+ s \(process time \d+ s\)$", out, flags=re.M), out
     assert (tmp_path / "fine_tuned.keras").is_file() and (tmp_path / "checkpoints").is_dir()
     # Nothing on stderr: no TensorFlow start-up lines, no warnings.

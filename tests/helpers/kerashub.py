@@ -110,8 +110,13 @@ def gpt2_lora(seed=0, dropout=0.0, rank=2):
 
     keras.utils.set_random_seed(seed)
     backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=VOCAB, num_layers=1, num_heads=2, hidden_dim=8,
-        intermediate_dim=16, max_sequence_length=LENGTH, dropout=dropout,
+        vocabulary_size=VOCAB,
+        num_layers=1,
+        num_heads=2,
+        hidden_dim=8,
+        intermediate_dim=16,
+        max_sequence_length=LENGTH,
+        dropout=dropout,
     )
     lm = keras_hub.models.GPT2CausalLM(backbone=backbone, preprocessor=None)
     if rank is not None:
