@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import types
 
 import keras
@@ -242,7 +243,8 @@ def wrap(
 # What fit, evaluate and predict call on the model they run. A wrapper runs
 # its own, so the wrapped model's versions would be silently ignored.
 # A `fit` of its own (KerasHub's text-to-image tasks raise there: not
-# trainable by `fit`) would be bypassed alike.
+# trainable by `fit`) would be bypassed alike; a KerasHub task's, which
+# only preprocesses, is refused only with a preprocessor to apply.
 _STEP_METHODS = (
     "fit",
     "train_step",
@@ -259,6 +261,11 @@ def _check_no_step_overrides(model):
         for name in _STEP_METHODS
         if getattr(type(model), name) is not getattr(keras.Model, name)
     ]
+    if "fit" in overridden and _is_kerashub_task_fit(model):
+        # A KerasHub task's `fit` (and `evaluate`, `predict`) only maps its
+        # preprocessor over the data: without one, it is Keras's.
+        _check_no_preprocessor(model)
+        overridden.remove("fit")
     if not overridden:
         return
     cls = type(model).__name__
@@ -281,6 +288,30 @@ def _check_no_step_overrides(model):
         "`compute_metrics`, `test_step` and `predict_step` overrides are "
         "honoured), or keep a custom `train_step` and compile the plain "
         "model with `optimizer=keras_accum.AccumOptimizer(...)`."
+    )
+
+
+def _is_kerashub_task_fit(model):
+    """Whether `model`'s `fit` is `keras_hub.models.Task`'s (a preprocessing one)."""
+    hub_models = getattr(sys.modules.get("keras_hub"), "models", None)  # imported if a task
+    task = getattr(hub_models, "Task", None)
+    return task is not None and type(model).fit is task.fit
+
+
+def _check_no_preprocessor(task):
+    preprocessor = task.preprocessor
+    if preprocessor is None:
+        return
+    raise ValueError(
+        f"`model` is a {type(task).__name__} with a preprocessor: its `fit`, "
+        "`evaluate` and `predict` preprocess the data they are given, the "
+        "wrapper's do not, so its layers would be fed unprocessed data. "
+        f"Received: model.preprocessor={preprocessor!r}. Map the preprocessor "
+        "over your data and wrap the task without it: "
+        "`dataset = dataset.map(task.preprocessor)`, then "
+        "`task.preprocessor = None` before `keras_accum.wrap(task, ...)` (set "
+        "it back after training for `generate`), or build the task with "
+        "`preprocessor=None`."
     )
 
 

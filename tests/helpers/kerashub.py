@@ -57,6 +57,28 @@ def bert(seed=0, **kwargs):
     )
 
 
+def bert_text(n=N, seed=0):
+    """Raw text (words of a 5-word vocabulary) and a class per sample: the
+    data a task with a preprocessor (`bert_preprocessor`) is fitted on."""
+    rng = np.random.default_rng(seed)
+    words = np.array(WORDS)
+    texts = [" ".join(rng.choice(words, rng.integers(2, LENGTH - 1))) for _ in range(n)]
+    return np.array(texts), rng.integers(0, 3, n).astype("int32")
+
+
+WORDS = ["the", "cat", "sat", "on", "mat"]
+
+
+def bert_preprocessor():
+    """A BERT classifier's preprocessor over `WORDS`, built from its vocabulary."""
+    import keras_hub
+
+    tokenizer = keras_hub.tokenizers.BertTokenizer(
+        vocabulary=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
+    )
+    return keras_hub.models.BertTextClassifierPreprocessor(tokenizer, sequence_length=LENGTH)
+
+
 def gemma(seed=0):
     """A Gemma causal LM: its `compile` samples greedily unless told."""
     import keras_hub
