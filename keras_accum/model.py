@@ -449,9 +449,28 @@ class AccumModel(
     def save_assets(self, dir_path):
         """Keras's saving hook: a `.keras` file written mid-`fit` holds the settings
         callbacks' states (an `AccumScheduler`'s) for the loaded model's next fit.
+
+        Example:
+
+        ```python
+        inputs = keras.Input((4,))
+        model = keras_accum.AccumModel(inputs, keras.layers.Dense(2)(inputs), accum_steps=4)
+        model.save("model.keras")  # Keras calls model.save_assets
+        loaded = keras.saving.load_model("model.keras")  # and loaded.load_assets
+        ```
         """
         self._engine.fits.save(dir_path)
 
     def load_assets(self, dir_path):
-        """Keras's loading hook: takes back what `save_assets` wrote."""
+        """Keras's loading hook: takes back what `save_assets` wrote.
+
+        Example:
+
+        ```python
+        inputs = keras.Input((4,))
+        model = keras_accum.AccumModel(inputs, keras.layers.Dense(2)(inputs), accum_steps=4)
+        model.save("model.keras")  # Keras calls model.save_assets
+        loaded = keras.saving.load_model("model.keras")  # and loaded.load_assets
+        ```
+        """
         self._engine.fits.read(dir_path)

@@ -101,28 +101,78 @@ class SampleSchedule(keras.optimizers.schedules.LearningRateSchedule):
     @property
     def tuned_batch(self):
         """The batch the steps count (samples per step), once a fit set it; None
-        before. A later fit counts in the same unit."""
+        before. A later fit counts in the same unit.
+
+        Example:
+
+        ```python
+        counted = keras_accum.SampleSchedule(
+            keras.optimizers.schedules.CosineDecay(0.1, decay_steps=1000))
+        counted.follow(0, scale=1.0, factor=1.0, tuned_batch=256)
+        counted.tuned_batch  # 256.0
+        ```
+        """
         return self.state()[TUNED_BATCH] or None
 
     def behind(self, updates):
         """Whether an optimizer at `updates` is behind the count (a new one, or
-        one whose weights were loaded from earlier)."""
+        one whose weights were loaded from earlier).
+
+        Example:
+
+        ```python
+        counted = keras_accum.SampleSchedule(
+            keras.optimizers.schedules.CosineDecay(0.1, decay_steps=1000))
+        counted.follow(100, scale=4.0, factor=1.0)
+        counted.behind(20)  # True: the count is at update 100
+        ```
+        """
         return updates < self.state()[BASE_UPDATES]
 
     def follow(self, updates, scale, factor, tuned_batch=None):
         """From update `updates` on, each update holds `scale` tuned batches of
         samples and the rate is the schedule's times `factor` (between steps,
-        at a change of the batch); records `tuned_batch` if given."""
+        at a change of the batch); records `tuned_batch` if given.
+
+        Example:
+
+        ```python
+        counted = keras_accum.SampleSchedule(
+            keras.optimizers.schedules.CosineDecay(0.1, decay_steps=1000))
+        counted.follow(100, scale=4.0, factor=2.0)  # from update 100, 4x the samples
+        counted.step_at(110)  # 140.0
+        ```
+        """
         tuned = tuned_batch or self.state()[TUNED_BATCH]
         self._state.assign([updates, self.step_at(updates), scale, factor, tuned])
 
     def state(self):
         """The 5 numbers (updates and step at the last change, samples per update
-        in tuned batches, factor, tuned batch or 0), as floats."""
+        in tuned batches, factor, tuned batch or 0), as floats.
+
+        Example:
+
+        ```python
+        counted = keras_accum.SampleSchedule(
+            keras.optimizers.schedules.CosineDecay(0.1, decay_steps=1000))
+        copy = keras_accum.SampleSchedule(counted.schedule, state=counted.state())
+        ```
+        """
         return tuple(float(v) for v in np.asarray(self._state.numpy()))
 
     def restore(self, state):
-        """Takes back a `state()`, between steps (a backup's restore)."""
+        """Takes back a `state()`, between steps (a backup's restore).
+
+        Example:
+
+        ```python
+        counted = keras_accum.SampleSchedule(
+            keras.optimizers.schedules.CosineDecay(0.1, decay_steps=1000))
+        saved = counted.state()
+        counted.follow(100, scale=4.0, factor=1.0)
+        counted.restore(saved)  # the count as it was
+        ```
+        """
         self._state.assign(_checked_state(state))
 
     def get_config(self):

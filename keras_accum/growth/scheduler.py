@@ -44,6 +44,25 @@ class Decision(NamedTuple):
     probed: bool = False
 
 
+def _argument(name, attribute, read=lambda value: value):
+    """A property reading the noise-scale strategy's `attribute`: AccumScheduler's `name`."""
+
+    def get(self):
+        value = getattr(self._strategy, attribute, None)
+        return None if value is None else read(value)
+
+    get.__doc__ = f"""The `{name}` argument, normalised; None for a dict or callable schedule.
+
+        Example:
+
+        ```python
+        grow = keras_accum.AccumScheduler("noise_scale", max_accum_steps=32)
+        grow.{name}
+        ```
+        """
+    return property(get)
+
+
 class AccumScheduler(FitSetting):
     """Sets `model.accum_steps` as training goes, from a schedule of epochs or
     grown to the measured gradient noise scale; and the learning rate with it.
@@ -184,25 +203,42 @@ class AccumScheduler(FitSetting):
         self._started = False  # on_train_begin ran in this fit
         self._restored = None  # a backup's, until `_apply_state`
 
-    # The noise-scale strategy's arguments, as given (normalised).
-    max_accum_steps = property(lambda self: getattr(self._strategy, "max_accum_steps", None))
-    every_updates = property(lambda self: getattr(self._strategy, "every_updates", None))
-    every_samples = property(lambda self: getattr(self._strategy, "every_samples", None))
-    noise_scale_multiple = property(lambda self: getattr(self._strategy, "multiple", None))
-    min_accum_steps = property(lambda self: getattr(self._strategy, "min_accum_steps", None))
-
-    @property
-    def probe_windows(self):
-        probe = getattr(self._strategy, "probe", None)
-        return None if probe is None else probe.windows
+    # The noise-scale strategy's arguments, as given (normalised); None
+    # for a dict or callable schedule.
+    max_accum_steps = _argument("max_accum_steps", "max_accum_steps")
+    every_updates = _argument("every_updates", "every_updates")
+    every_samples = _argument("every_samples", "every_samples")
+    noise_scale_multiple = _argument("noise_scale_multiple", "multiple")
+    min_accum_steps = _argument("min_accum_steps", "min_accum_steps")
+    probe_windows = _argument("probe_windows", "probe", lambda probe: probe.windows)
 
     def value_at_start(self, epoch):
         """The value the schedule sets for `epoch` as known before training,
         checked as in `fit`: None for "noise_scale" (it grows from the value
-        in force) and for a callable returning None."""
+        in force) and for a callable returning None.
+
+        Example:
+
+        ```python
+        keras_accum.AccumScheduler({0: 1, 3: 4}).value_at_start(5)  # 4
+        ```
+        """
         return self._strategy.value_at_start(epoch)
 
     def bind_fit(self, engine):
+        """Called by the model's `fit` with its `Engine` as it starts, and with
+        None as it ends (a followed learning rate goes back to the tuned one).
+
+        Example:
+
+        ```python
+        inputs = keras.Input((4,))
+        model = keras_accum.AccumModel(inputs, keras.layers.Dense(2)(inputs))
+        grow = keras_accum.AccumScheduler({0: 1, 3: 4})
+        grow.bind_fit(model.accumulation)  # what fit does as it starts
+        grow.bind_fit(None)  # and as it ends
+        ```
+        """
         super().bind_fit(engine)
         if engine is None:
             self._started = False
@@ -234,7 +270,15 @@ class AccumScheduler(FitSetting):
         """What each backup keeps of the scheduler mid-`fit`: the `accum_steps`
         in force, the decision counters, the tuned rate, the smoothed estimate
         and the windows measured since the last decision (the open one's too,
-        on one replica)."""
+        on one replica). `keras_accum.BackupAndRestore` keeps it.
+
+        Example:
+
+        ```python
+        grow = keras_accum.AccumScheduler({0: 1, 3: 4})
+        grow.state()  # None: nothing to keep outside a fit
+        ```
+        """
         if self.engine is None or not self._started:
             return None
         state = {
@@ -252,6 +296,17 @@ class AccumScheduler(FitSetting):
         return state
 
     def restore_state(self, state):
+        """Takes back a `state()` (a backup's restore), applied as soon as the
+        fit has started.
+
+        Example:
+
+        ```python
+        grow = keras_accum.AccumScheduler({0: 1, 3: 4})
+        grow.restore_state({"class": "AccumScheduler", "accum_steps": 4, "since": [0, 0],
+                            "start": [0, 0], "trained": 0, "begun": False})
+        ```
+        """
         self._restored = state
         if self._started:
             self._apply_state()
