@@ -682,3 +682,55 @@ def test_under_xla_a_window_begun_at_longer_sequences_is_exact():
     accum.fit(dataset(micro), epochs=2, verbose=0)
     assert_trained(plain, initial)
     assert_weights_close(plain, accum)
+
+
+class _Positions(keras.layers.Layer):
+    """A position table added to the tokens' embedding, read as `read` says."""
+
+    def __init__(self, read, **kwargs):
+        super().__init__(**kwargs)
+        self.read = read
+        self.tokens = keras.layers.Embedding(VOCAB, 8)
+        self.positions = keras.layers.Embedding(LENGTH, 8)
+
+    def build(self, input_shape):
+        self.tokens.build(input_shape)
+        self.positions.build((LENGTH,))
+
+    def call(self, x):
+        positions = keras.ops.arange(LENGTH)
+        if self.read == "slice":
+            table = self.positions.embeddings[:LENGTH][None]  # KerasHub's PositionEmbedding
+        elif self.read == "broadcast":
+            table = self.positions(keras.ops.broadcast_to(positions, keras.ops.shape(x)))
+        else:
+            table = self.positions(positions)[None]  # one occurrence per row a batch
+        return self.tokens(x) + table
+
+
+@pytest.mark.parametrize("read", ["lookup", "broadcast", "slice"])
+def test_a_position_table_is_exact_read_by_slice_or_batch_shaped_indices(read):
+    # docs/sparse.md: a table read with indices without a batch dimension
+    # has each row once in the big batch's gradient and N times in a
+    # window's; Adam squares occurrences, so that one read differs.
+    def net_of(cls, **kwargs):
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((LENGTH,), dtype="int32")
+        x = keras.layers.GlobalAveragePooling1D()(_Positions(read)(inputs))
+        return cls(inputs, keras.layers.Dense(3)(x), **kwargs)
+
+    x, y = token_data(76)
+    plain, accum, *_ = fit_pair(
+        functools.partial(net_of, AccumModel, accum_steps=N),
+        functools.partial(net_of, keras.Model),
+        x,
+        y,
+        OPTIMIZERS["adam"],
+    )
+    if read == "lookup":
+        gap = max(
+            float(np.abs(a - b).max()) for a, b in zip(plain.get_weights(), accum.get_weights())
+        )
+        assert gap > 1e-4, gap
+    else:
+        assert_weights_close(plain, accum)
