@@ -8,6 +8,7 @@ functions and the running fit (docs/concepts.md says what is exact).
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import keras
 
@@ -301,12 +302,12 @@ class AccumModel(
 
     def fit(
         self,
-        x=None,
-        y=None,
-        batch_size=None,
-        epochs=1,
-        verbose="auto",
-        callbacks=None,
+        x: Any = None,
+        y: Any = None,
+        batch_size: int | None = None,
+        epochs: int = 1,
+        verbose: str | int = "auto",
+        callbacks: list[keras.callbacks.Callback] | None = None,
         *,
         accum_steps: int | None = None,
         micro_batch_size: int | str | None = None,
@@ -446,7 +447,7 @@ class AccumModel(
 
     # -- a .keras file's assets: the settings callbacks' states mid-fit --------
 
-    def save_assets(self, dir_path):
+    def save_assets(self, dir_path: str) -> None:
         """Keras's saving hook: a `.keras` file written mid-`fit` holds the settings
         callbacks' states (an `AccumScheduler`'s) for the loaded model's next fit.
 
@@ -461,7 +462,7 @@ class AccumModel(
         """
         self._engine.fits.save(dir_path)
 
-    def load_assets(self, dir_path):
+    def load_assets(self, dir_path: str) -> None:
         """Keras's loading hook: takes back what `save_assets` wrote.
 
         Example:

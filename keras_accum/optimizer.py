@@ -260,7 +260,9 @@ class AccumOptimizer(keras.optimizers.Optimizer):
     def _apply_window(self):
         window.close(self._accum_state, self.inner_optimizer)
 
-    def apply_gradients(self, grads_and_vars, weight=None):
+    def apply_gradients(
+        self, grads_and_vars: Iterable[tuple], weight: float | tf.Tensor | None = None
+    ) -> tf.Variable:
         grads, variables = zip(*grads_and_vars)
         self.apply(grads, variables, weight=weight)
         return self.iterations

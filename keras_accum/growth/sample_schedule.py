@@ -99,7 +99,7 @@ class SampleSchedule(keras.optimizers.schedules.LearningRateSchedule):
         return base_step + (updates - base_updates) * scale
 
     @property
-    def tuned_batch(self):
+    def tuned_batch(self) -> float | None:
         """The batch the steps count (samples per step), once a fit set it; None
         before. A later fit counts in the same unit.
 
@@ -114,7 +114,7 @@ class SampleSchedule(keras.optimizers.schedules.LearningRateSchedule):
         """
         return self.state()[TUNED_BATCH] or None
 
-    def behind(self, updates):
+    def behind(self, updates: int) -> bool:
         """Whether an optimizer at `updates` is behind the count (a new one, or
         one whose weights were loaded from earlier).
 
@@ -129,7 +129,9 @@ class SampleSchedule(keras.optimizers.schedules.LearningRateSchedule):
         """
         return updates < self.state()[BASE_UPDATES]
 
-    def follow(self, updates, scale, factor, tuned_batch=None):
+    def follow(
+        self, updates: int, scale: float, factor: float, tuned_batch: int | None = None
+    ) -> None:
         """From update `updates` on, each update holds `scale` tuned batches of
         samples and the rate is the schedule's times `factor` (between steps,
         at a change of the batch); records `tuned_batch` if given.
@@ -146,7 +148,7 @@ class SampleSchedule(keras.optimizers.schedules.LearningRateSchedule):
         tuned = tuned_batch or self.state()[TUNED_BATCH]
         self._state.assign([updates, self.step_at(updates), scale, factor, tuned])
 
-    def state(self):
+    def state(self) -> tuple[float, ...]:
         """The 5 numbers (updates and step at the last change, samples per update
         in tuned batches, factor, tuned batch or 0), as floats.
 
@@ -160,7 +162,7 @@ class SampleSchedule(keras.optimizers.schedules.LearningRateSchedule):
         """
         return tuple(float(v) for v in np.asarray(self._state.numpy()))
 
-    def restore(self, state):
+    def restore(self, state: Sequence[float]) -> None:
         """Takes back a `state()`, between steps (a backup's restore).
 
         Example:

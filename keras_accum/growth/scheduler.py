@@ -5,7 +5,7 @@ of epochs (epochs.py) or grown to the measured gradient noise scale
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from keras_accum import _internals as internals
 from keras_accum.arguments import check_positive
@@ -15,6 +15,9 @@ from keras_accum.growth.epochs import EpochSchedule
 from keras_accum.growth.estimate import NoiseEstimate
 from keras_accum.growth.noise_growth import NoiseScaleGrowth
 from keras_accum.growth.probe import probe_argument
+
+if TYPE_CHECKING:
+    from keras_accum.engine import Engine
 
 NOISE_SCALE = "noise_scale"
 # learning_rate_rule's default: "auto" with "noise_scale", else None.
@@ -47,7 +50,7 @@ class Decision(NamedTuple):
 def _argument(name, attribute, read=lambda value: value):
     """A property reading the noise-scale strategy's `attribute`: AccumScheduler's `name`."""
 
-    def get(self):
+    def get(self) -> int | float | None:
         value = getattr(self._strategy, attribute, None)
         return None if value is None else read(value)
 
@@ -212,7 +215,7 @@ class AccumScheduler(FitSetting):
     min_accum_steps = _argument("min_accum_steps", "min_accum_steps")
     probe_windows = _argument("probe_windows", "probe", lambda probe: probe.windows)
 
-    def value_at_start(self, epoch):
+    def value_at_start(self, epoch: int) -> int | None:
         """The value the schedule sets for `epoch` as known before training,
         checked as in `fit`: None for "noise_scale" (it grows from the value
         in force) and for a callable returning None.
@@ -225,7 +228,7 @@ class AccumScheduler(FitSetting):
         """
         return self._strategy.value_at_start(epoch)
 
-    def bind_fit(self, engine):
+    def bind_fit(self, engine: Engine | None) -> None:
         """Called by the model's `fit` with its `Engine` as it starts, and with
         None as it ends (a followed learning rate goes back to the tuned one).
 
@@ -266,7 +269,7 @@ class AccumScheduler(FitSetting):
 
     # -- backups (keras_accum.BackupAndRestore) -------------------------------
 
-    def state(self):
+    def state(self) -> dict | None:
         """What each backup keeps of the scheduler mid-`fit`: the `accum_steps`
         in force, the decision counters, the tuned rate, the smoothed estimate
         and the windows measured since the last decision (the open one's too,
@@ -295,7 +298,7 @@ class AccumScheduler(FitSetting):
             state["growth"] = self._strategy.state(self.engine)
         return state
 
-    def restore_state(self, state):
+    def restore_state(self, state: dict) -> None:
         """Takes back a `state()` (a backup's restore), applied as soon as the
         fit has started.
 
