@@ -243,6 +243,22 @@ def test_under_a_strategy_no_more_is_drawn_than_plain_keras_draws(replicas):
     assert_weights_close(plain, model)
 
 
+@pytest.mark.parametrize("settings", [dict(accum_steps=N), dict(micro_batch_size=MICRO // 2)])
+def test_under_a_strategy_arrays_are_split_by_each_replicas_share(settings):
+    # Keras's array adapter gives the global batch; each replica's step sees
+    # its share, which the split and the samples counted go by.
+    strategy = mirrored(2)
+    batch = MICRO if "accum_steps" in settings else BIG
+    with strategy.scope():
+        plain = _compile(functional())
+        model = _compile(functional(keras_accum.AccumModel, **settings))
+    plain.fit(X, Y, batch_size=BIG, epochs=2, shuffle=False, verbose=0)
+    model.fit(X, Y, batch_size=batch, epochs=2, shuffle=False, verbose=0)
+    assert internals.batch_size_seen(model) == batch // 2
+    assert model.accumulation.batch_drawn() == batch
+    assert_weights_close(plain, model)
+
+
 def test_the_spec_of_a_pipeline_with_optional_entries_builds():
     # A generator's absent sample weights reach the spec as Optionals
     # (Keras >= 3.13), read as absent.

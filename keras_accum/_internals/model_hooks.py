@@ -67,7 +67,10 @@ class BuildFromFirstBatch:
         )
         if self._training_build:
             self._training_build = False
-            size = None if iterator is None else trainer.array_batch_size(iterator)
+            # Under a strategy the batch built from is one replica's, drawn;
+            # the array adapter's size is the global batch.
+            local = required(self, "_distribute_strategy") is not None
+            size = None if iterator is None or local else trainer.array_batch_size(iterator)
             self._see_batch(data_batch, size)
 
     def train_on_batch(self, *args, **kwargs):
