@@ -26,8 +26,8 @@ graphs, which RSS counts). Two pipelines (`--pipelines`):
 - `known`: `Dataset.batch(size, drop_remainder=True)`, a batch size the
   step knows before the first batch (as with arrays);
 - `unknown`: `Dataset.batch(size)` (Keras's default): the size is known
-  only from the first batch, which keras_accum trains eagerly, op by op
-  (`train_functions.see_first`), at a higher peak than a traced step's.
+  only from the first batch, which the step made for it learns
+  (`engine/functions.py`'s `see_first`: traced, as every later step).
 
 The criterion read from it: accumulation at the micro-batch m holds at
 most 1.10x (plain at m + one float32 copy of the trainable variables), at
@@ -281,7 +281,7 @@ def markdown(results):
         "already made; AccumModel's buffers, made in `fit`, counted), each (way, B) in a "
         "fresh process; `known`: batched with `drop_remainder=True` (the step knows the "
         "batch size, as with arrays); `unknown`: `Dataset.batch(size)`, Keras's default, "
-        "whose first batch keras_accum trains eagerly to learn the size. "
+        "whose first batch the step learns the size from (traced, as every later one). "
         "Time per sample: one process, every (way, B) traced, then "
         f"{results['rounds']} rounds timing one update of each in a rotated order; the "
         "median update time / B, and the ratio to plain at the same B within a round "
@@ -374,7 +374,7 @@ def plot(results, path):
                     marker=".",
                     linestyle=":",
                     linewidth=1,
-                    label=f"{way}, {pipeline} batch size (first batch eager)",
+                    label=f"{way}, {pipeline} batch size",
                 )
     mem.axhline(
         MEMORY_TARGET * summary["allowance_bytes"] / 2**20,
