@@ -857,18 +857,6 @@ def _fit_arrays(settings):
     return _accumulating(**settings), lambda model: _small_fit(model)
 
 
-def _fit_pipeline(settings):
-    # A dynamic batch dimension: the first call's step runs on the batch
-    # in hand (reduced as Keras reduces a step's logs).
-    import tensorflow as tf
-
-    from helpers.data import make_data
-
-    x, y = make_data(16)
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(4)
-    return _accumulating(**settings), lambda model: model.fit(data, verbose=0)
-
-
 def _fit_weighted(settings):
     # A loss divided by its sample weights: the divisor through Keras's mask
     # and rank helpers.
@@ -911,7 +899,14 @@ MODULE_REACHES = {
     ),
     "ArrayDataAdapter": ("trainer", "_ArrayDataAdapter", "Keras", _fit_arrays, {}),
     "TensorFlowTrainer": ("model_hooks", "trainer.TensorFlowTrainer", "Keras", _fit_arrays, {}),
-    "reduce_per_replica": ("trainer", "reduce_per_replica", "Keras", _fit_pipeline, {}),
+    # "auto" steps on the batch in hand, its logs reduced as Keras reduces them.
+    "reduce_per_replica": (
+        "trainer",
+        "reduce_per_replica",
+        "Keras",
+        _fit_arrays,
+        {"micro_batch_size": "auto"},
+    ),
     "BatchNormalization": ("layers", "BatchNormalization", "Keras", _fit_arrays, {}),
     "KerasSaveable": ("saving", "KerasSaveable", "Keras", _fit_arrays, {}),
     "unscale_loss_for_distribution": (

@@ -451,7 +451,7 @@ def test_a_micro_batch_waits_for_the_previous_one_without_a_changed_bit(jit_comp
     # Under XLA a micro-batch waits by data (a zero it cannot fold, taken
     # away from each input): -0.0 stays -0.0, NaN and infinities in what it
     # waits for change nothing, integers and booleans pass as they are.
-    from keras_accum import microbatch
+    from keras_accum.split import microbatch
 
     part = (
         tf.constant([-0.0, 0.0, 1.5, -np.inf, np.nan], tf.float32),
