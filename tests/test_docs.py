@@ -22,8 +22,8 @@ Every code block of README.md and docs/**/*.md is covered (docs/development.md,
   page says `pip install keras-hub`): its page runs with it where keras_hub
   is installed, and without it (as a reader without KerasHub skips it)
   where not; no later block may read a name it binds (checked without
-  keras_hub too); tests/test_kerashub.py (the `kerashub` nox session, which
-  has keras-hub) runs its page whole.
+  keras_hub too); where keras-hub is required (KERAS_ACCUM_REQUIRE_KERAS_HUB=1:
+  CI's slow tier, the `kerashub` nox session) the page runs whole, once.
 * A page whose blocks make a `MirroredStrategy` starts with the
   two-devices block.
 * `text` blocks are formulas.
@@ -37,6 +37,7 @@ import re
 import shlex
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -297,7 +298,14 @@ def test_page_runs_top_to_bottom_in_a_fresh_python(path, tmp_path):
 
     page = python_blocks(path)
     # A reader without an optional package skips its block; nothing after
-    # it may need it (the page runs whole where the package is installed).
+    # it may need it. Where the package is installed (the slow tier in CI,
+    # KERAS_ACCUM_REQUIRE_KERAS_HUB=1, where its absence fails) the page
+    # runs whole: the KerasHub blocks run as pasted here, once.
+    if os.environ.get("KERAS_ACCUM_REQUIRE_KERAS_HUB"):
+        missing = {NEEDS[b.marker] for b in page if b.marker in NEEDS} - {
+            m for m in NEEDS.values() if _installed(m)
+        }
+        assert not missing, f"{page_id(path)} needs {sorted(missing)}, not installed"
     page = [b for b in page if b.marker not in NEEDS or _installed(NEEDS[b.marker])]
     runs = [("page", [b.code for b in page], "")]
     if page[0].marker == "two-devices":
@@ -310,10 +318,29 @@ def test_page_runs_top_to_bottom_in_a_fresh_python(path, tmp_path):
     for name, codes, checks in runs:
         workdir = tmp_path / name
         workdir.mkdir()
-        result = run_program("\n".join(codes) + checks, workdir)
+        code = "\n".join(codes) + checks
+        result = run_program(code, workdir)
+        if result.returncode < 0 and any(b.marker in NEEDS for b in page):
+            # Killed by a signal in native code: glibc found TensorFlow's
+            # heap corrupted ("corrupted double-linked list"), on
+            # docs/contrastive.md twice in about six slow-tier runs (TF
+            # 2.21.0, oneDNN), never in 40 runs of the page alone. TF
+            # 2.21's oneDNN batch matmul is known to write past its
+            # buffers (tensorflow/tensorflow#117700, #123109). Run once
+            # more; the first crash's tracebacks (faulthandler) are kept
+            # as a warning. A second crash, or any Python error, fails.
+            warnings.warn(
+                f"{page_id(path)}: died by signal {-result.returncode}, "
+                f"run again:\n{result.stderr[-3000:]}"
+            )
+            workdir = tmp_path / f"{name}-again"
+            workdir.mkdir()
+            result = run_program(code, workdir)
         assert result.returncode == 0, (
             f"{page_id(path)} ({workdir / 'program.py'}):\n{result.stderr[-3000:]}"
         )
+        if '"lm.keras"' in code:  # the ways-in page's model, saved
+            assert (workdir / "lm.keras").exists()
 
 
 def multi_worker_blocks(lang):

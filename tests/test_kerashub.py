@@ -25,7 +25,7 @@ from helpers import kerashub as hub  # noqa: E402
 from helpers.assertions import assert_history_close, assert_trained, assert_weights_close  # noqa: E402
 from helpers.oom import LimitedLoss  # noqa: E402
 from helpers.processes import run_python, script  # noqa: E402
-from helpers.project import PAGES, ROOT, blocks  # noqa: E402
+from helpers.project import ROOT  # noqa: E402
 
 # KerasHub models, and processes of their own: the slow tier (CI runs it
 # in the `kerashub` nox session, with keras-hub installed).
@@ -297,42 +297,6 @@ def test_plain_kerashub_file_and_wrapped_file_hold_the_same_weights(tmp_path):
     np.testing.assert_allclose(
         plain.predict(x, verbose=0), wrapped.predict(x, verbose=0), rtol=1e-6, atol=1e-6
     )
-
-
-@pytest.mark.slow
-def test_docs_pages_with_kerashub_blocks_run_whole(tmp_path):
-    # The pages with KerasHub examples (marked `docs-test: kerashub`), pasted
-    # whole into a fresh Python as a reader with keras-hub would:
-    # tests/test_docs.py runs them without those blocks where keras_hub is
-    # missing.
-    from helpers.processes import run_program
-
-    pages = [p for p in PAGES if any(b.marker == "kerashub" for b in blocks(p.read_text()))]
-    assert pages
-    for i, page in enumerate(pages):
-        workdir = tmp_path / str(i)
-        workdir.mkdir()
-        code = "\n".join(b.code for b in blocks(page.read_text()) if b.lang == "python")
-        result = run_program(code, workdir)
-        if result.returncode < 0:
-            # Killed by a signal in native code: glibc found TensorFlow's
-            # heap corrupted ("corrupted double-linked list"), on
-            # docs/contrastive.md twice in about six slow-tier runs (TF
-            # 2.21.0, oneDNN), never in 40 runs of the page alone. TF
-            # 2.21's oneDNN batch matmul is known to write past its
-            # buffers (tensorflow/tensorflow#117700, #123109). Run once
-            # more; the first crash's tracebacks (faulthandler) are kept
-            # as a warning. A second crash, or any Python error, fails.
-            warnings.warn(
-                f"{page.name}: died by signal {-result.returncode}, "
-                f"run again:\n{result.stderr[-3000:]}"
-            )
-            workdir = tmp_path / f"{i}-again"
-            workdir.mkdir()
-            result = run_program(code, workdir)
-        assert result.returncode == 0, f"{page}:\n{result.stderr[-3000:]}"
-        if '"lm.keras"' in code:  # the ways-in page's model, saved
-            assert (workdir / "lm.keras").exists()
 
 
 # -- coupled_from: SigLIP's loss on KerasHub's SigLIP encoders ------------------
