@@ -316,9 +316,12 @@ class AccumModel(
         """`keras.Model.fit`, plus `accum_steps` and `micro_batch_size` for this call only.
 
         Args:
-            x, y, batch_size, epochs, verbose: as `keras.Model.fit`; `batch_size`
-                is the micro-batch of an `accum_steps` window, or the batch split
-                by `micro_batch_size`.
+            x: as `keras.Model.fit`.
+            y: as `keras.Model.fit`.
+            batch_size: as `keras.Model.fit`: the micro-batch of an `accum_steps`
+                window, or the batch split by `micro_batch_size`.
+            epochs: as `keras.Model.fit`.
+            verbose: as `keras.Model.fit`.
             callbacks: as `keras.Model.fit`; one callback without a list too.
             accum_steps: overrides `self.accum_steps` for this call (checked
                 before training; refused if an `AccumScheduler` sets another value

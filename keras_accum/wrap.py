@@ -189,8 +189,13 @@ def wrap(
 
     Args:
         model: a `keras.Model` (Sequential, functional or subclassed).
-        accum_steps, skip_nonfinite, batchnorm, micro_batch_size, noise_scale,
-            accum_dtype, coupled_from: as `AccumModel`'s.
+        accum_steps: as `AccumModel`'s.
+        skip_nonfinite: as `AccumModel`'s.
+        batchnorm: as `AccumModel`'s.
+        micro_batch_size: as `AccumModel`'s.
+        noise_scale: as `AccumModel`'s.
+        accum_dtype: as `AccumModel`'s.
+        coupled_from: as `AccumModel`'s.
         **kwargs: none are taken: a misspelt argument raises a TypeError naming
             the argument it is close to.
 

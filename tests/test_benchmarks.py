@@ -11,10 +11,11 @@ from helpers.processes import run_python
 # Each runs a benchmark in a process of its own.
 pytestmark = pytest.mark.slow
 
-# CI runs the quick benchmark and the quick memory curve (the README's
-# figures); the other benchmarks' smoke runs are `release` tests (`python -m
-# nox`, before a release): about 130 CPU-seconds of fresh processes that
-# check the benchmark scripts, plus the transformer's. What
+# CI runs the quick benchmark (the README's figures); the other benchmarks'
+# smoke runs are `release` tests (`python -m nox`, before a release): about
+# 130 CPU-seconds of fresh processes that check the benchmark scripts, plus
+# the transformer's and the memory curve's (170 s: twelve fresh processes,
+# the most of any slow test, where CI keeps within its half hour). What
 # they check of the library is tested directly too: bit identity with and
 # without measuring and the sparse rows' norm (test_noise_scale), remat
 # against the big batch (test_remat).
@@ -63,6 +64,7 @@ def test_quick_benchmark_writes_its_report(tmp_path):
     assert (tmp_path / "results.png").read_bytes().startswith(PNG_SIGNATURE)
 
 
+@pytest.mark.release
 def test_quick_memory_curve_writes_its_report_and_plot(tmp_path):
     # The README's memory picture: every way at two effective batches and
     # both pipelines (each in a process of its own for its memory), one
@@ -87,7 +89,7 @@ def test_quick_memory_curve_writes_its_report_and_plot(tmp_path):
 
     measured = json.loads((tmp_path / "memory_curve.json").read_text())
     # Both pipelines: a batch size the step knows, and one it learns from the
-    # first batch (keras_accum trains that batch eagerly).
+    # first batch (trained by the traced step).
     assert {(m["way"], m["batch"], m["pipeline"]) for m in measured["memory"]} == {
         (way, batch, pipeline)
         for way in ("plain", "accum_steps", "micro_batch_size")

@@ -55,7 +55,7 @@ def test_ci_runs_the_next_pair_the_floor_pair_and_kerashub():
     # The slow tier once, on the newest pair, after the README's command,
     # with the KerasHub of the kerashub session (its tests must run).
     lines = run.splitlines()
-    slow = 'KERAS_ACCUM_REQUIRE_KERAS_HUB=1 python -m pytest -n 2 -m "slow and not release"'
+    slow = 'KERAS_ACCUM_REQUIRE_KERAS_HUB=1 python -m pytest -n 3 -m "slow and not release"'
     hub = f'python -m pip install keras-hub=={nox_constant("KERAS_HUB")} "tensorflow==$tensorflow"'
     assert slow in lines and hub in lines and lines.index(hub) < lines.index(slow), run
     nox_lines = [line for line in lines if line.startswith("python -m nox")]
