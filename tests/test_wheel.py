@@ -14,11 +14,13 @@ build and twine, is installed). Marked `wheel`: deselect with
 import importlib.util
 import re
 import shutil
+import site
 import subprocess
 import sys
 import tarfile
 import venv
 import zipfile
+from pathlib import Path
 
 import pytest
 
@@ -82,6 +84,13 @@ def test_the_wheel_installs_in_a_fresh_venv_and_runs_the_quickstart(tmp_path):
     env = tmp_path / "venv"
     venv.create(env, system_site_packages=True, with_pip=True)
     python = env / "bin" / "python"
+    # The test run's own packages (TensorFlow, Keras) too: `system_site_packages`
+    # reaches the base interpreter's, not those of a virtualenv the tests
+    # run in (where TensorFlow alone is installed, the import then failed).
+    site_dir = run(
+        python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))", cwd=tmp_path
+    )
+    Path(site_dir.strip(), "test-run.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     run(
         python,
         "-m",
