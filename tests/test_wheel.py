@@ -86,7 +86,7 @@ def test_the_wheel_installs_in_a_fresh_venv_and_runs_the_quickstart(tmp_path):
     python = env / "bin" / "python"
     # The test run's own packages (TensorFlow, Keras) too: `system_site_packages`
     # reaches the base interpreter's, not those of a virtualenv the tests
-    # run in (where TensorFlow alone is installed, the import then failed).
+    # run in: where TensorFlow is installed only there, the import failed.
     site_dir = run(
         python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))", cwd=tmp_path
     )
