@@ -22,6 +22,7 @@ import time
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import keras_accum
 from helpers import internals, references
@@ -199,6 +200,25 @@ def test_a_change_of_trainable_variables_makes_new_steps(counting):
     assert CountingTraces.traced == [2, 2]
     for w, w0 in zip(counting.get_layer("hidden").get_weights(), frozen):
         np.testing.assert_array_equal(w, w0)
+
+
+def test_the_window_open_at_an_epochs_end_is_applied_without_a_trace_of_its_own():
+    # On one device `fit` applies an epoch's last, open window op by op: a
+    # traced flush cost a trace and an instantiation per compile (a third of
+    # this model's fit). The one traced update is the train step's.
+    inside = []
+
+    class Adam(keras.optimizers.Adam):
+        def apply(self, grads, trainable_variables=None):
+            inside.append(tf.inside_function())
+            return super().apply(grads, trainable_variables)
+
+    model = functional(AccumModel, accum_steps=5)  # windows of 40, 40 and 12
+    model.compile(Adam(0.01), loss())  # OPTIMIZERS["adam"], as the reference's
+    model.fit(X, Y, epochs=2, validation_data=(X[:16], Y[:16]), **FIT)
+    assert inside.count(True) == 1
+    assert inside.count(False) == 2  # the window of 12, at each epoch's end
+    assert_weights_close(plain_with_batches((40, 40)), model)
 
 
 # -- no retracing warnings from keras_accum's own functions --------------------------

@@ -229,7 +229,8 @@ class TrainFunctions:
     # -- flushing ----------------------------------------------------------
 
     def flush_function(self, model, state):
-        """The traced function applying the open window: one per optimizer and window variables."""
+        """The traced function applying the open window under a strategy (in
+        cross-replica context): one per optimizer and window variables."""
         captured = Captured((model.optimizer, *state.buffers.acc_grads, *state.moments.variables))
         kept, function = self._flush
         if kept is None or not kept.same(captured):
