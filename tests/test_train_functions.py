@@ -204,7 +204,7 @@ def test_a_change_of_trainable_variables_makes_new_steps(counting):
 
 def test_the_window_open_at_an_epochs_end_is_applied_without_a_trace_of_its_own():
     # On one device `fit` applies an epoch's last, open window op by op: a
-    # traced flush cost a trace and an instantiation per compile (a third of
+    # traced flush cost a trace and an instantiation per compile (a fifth of
     # this model's fit). The one traced update is the train step's.
     inside = []
 

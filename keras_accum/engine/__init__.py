@@ -172,7 +172,7 @@ class Engine:
             # On one device the window is applied op by op: an update made at
             # an epoch's end or before a validation takes milliseconds so,
             # where a traced one cost a trace and an instantiation per compile
-            # (a third of a small model's `fit`).
+            # (a fifth of a small model's `fit`).
             window.close(state, model.optimizer, model.distribute_strategy)
         else:
             self.functions.flush_function(model, state)()
