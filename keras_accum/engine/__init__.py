@@ -169,10 +169,10 @@ class Engine:
         self._restore_batchnorm_window()
         state.prepare_flush(model.trainable_variables, model.optimizer, model.distribute_strategy)
         if model.run_eagerly or not internals.replicated(model.distribute_strategy):
-            # On one device the window is applied op by op: an update made at
-            # an epoch's end or before a validation takes milliseconds so,
-            # where a traced one cost a trace and an instantiation per compile
-            # (a fifth of a small model's `fit`).
+            # On one device the window is applied op by op: an update made
+            # once an epoch (or before a validation) costs less so than the
+            # trace and instantiation a traced one paid per compile (a fifth
+            # of a small model's `fit`).
             window.close(state, model.optimizer, model.distribute_strategy)
         else:
             self.functions.flush_function(model, state)()
