@@ -170,9 +170,9 @@ class Engine:
         state.prepare_flush(model.trainable_variables, model.optimizer, model.distribute_strategy)
         if model.run_eagerly or not internals.replicated(model.distribute_strategy):
             # On one device the window is applied op by op: an update made
-            # once an epoch (or before a validation) costs less so than the
-            # trace and instantiation a traced one paid per compile (a fifth
-            # of a small model's `fit`).
+            # once an epoch (or before a validation) costs less that way than
+            # the trace and instantiation a traced one paid per compile (a
+            # fifth of a small model's `fit`).
             window.close(state, model.optimizer, model.distribute_strategy)
         else:
             self.functions.flush_function(model, state)()
