@@ -898,6 +898,8 @@ MODULE_REACHES = {
         {"accum_steps": 1, "micro_batch_size": 2},
     ),
     "ArrayDataAdapter": ("trainer", "_ArrayDataAdapter", "Keras", _fit_arrays, {}),
+    # A split step's micro-batches call one pass, kept a call.
+    "NO_INLINE": ("trainer", "_NO_INLINE", "TensorFlow", _fit_arrays, {"micro_batch_size": 2}),
     "TensorFlowTrainer": ("model_hooks", "trainer.TensorFlowTrainer", "Keras", _fit_arrays, {}),
     # "auto" steps on the batch in hand, its logs reduced as Keras reduces them.
     "reduce_per_replica": (

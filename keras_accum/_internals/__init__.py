@@ -112,6 +112,7 @@ from keras_accum._internals.trainer import (  # noqa: E402
     each_batch,
     make_replicated_function,
     make_step_on_data,
+    not_inlined,
     optionals_to_none,
     reduce_outputs,
     reduce_per_replica,

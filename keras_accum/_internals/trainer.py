@@ -9,13 +9,16 @@ import tensorflow as tf
 from keras import tree
 
 from keras_accum._internals.distribute import multi_worker
-from keras_accum._internals.versions import moved, reach, required
+from keras_accum._internals.versions import is_missing, moved, reach, required
 
 _TRAINER = "keras.src.backend.tensorflow.trainer"
 _ArrayDataAdapter = reach("keras.src.trainers.data_adapters.array_data_adapter", "ArrayDataAdapter")
 # Keras 3.16 renamed the TF trainer `TensorFlowTrainer` -> `Trainer`.
 TensorFlowTrainer = reach(_TRAINER, "Trainer", "TensorFlowTrainer")
 reduce_per_replica = reach(_TRAINER, "reduce_per_replica")
+# TensorFlow has no public switch that keeps a function's calls calls (see
+# `not_inlined`): the attribute's name, as `tf.function` allows it.
+_NO_INLINE = reach("tensorflow.python.eager.polymorphic_function.attributes", "NO_INLINE")
 
 
 def call_for_training(model, x):
@@ -209,3 +212,14 @@ def without_retracing_warning(function):
     flag is private (tests/test_keras_internals.py checks it is read)."""
     function._omit_frequent_tracing_warning = True
     return function
+
+
+def not_inlined(python_function):
+    """`tf.function(python_function)` whose calls TensorFlow's runtime keeps
+    as calls of one function, not inlined into the caller's graph: its
+    kernels, and the constants they hold, exist once however often it is
+    called (inlined, each call site gets its own). `experimental_attributes`
+    is public; the attribute's name is not."""
+    if is_missing(_NO_INLINE):
+        _NO_INLINE()  # the stand-in raises KerasInternalsChanged, naming it
+    return tf.function(python_function, experimental_attributes={_NO_INLINE: True})

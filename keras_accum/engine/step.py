@@ -17,6 +17,7 @@ import tensorflow as tf
 
 from keras_accum import _internals as internals
 from keras_accum import scaling, window
+from keras_accum.engine import shared_pass
 from keras_accum.normaliser import loss_normaliser, micro_batch_weight
 from keras_accum.split import coupling, microbatch
 from keras_accum.window import noise_scale
@@ -233,7 +234,7 @@ def split_gradients(model, plan, state, data, variables):
     """The batch's gradients summed over micro-batches of `plan.split_size`,
     as a `ComputedBatch`; nothing written but by the layers' forward passes."""
     x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-    split = microbatch.split((x, y, sample_weight), plan.split_size, plan.batch_size_seen)
+    split = list(microbatch.split((x, y, sample_weight), plan.split_size, plan.batch_size_seen))
     if plan.coupling is not None and plan.split_size is not None:
         loss_scale, fold = _weight_folding(model)
         batch, records = coupling.coupled_gradients(
@@ -250,18 +251,22 @@ def split_gradients(model, plan, state, data, variables):
         return ComputedBatch(x, y, sample_weight, batch, records, None)
     records = []
     parts, total = [], None
+    # One traced pass called per micro-batch (shared_pass.py), but for one
+    # micro-batch (nothing to share) or under XLA (one program).
+    shared = len(split) > 1 and not internals.in_xla_context()
+    run = shared_pass.micro_batch_pass(micro_batch_gradients, model, state, variables, shared)
     for part, live in split:
         if parts:
             part = microbatch.after(total, part)
         if live is None:
-            parts.append(micro_batch_gradients(model, state, *part, variables, records))
+            parts.append(run(*part, records))
             total = microbatch.summed(total, parts[-1])
             continue
         # A stand-in past a short batch's end: weighs, counts, predicts and
         # adds nothing.
         live = tf.cast(live, tf.float32)
         first = len(records)
-        step = micro_batch_gradients(model, state, *part, variables, records, live=live)
+        step = run(*part, records, live=live)
         rows = step.num_samples * tf.cast(live, step.num_samples.dtype)
         records[first:] = [
             record._replace(count=record.count * tf.cast(live, record.count.dtype))
