@@ -436,6 +436,29 @@ def test_a_window_skipped_for_its_loss_leaves_the_moving_statistics(strategy):
     assert_moving_close(plain, model)
 
 
+def test_a_synchronized_layer_under_two_replicas_splits_into_micro_batches():
+    # A synchronized BatchNormalization all-reduces its moments in the
+    # forward pass (a `merge_call`), which TensorFlow refuses inside a nested
+    # function: under a strategy the micro-batches stay unrolled, not a call
+    # each of one shared pass (engine/shared_pass.py). 96 samples, global
+    # batch 32: 16 per replica, micro-batches of 4, windows of 2 batches.
+    from helpers import replicas
+
+    x, y = bn_data(96)
+    plain = bn_net(bn_kwargs={"synchronized": True})
+    plain.compile(keras.optimizers.SGD(0.1), loss())
+    plain.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0)
+    with replicas.mirrored(2).scope():
+        model = bn_net(
+            AccumModel, accum_steps=2, micro_batch_size=4, bn_kwargs={"synchronized": True}
+        )
+        model.compile(keras.optimizers.SGD(0.1), loss())
+    model.fit(x, y, batch_size=32, epochs=1, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations.numpy()) == 2
+    assert_moved(plain)
+    assert_moving_close(plain, model)
+
+
 def _mid_window_copy(interrupted, suffix, tmp_path):
     path = str(tmp_path / f"m{suffix}")
     if suffix == ".keras":

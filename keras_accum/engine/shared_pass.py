@@ -6,14 +6,18 @@ first `fit` of the transformer's 16 micro-batches: 91 s of CPU, 26 s
 shared), and each copy's kernels held their own constants, about a quarter
 of a megabyte per micro-batch there (docs/benchmarks/transformer.md,
 "Memory"). Here one `tf.function` is traced at the first micro-batch (and
-once more for a shorter last one) and called for every one; TensorFlow
+once more for a last one of another shape, or, without a static batch size,
+for the stand-ins past a short batch's end) and called for every one; TensorFlow
 keeps the calls calls (`internals.not_inlined`), so its kernels and their
 constants exist once. The order is the unrolled step's: each call's inputs
 wait for the sum before it (split/microbatch.py's `after`), and the step's
 writes for every call.
 
-Not under XLA, which compiles the step as one program, a call inlined: the
-micro-batches stay unrolled there, each waiting by data (microbatch.py).
+Not under XLA: XLA compiles the step as one program and would inline the
+call, so the micro-batches stay unrolled there, each waiting by data
+(microbatch.py). Not under a `tf.distribute` strategy: a forward pass may
+synchronise the replicas (a synchronized BatchNormalization's `merge_call`),
+which TensorFlow refuses inside a nested function.
 """
 
 from keras import tree
@@ -45,9 +49,12 @@ class SharedPass:
     function, called per micro-batch of a split step (made per trace of the
     step).
 
-    What a trace learns that is not a tensor is the same for every shape it
-    is traced at (the loss's normalisation, which layers record moments,
-    where predictions have masks): kept from the latest trace as `_learnt`.
+    What a trace learns that is not a tensor (the loss's normalisation,
+    which layers record moments, where predictions have masks) is taken to
+    be the same at every shape it is traced at: none of it reads a shape.
+    It is kept from the latest trace as `_learnt`, which is the one the
+    call being made traced or reused (calls come in order: full micro-batches
+    first, then the other shape).
 
     Example:
         shared = SharedPass(run)

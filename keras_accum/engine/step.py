@@ -252,8 +252,14 @@ def split_gradients(model, plan, state, data, variables):
     records = []
     parts, total = [], None
     # One traced pass called per micro-batch (shared_pass.py), but for one
-    # micro-batch (nothing to share) or under XLA (one program).
-    shared = len(split) > 1 and not internals.in_xla_context()
+    # micro-batch (nothing to share), under XLA (one program), or under a
+    # strategy: a forward pass may synchronise the replicas (a synchronized
+    # BatchNormalization's `merge_call`), which a nested function refuses.
+    shared = (
+        len(split) > 1
+        and not internals.in_xla_context()
+        and not internals.replicated(model.distribute_strategy)
+    )
     run = shared_pass.micro_batch_pass(micro_batch_gradients, model, state, variables, shared)
     for part, live in split:
         if parts:

@@ -1,10 +1,10 @@
 """Micro-batches inside the step: each batch is split, its gradients summed
 exactly (normaliser.py), and one update made. The micro-batches are in
-sequence in the traced graph (no `tf.while_loop`), each a call of one traced
-pass (engine/shared_pass.py; unrolled under XLA, which fuses them as any
-step), each waiting for the sum before it, so memory is one micro-batch's;
-the step (engine/step.py) makes every write wait for all of them, so a failed
-step writes nothing.
+sequence in the traced graph (no `tf.while_loop`): on one device each is a
+call of one traced pass (engine/shared_pass.py), under XLA (which fuses them
+as any step) and under a strategy an unrolled copy. Each waits for the sum
+before it, so memory is one micro-batch's; the step (engine/step.py) makes
+every write wait for all of them, so a failed step writes nothing.
 """
 
 import math
