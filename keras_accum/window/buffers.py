@@ -183,7 +183,8 @@ class GradientAccumulator(tf.Module, internals.SavedState):
 
         def add():
             # A window's first micro-batch is assigned, not added: an in-place
-            # add onto `reset`'s constant zero copies the buffer first. Why:
+            # add onto `reset`'s zeros copied the buffer first (a constant
+            # zero then, `_zeros_at_run_time` since: the assign kept). Why:
             # benchmarks/design-notes.md, "The last micro-batch folded into the update".
             tf.cond(
                 self.micro_step > 0,
@@ -320,9 +321,10 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         # Under XLA the new count is written from a sort, so the reset stays a
         # branch run once per window (`internals.branch_keeping_zero`).
         zero = internals.branch_keeping_zero(self.micro_step)
+        zeros = _zeros_like if internals.in_xla_context() else _zeros_at_run_time(self.micro_step)
         for i, (buf, count) in enumerate(zip(self.acc_grads, self.slice_counts)):
             if i not in self.layout.sparse:
-                buf.assign(tf.zeros_like(buf))
+                buf.assign(zeros(buf))
             count.assign(tf.zeros_like(count))
         self.window_weight.assign(0.0)
         self.micro_step.assign(tf.cast(zero, self.micro_step.dtype))
@@ -361,6 +363,21 @@ class GradientAccumulator(tf.Module, internals.SavedState):
             # Last: made later, so a snapshot taken before it existed leaves it unread.
             *(self.acc_stats[k] for k in sorted(self.acc_stats, key=int)),
         ]
+
+
+def _zeros_like(buf):
+    return tf.zeros_like(buf)
+
+
+def _zeros_at_run_time(probe):
+    """Zeros shaped as a buffer, filled from a zero computed at run time: Grappler
+    folds `zeros_like` of a static shape into a constant the step's function
+    holds while it lives (one per shape: 0.43 MB on the transformer benchmark),
+    and a window's first add then copies the buffer off it. `where(p > inf, p,
+    0)` is zero for every float."""
+    probe = tf.cast(probe, tf.float32)
+    zero = tf.where(probe > float("inf"), probe, 0.0)
+    return lambda buf: tf.fill(tf.shape(buf), tf.cast(zero, buf.dtype))
 
 
 def _sparse_window_gradient(parts, stats, statistic, padded, capacity, inv, dtype):

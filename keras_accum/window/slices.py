@@ -87,8 +87,10 @@ def _padded(storage, indices, count):
     rows = tf.shape(indices, out_type=count.dtype)[0]
     live = tf.range(rows, dtype=count.dtype) < count
     mask = tf.reshape(live, [-1] + [1] * (len(storage.shape) - 1))
-    values = tf.where(mask, storage, tf.zeros_like(storage))
-    return values, tf.where(live, indices, tf.zeros_like(indices))
+    # A scalar zero, broadcast: `zeros_like` of a static shape is folded into
+    # a constant of the buffer's size, held while the step's function lives.
+    values = tf.where(mask, storage, tf.zeros([], storage.dtype))
+    return values, tf.where(live, indices, tf.zeros([], indices.dtype))
 
 
 def compact_window(storage, indices, count, size):
