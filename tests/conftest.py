@@ -7,11 +7,10 @@ Tiers (docs/development.md, "Tests"), each a marker:
 - `integration`: every test marked neither `unit` nor `slow` (this file
   marks it): the comparisons with the plain big batch, graph and XLA;
 - `slow`: fresh processes (clusters, kill points, the wheel, KerasHub,
-  the docs' pages as pasted, the quick benchmark's smoke run), and the fixtures
-  that train dozens of models under a strategy. A test marked
-  `multi_worker`, `wheel` or `release` is `slow` too; `release` tests
-  (kill points beyond one of each cluster shape, the other benchmarks'
-  smoke runs) run before a release
+  the docs' pages as pasted), and the fixtures that train dozens of
+  models under a strategy. A test marked `multi_worker`, `wheel` or
+  `release` is `slow` too; `release` tests (kill points beyond one of
+  each cluster shape, the benchmarks' smoke runs) run before a release
   only (`python -m nox`), not in CI.
 
 The README's test command runs `-m "not slow"`; CI runs that, then

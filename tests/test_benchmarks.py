@@ -11,19 +11,20 @@ from helpers.processes import run_python
 # Each runs a benchmark in a process of its own.
 pytestmark = pytest.mark.slow
 
-# CI runs the quick benchmark (the README's figures); the other benchmarks'
-# smoke runs are `release` tests (`python -m nox`, before a release): about
-# 130 CPU-seconds of fresh processes that check the benchmark scripts, plus
-# the transformer's and the memory curve's (170 s: twelve fresh processes,
-# the most of any slow test, where CI keeps within its half hour). What
-# they check of the library is tested directly too: bit identity with and
-# without measuring and the sparse rows' norm (test_noise_scale), remat
-# against the big batch (test_remat).
+# Every smoke run is a `release` test (`python -m nox`, before a release),
+# the quick benchmark's (the README's figures) too: fresh processes that
+# check the benchmark scripts, about 300 CPU-seconds in all, the quick
+# benchmark's 180 of them (a two-worker cluster and a process per memory
+# reading), which CI's half hour no longer had room for. What they check of
+# the library is tested directly: bit identity with and without measuring
+# and the sparse rows' norm (test_noise_scale), remat against the big batch
+# (test_remat), clusters (test_distributed, test_fault_tolerance).
 
 IMPLEMENTATIONS = ("plain", "builtin", "gradient-accumulator", "AccumModel")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.release
 def test_quick_benchmark_writes_its_report(tmp_path):
     result = run_python(
         # Two rounds, the fewest (the first is dropped), and one timing

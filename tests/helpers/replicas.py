@@ -32,6 +32,12 @@ def configure(workers=1):
         threads = max(1, (os.cpu_count() or 1) // workers)
         tf.config.threading.set_intra_op_parallelism_threads(threads)
         tf.config.threading.set_inter_op_parallelism_threads(threads)
+        # The processes a test starts (pages as pasted, cluster workers)
+        # inherit the share: with TensorFlow's default pools each spun
+        # threads on cores the other workers were using (6% of the CPU time
+        # of a subset of those tests, paired).
+        for pool in ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS"):
+            os.environ.setdefault(pool, str(threads))
 
 
 @functools.cache
