@@ -253,7 +253,11 @@ def _repeats_text(results):
     counts = {len(m.get("peak_bytes_each", [m["peak_bytes"]])) for m in results["memory"]}
     if counts == {1}:
         return "in a fresh process"
-    return "in fresh processes, the median of " + " or ".join(str(c) for c in sorted(counts))
+    return (
+        "in fresh processes, the median of "
+        + " (or ".join(str(c) for c in sorted(counts, reverse=True))
+        + ")" * (len(counts) - 1)
+    )
 
 
 def _mb(value):
@@ -276,8 +280,14 @@ def markdown(results):
         f"at the end; Python {versions['python']}, TensorFlow {versions['tensorflow']}, "
         f"Keras {versions['keras']}; keras_accum at {machine['keras_accum']}"
         + (
-            f"; the time columns from the run of {machine['timing_from']} (`--timing-from`)."
+            f"; the time columns from the run of {machine['timing_from']} (`--timing-from`)"
             if machine.get("timing_from")
+            else ""
+        )
+        + (
+            f"; the memory of pipelines not measured here from the run of "
+            f"{machine['memory_from']} (`--memory-from`, one process each)."
+            if machine.get("memory_from")
             else "."
         ),
         "",
@@ -489,6 +499,8 @@ def main(argv=None):
     )
     parser.add_argument("--json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1 (a process per reading), got {args.repeats}")
     micro = args.micro_batch
     if args.memory_worker:
         way, batch, pipeline = args.memory_worker
@@ -517,16 +529,17 @@ def main(argv=None):
     pipelines = [p for p in PIPELINES if p in args.pipelines]  # `known` first
     readings = []
     if args.memory_from:
-        readings = [
-            r
-            for r in json.loads(Path(args.memory_from).read_text())["memory"]
-            if r["pipeline"] not in pipelines
-        ]
-    for pipeline in pipelines:
-        for batch in batches:
-            for way in WAYS:
-                each = [
-                    _memory_in_fresh_process(
+        earlier = json.loads(Path(args.memory_from).read_text())
+        machine["memory_from"] = f"{earlier['date']} at {earlier['machine']['keras_accum']}"
+        readings = [r for r in earlier["memory"] if r["pipeline"] not in pipelines]
+    # Each repeat goes over every configuration in turn, so a configuration's
+    # processes are spread over the run, not one after another.
+    each = {}
+    for repeat in range(args.repeats):
+        for pipeline in pipelines:
+            for batch in batches:
+                for way in WAYS:
+                    reading = _memory_in_fresh_process(
                         way,
                         batch,
                         micro,
@@ -535,15 +548,13 @@ def main(argv=None):
                         pipeline,
                         out / "memory_curve_worker.json",
                     )
-                    for _ in range(args.repeats)
-                ]
-                reading = repeated(each)
-                print(
-                    f"  memory {way} {batch} ({pipeline}): {reading['peak_bytes'] / 1e6:.1f} MB "
-                    f"(each: {', '.join(f'{b / 1e6:.2f}' for b in reading['peak_bytes_each'])})",
-                    flush=True,
-                )
-                readings.append(reading)
+                    print(
+                        f"  memory {way} {batch} ({pipeline}), process {repeat + 1}: "
+                        f"{reading['peak_bytes'] / 1e6:.2f} MB",
+                        flush=True,
+                    )
+                    each.setdefault((pipeline, batch, way), []).append(reading)
+    readings += [repeated(r) for r in each.values()]
     (out / "memory_curve_worker.json").unlink(missing_ok=True)
     readings.sort(key=lambda r: PIPELINES.index(r["pipeline"]))  # the criterion's first
     import keras

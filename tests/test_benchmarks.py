@@ -13,7 +13,8 @@ pytestmark = pytest.mark.slow
 
 # Every smoke run is a `release` test (`python -m nox`, before a release),
 # the quick benchmark's (the README's figures) too: fresh processes that
-# check the benchmark scripts, about 300 CPU-seconds in all, the quick
+# check the benchmark scripts, about 300 CPU-seconds in all before the
+# memory curve's smoke run took two processes a reading, the quick
 # benchmark's 180 of them (a two-worker cluster and a process per memory
 # reading), which CI's half hour no longer had room for. What they check of
 # the library is tested directly: bit identity with and without measuring

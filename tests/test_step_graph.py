@@ -199,7 +199,7 @@ def test_under_xla_micro_batches_do_not_each_hold_a_gradient():
 
 
 def _float_constants(graphs):
-    # Every float constant TensorFlow's kernels hold for the step, as run.
+    # Every float32 constant TensorFlow's kernels hold for the step, as run.
     for graph in graphs:
         for node in graph.node:
             if node.op == "Const" and node.attr["dtype"].type == tf.float32.as_datatype_enum:

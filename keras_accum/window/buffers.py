@@ -183,9 +183,10 @@ class GradientAccumulator(tf.Module, internals.SavedState):
 
         def add():
             # A window's first micro-batch is assigned, not added: an in-place
-            # add onto `reset`'s zeros copied the buffer first (a constant
-            # zero then, `_zeros_at_run_time` since: the assign kept). Why:
-            # benchmarks/design-notes.md, "The last micro-batch folded into the update".
+            # add onto `reset`'s constant zero copied the buffer first (its
+            # zeros are made at run time now; the assign was kept, not
+            # re-measured). Why: benchmarks/design-notes.md, "The last
+            # micro-batch folded into the update".
             tf.cond(
                 self.micro_step > 0,
                 lambda: self._write(batch, statistic),
@@ -370,14 +371,16 @@ def _zeros_like(buf):
 
 
 def _zeros_at_run_time(probe):
-    """Zeros shaped as a buffer, filled from a zero computed at run time: Grappler
-    folds `zeros_like` of a static shape into a constant the step's function
-    holds while it lives (one per shape: 0.43 MB on the transformer benchmark),
-    and a window's first add then copies the buffer off it. `where(p > inf, p,
-    0)` is zero for every float."""
+    """A function giving zeros shaped as a buffer, filled from a zero computed at
+    run time from the scalar `probe`: Grappler folds `zeros_like` of a static
+    shape into a constant the step's function holds while it lives (one per
+    buffer shape: 0.43 MB on the transformer benchmark). `where(p > inf, p, 0)`
+    is zero for every float. The buffer's static shape, not `tf.shape`: no read
+    of it (a sum across replicas for a summed buffer, in cross-replica context).
+    """
     probe = tf.cast(probe, tf.float32)
     zero = tf.where(probe > float("inf"), probe, 0.0)
-    return lambda buf: tf.fill(tf.shape(buf), tf.cast(zero, buf.dtype))
+    return lambda buf: tf.fill(buf.shape, tf.cast(zero, buf.dtype))
 
 
 def _sparse_window_gradient(parts, stats, statistic, padded, capacity, inv, dtype):
