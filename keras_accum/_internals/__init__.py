@@ -47,6 +47,7 @@ from keras_accum._internals.distribute import (  # noqa: E402
     replicated,
     tracing_inside,
     whole_sum,
+    zero_at_run_time,
 )
 from keras_accum._internals.fingerprints import MIRRORED_SOURCES, mirrored  # noqa: E402
 from keras_accum._internals.layers import (  # noqa: E402

@@ -61,8 +61,17 @@ def branch_keeping_zero(probe):
     if not in_xla_context():
         return tf.constant(0.0)
     probe = tf.cast(tf.reshape(probe, []), tf.float32)
-    smallest = tf.sort(tf.stack([probe, probe]))[0]
-    return tf.where(smallest > float("inf"), smallest, 0.0)
+    return zero_at_run_time(tf.sort(tf.stack([probe, probe]))[0])
+
+
+def zero_at_run_time(probe):
+    """Zeros shaped as the float tensor `probe`, computed from it at run time:
+    Grappler and XLA fold a constant (or integer `x * 0`), not this, so what
+    reads it waits for `probe` and no constant is held. `where(p > inf, p, 0)`
+    is zero for every float, NaN and inf too. Public TensorFlow, beside
+    `branch_keeping_zero`.
+    """
+    return tf.where(probe > float("inf"), probe, tf.zeros_like(probe))
 
 
 def whole_sum(t):

@@ -150,17 +150,15 @@ def after(previous, part):
 
 
 def _zero_after(previous):
-    # 0.0 from the whole of each tensor of `previous`, selected by a comparison
-    # no float passes (not NaN, not inf): XLA folds what it can prove (a zero,
-    # integer `x * 0`; an optimization barrier is expanded before CSE on CPU),
-    # not this. The whole, read as a product with ones, not one element: XLA
+    # 0.0 from the whole of each tensor of `previous` (`zero_at_run_time`):
+    # XLA folds what it can prove (a zero, integer `x * 0`; an optimization
+    # barrier is expanded before CSE on CPU), not this. The whole, read as a product with ones, not one element: XLA
     # copies an elementwise sum into each reader of a part of it, and put every
     # add off to the end. Why: benchmarks/design-notes.md, "Waiting on the whole sum".
     reads = [_read_for_waiting(g) for g in previous if g is not None]
     if not reads:
         return tf.constant(0.0)
-    probe = tf.add_n(reads)
-    return tf.where(probe > float("inf"), probe, tf.zeros_like(probe))
+    return internals.zero_at_run_time(tf.add_n(reads))
 
 
 def _read_for_waiting(t):

@@ -322,7 +322,7 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         # Under XLA the new count is written from a sort, so the reset stays a
         # branch run once per window (`internals.branch_keeping_zero`).
         zero = internals.branch_keeping_zero(self.micro_step)
-        zeros = _zeros_like if internals.in_xla_context() else _zeros_at_run_time(self.micro_step)
+        zeros = tf.zeros_like if internals.in_xla_context() else _zeros_at_run_time(self.micro_step)
         for i, (buf, count) in enumerate(zip(self.acc_grads, self.slice_counts)):
             if i not in self.layout.sparse:
                 buf.assign(zeros(buf))
@@ -366,20 +366,15 @@ class GradientAccumulator(tf.Module, internals.SavedState):
         ]
 
 
-def _zeros_like(buf):
-    return tf.zeros_like(buf)
-
-
 def _zeros_at_run_time(probe):
     """A function giving zeros shaped as a buffer, filled from a zero computed at
-    run time from the scalar `probe`: Grappler folds `zeros_like` of a static
-    shape into a constant the step's function holds while it lives (one per
-    buffer shape: 0.43 MB on the transformer benchmark). `where(p > inf, p, 0)`
-    is zero for every float. The buffer's static shape, not `tf.shape`: no read
-    of it (a sum across replicas for a summed buffer, in cross-replica context).
+    run time from the scalar `probe` (`internals.zero_at_run_time`): Grappler
+    folds `zeros_like` of a static shape into a constant the step's function
+    holds while it lives (one per buffer shape: 0.43 MB on the transformer
+    benchmark). The buffer's static shape, not `tf.shape`: no read of it (a
+    sum across replicas for a summed buffer, in cross-replica context).
     """
-    probe = tf.cast(probe, tf.float32)
-    zero = tf.where(probe > float("inf"), probe, 0.0)
+    zero = internals.zero_at_run_time(tf.cast(probe, tf.float32))
     return lambda buf: tf.fill(buf.shape, tf.cast(zero, buf.dtype))
 
 
