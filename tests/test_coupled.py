@@ -47,7 +47,11 @@ def test_in_batch_softmax_is_the_big_batch(reference):
     assert int(model.optimizer.iterations) == int(plain.optimizer.iterations)
 
 
-@pytest.mark.parametrize("jit_compile", [False, True], ids=["graph", "xla"])
+# XLA's in the slow tier: the inner loop's XLA case is
+# test_under_xla_the_second_forward_pass_is_not_merged_with_the_first.
+@pytest.mark.parametrize(
+    "jit_compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["graph", "xla"]
+)
 def test_a_short_last_batch_and_xla_are_the_big_batch(jit_compile):
     # 92 at batch 40: the last batch of 12 is 8 + 4 and three stand-ins
     # (the step is traced for batches of 40).

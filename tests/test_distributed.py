@@ -29,12 +29,13 @@ from helpers.processes import run_python, script
 METRICS_EXACT = internals.keras_internals.metrics_summed_over_replicas()
 
 
-# Dozens of trainings under a strategy in one fixture: the slow tier (CI
-# runs it once); the window-state table, embeddings and small tables cover
-# one and two replicas in the integration tier.
+# Dozens of trainings under a strategy in one fixture: two replicas in the
+# slow tier (CI runs it once), one replica (two replicas' code with one
+# component) before a release; the window-state table, embeddings and small
+# tables cover one and two replicas in the integration tier.
 @pytest.fixture(
     scope="module",
-    params=[pytest.param(n, marks=pytest.mark.slow) for n in (1, 2)],
+    params=[pytest.param(1, marks=pytest.mark.release), pytest.param(2, marks=pytest.mark.slow)],
     ids=["one_replica", "two_replicas"],
 )
 def mirrored(request):
@@ -134,7 +135,9 @@ def test_skip_nonfinite_every_replica_agrees(mirrored):
 @pytest.fixture(
     scope="module",
     params=[
-        pytest.param(1, marks=pytest.mark.slow),  # a process of its own
+        # A process of its own, the cluster's program on one worker: before
+        # a release (CI runs the two-worker cluster).
+        pytest.param(1, marks=pytest.mark.release),
         pytest.param(2, marks=pytest.mark.multi_worker),
     ],
     ids=["one_worker", "two_workers"],

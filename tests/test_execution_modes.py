@@ -210,28 +210,33 @@ def reference(name):
     return references.once(("variants", name), train)
 
 
-# The inner loop runs XLA on every case (the default on one GPU), several
-# steps per execution on the cases whose step differs most under it, and
-# XLA with several steps on step mode (mixed_float16's windows across
-# executions are its steps_per_execution_3); every variant of every case
-# runs in the slow tier.
-INNER_STEPS = {"step", "micro_batch", "batchnorm", "small_tables", "mixed_float16"}
+# The inner loop runs XLA on the cases whose step differs most under it
+# (the default on one GPU), several steps per execution on the cases whose
+# step differs most under that, and XLA with several steps on step mode
+# (mixed_float16's windows across executions are its steps_per_execution_3);
+# every other variant runs in the slow tier, but XLA alone on the cases
+# below: CI runs each of them under XLA with five steps per execution, the
+# rest before a release.
+INNER_XLA = {"step", "subclass", "micro_batch_and_accum_steps", "batchnorm", "sparse"}
+INNER_STEPS = {"step", "micro_batch", "batchnorm", "mixed_float16"}
 
 
-def _inner(name, variant):
-    if variant in ("xla", "eager"):
-        return True
-    if variant == "steps_per_execution_3":
-        return name in INNER_STEPS
-    return (name, variant) == ("step", "xla_steps_per_execution_5")
+def _tier(name, variant):
+    if variant == "eager" or (variant == "xla" and name in INNER_XLA):
+        return None
+    if variant == "xla":
+        return pytest.mark.release
+    if variant == "steps_per_execution_3" and name in INNER_STEPS:
+        return None
+    if (name, variant) == ("step", "xla_steps_per_execution_5"):
+        return None
+    return pytest.mark.slow
 
 
 @pytest.mark.parametrize(
     "name, variant",
     [
-        (name, variant)
-        if _inner(name, variant)
-        else pytest.param(name, variant, marks=pytest.mark.slow)
+        pytest.param(name, variant, marks=_tier(name, variant) or ())
         for name, case in CASES.items()
         for variant in [*VARIANTS, *case.more]
     ],

@@ -463,8 +463,14 @@ def test_interrupted_while_skipping_then_resumed_again(tmp_path):
     assert_weights_close(model, plain_big_batch())
 
 
-@pytest.mark.slow  # eight interrupted and resumed trainings under a strategy
-@pytest.mark.parametrize("replicas", [1, 2], ids=["one_replica", "two_replicas"])
+# Eight interrupted and resumed trainings under a strategy: two replicas in
+# the slow tier, one before a release.
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "replicas",
+    [pytest.param(1, marks=pytest.mark.release), 2],
+    ids=["one_replica", "two_replicas"],
+)
 def test_mirrored_strategy_backup_and_mid_window_save_are_exact(replicas, tmp_path):
     run = mirrored_runs.backup_checks(replicas, tmp_path)
     assert run["epochs_resumed"] == run["epochs_resumed_batches"] == 2

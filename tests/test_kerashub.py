@@ -7,6 +7,7 @@ skipping). Models come from small configs with random weights
 (tests/helpers/kerashub.py).
 """
 
+import itertools
 import os
 import warnings
 
@@ -26,6 +27,7 @@ from helpers.assertions import assert_history_close, assert_trained, assert_weig
 from helpers.oom import LimitedLoss  # noqa: E402
 from helpers.processes import run_python, script  # noqa: E402
 from helpers.project import ROOT  # noqa: E402
+from helpers.tiers import wide  # noqa: E402
 
 # KerasHub models, and processes of their own: the slow tier (CI runs it
 # in the `kerashub` nox session, with keras-hub installed).
@@ -77,8 +79,17 @@ WAYS = {
 }
 
 
-@pytest.mark.parametrize("way", sorted(WAYS))
-@pytest.mark.parametrize("name", sorted(MODELS))
+# Every way into GPT-2 in CI; into BERT (a 2-row segment table: moments) the
+# way that wraps it and micro-batches (its table's occurrences joined across
+# them); the rest before a release.
+@pytest.mark.parametrize(
+    "name, way",
+    wide(
+        list(itertools.product(sorted(MODELS), sorted(WAYS))),
+        [("gpt2", w) for w in WAYS] + [("bert", "wrap"), ("bert", "micro_batch_size")],
+        pytest.mark.release,
+    ),
+)
 def test_kerashub_model_trains_as_its_big_batch(name, way):
     make, make_data = MODELS[name]
     data = make_data()
@@ -139,8 +150,16 @@ def _described(model):
     )
 
 
-@pytest.mark.parametrize("call", sorted(CALLS))
-@pytest.mark.parametrize("name", sorted(COMPILED))
+# Each task compiled with its defaults and with everything given, in CI;
+# GPT-2's every call too; the rest before a release.
+@pytest.mark.parametrize(
+    "name, call",
+    wide(
+        list(itertools.product(sorted(COMPILED), sorted(CALLS))),
+        [(n, c) for n in COMPILED for c in CALLS if c in ("defaults", "everything") or n == "gpt2"],
+        pytest.mark.release,
+    ),
+)
 def test_a_wrapped_task_compiles_and_trains_as_the_task(name, call):
     make, make_data = COMPILED[name]
     data = make_data()
@@ -210,7 +229,8 @@ def _train_on_batches(model, data, start, stop):
         )
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+# GPT-2's in CI, BERT's before a release.
+@pytest.mark.parametrize("name", wide(sorted(MODELS), ["gpt2"], pytest.mark.release))
 def test_keras_file_saved_mid_window_loads_in_a_fresh_process_and_resumes(name, tmp_path):
     make, make_data = MODELS[name]
     data = make_data()
@@ -255,7 +275,8 @@ np.save(sys.argv[3], served.numpy())
 """
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+# GPT-2's in CI, BERT's before a release.
+@pytest.mark.parametrize("name", wide(sorted(MODELS), ["gpt2"], pytest.mark.release))
 def test_export_of_a_wrapped_kerashub_model_serves_without_keras_accum(name, tmp_path):
     make, make_data = MODELS[name]
     x, y, weights = make_data(n=16)

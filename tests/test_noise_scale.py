@@ -107,8 +107,9 @@ def test_wrap_measures_as_the_model_does():
     np.testing.assert_allclose(logged, [estimate(grads, windows_of(92, 8, 4))], rtol=RTOL)
 
 
-# Each mode and each noise level in the inner loop; the other two pairs (a
-# few thousand samples each) in the slow tier.
+# One pair in the inner loop (step mode's estimate is the logged one's
+# tests' too); the other three (a few thousand samples each) in the slow
+# tier.
 @pytest.mark.parametrize(
     "mode, noise",
     wide(
@@ -118,7 +119,7 @@ def test_wrap_measures_as_the_model_does():
             ("step mode", 6.0),
             ("micro_batch_size", 0.3),
         ],
-        [("step mode", 0.3), ("micro_batch_size", 6.0)],
+        [("micro_batch_size", 6.0)],
     ),
 )
 def test_the_estimate_lands_on_the_true_noise_scale(mode, noise):
@@ -155,13 +156,14 @@ def test_the_estimate_lands_on_the_true_noise_scale(mode, noise):
     assert abs(other - expected_mean) > 2 * tolerance
 
 
-# Each kind of sparse buffer and each compilation in the inner loop; the
-# other two pairs in the slow tier.
+# Slices in graph mode in the inner loop (XLA's measure is
+# test_training_is_bit_identical_with_and_without_measuring's); the other
+# three in the slow tier.
 @pytest.mark.parametrize(
     "vocab, jit_compile",
     [
         pytest.param(500, False, id="slices-graph"),
-        pytest.param(12, True, id="moments-xla"),
+        pytest.param(12, True, id="moments-xla", marks=pytest.mark.slow),
         pytest.param(12, False, id="moments-graph", marks=pytest.mark.slow),
         pytest.param(500, True, id="slices-xla", marks=pytest.mark.slow),
     ],
@@ -298,6 +300,7 @@ def test_training_is_bit_identical_with_and_without_measuring(config):
     )
 
 
+@pytest.mark.slow  # 16 s; the inner loop has each of sparse and float16 measured
 def test_training_is_bit_identical_with_and_without_measuring_sparse_and_float16():
     x, y = small_table_data(92)
     keras.mixed_precision.set_global_policy("mixed_float16")
@@ -520,8 +523,10 @@ def _rows(path):
         # 40 samples fall inside a window: the decision waits for its end.
         ("adascale", "sgd", dict(every_samples=40), "functional"),
         # Keras's default on one GPU: each value's step compiled by XLA; a
-        # wrapped model, recompiled before fit.
-        ("sqrt", "adam", dict(every_updates=3), "wrap_xla_recompiled"),
+        # wrapped model, recompiled before fit (14 s: the slow tier).
+        pytest.param(
+            "sqrt", "adam", dict(every_updates=3), "wrap_xla_recompiled", marks=pytest.mark.slow
+        ),
         # Decisions on a probe's estimate (the window outgrown), which the rule
         # follows too; measuring on it trains nothing.
         ("adascale", "sgd", dict(every_updates=3), "functional_probe"),
@@ -639,12 +644,13 @@ def test_bad_scheduler_arguments_are_refused_naming_them(kwargs, error, match):
 # -- under MirroredStrategy ---------------------------------------------------
 
 
-# Dozens of trainings under a strategy in one fixture: the slow tier (CI
-# runs it once); the window-state table, embeddings and small tables cover
-# one and two replicas in the integration tier.
+# Dozens of trainings under a strategy in one fixture: two replicas in the
+# slow tier (CI runs it once), one replica before a release; the
+# window-state table, embeddings and small tables cover one and two
+# replicas in the integration tier.
 @pytest.fixture(
     scope="module",
-    params=[pytest.param(n, marks=pytest.mark.slow) for n in (1, 2)],
+    params=[pytest.param(1, marks=pytest.mark.release), pytest.param(2, marks=pytest.mark.slow)],
     ids=["one_replica", "two_replicas"],
 )
 def mirrored(request):
@@ -723,11 +729,12 @@ def _resumable_scheduler():
 @pytest.mark.parametrize(
     "order, rate",
     [
-        ("scheduler_first", "number"),
+        pytest.param("scheduler_first", "number", marks=pytest.mark.slow),
         ("backup_first", "number"),
         # A SampleSchedule's count is not an optimizer variable: the
-        # scheduler's state brings it back.
-        ("scheduler_first", "sample_schedule"),
+        # scheduler's state brings it back (from a .keras file in the inner
+        # loop, below).
+        pytest.param("scheduler_first", "sample_schedule", marks=pytest.mark.slow),
     ],
 )
 def test_a_schedule_resumed_from_a_backup_continues_exactly(tmp_path, order, rate):
@@ -771,7 +778,11 @@ def test_a_schedule_resumed_from_a_backup_continues_exactly(tmp_path, order, rat
     )
 
 
-@pytest.mark.parametrize("way, rate", [("functional", "number"), ("wrap", "sample_schedule")])
+# A number rate resumed is the backup's test's in the inner loop.
+@pytest.mark.parametrize(
+    "way, rate",
+    [pytest.param("functional", "number", marks=pytest.mark.slow), ("wrap", "sample_schedule")],
+)
 def test_a_schedule_resumed_from_a_keras_file_continues_exactly(tmp_path, way, rate):
     # ModelCheckpoint writes a .keras file at each epoch's end, mid-fit: the
     # schedule's state rides in the model's config, and the first fit of the

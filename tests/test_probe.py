@@ -25,6 +25,7 @@ from helpers.noise import (
     regression_net,
     target,
 )
+from helpers.tiers import wide
 from keras_accum.growth.probe import NoiseProbe
 
 # As test_noise_scale.py: float32 sums of squares against numpy's float64.
@@ -83,7 +84,10 @@ def _layers(hidden=0, dropout=False, batchnorm=False, seed=1):
     return inputs, keras.layers.Dense(1)(h)
 
 
-@pytest.mark.parametrize("way", ["functional", "wrap", "two_outputs"])
+# The functional model (every other test's) in the slow tier.
+@pytest.mark.parametrize(
+    "way", wide(["functional", "wrap", "two_outputs"], ["wrap", "two_outputs"])
+)
 def test_measuring_changes_nothing(way):
     # Dropout's seed and BatchNormalization's moving statistics move in a
     # training-mode forward pass, and a two-output model's loss updates
@@ -198,7 +202,8 @@ def test_bad_probe_arguments_are_refused_naming_them(kwargs, match):
         keras_accum.AccumScheduler(**kwargs)
 
 
-@pytest.mark.parametrize("way", ["functional", "wrap_xla"])
+# The wrapped model under XLA (18 s) in the slow tier.
+@pytest.mark.parametrize("way", ["functional", pytest.param("wrap_xla", marks=pytest.mark.slow)])
 def test_the_scheduler_acts_on_the_probe_of_the_loss_compiled_now(way):
     # At learning rate 0 the weights stay where they are, so each probed
     # decision's estimate is the probe's measure now; after a recompile to

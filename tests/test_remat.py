@@ -97,7 +97,12 @@ def train(model, x, y, batch, jit_compile=False, **fit_kwargs):
 )
 @pytest.mark.parametrize(
     "way, batch",
-    [("micro_batch_size", BIG), ("accum_steps", MICRO), ("both", 2 * MICRO)],
+    [
+        ("micro_batch_size", BIG),
+        ("accum_steps", MICRO),
+        # Both at once in the slow tier: each is above.
+        pytest.param("both", 2 * MICRO, marks=pytest.mark.slow),
+    ],
 )
 def test_remat_trains_as_the_big_batch(mode, way, batch):
     x, y = data()

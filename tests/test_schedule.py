@@ -485,7 +485,8 @@ class PiecewiseReference(keras.optimizers.schedules.LearningRateSchedule):
         return self.inner(tf.cast(progress, tf.float32)) * factor
 
 
-@pytest.mark.parametrize("rule", [None, "sqrt"])
+# Without a rule in the slow tier: the rule's case follows the samples too.
+@pytest.mark.parametrize("rule", [pytest.param(None, marks=pytest.mark.slow), "sqrt"])
 def test_a_sample_schedule_follows_the_samples_and_the_rule_exactly(rule):
     model = functional(AccumModel)
     model.compile(keras.optimizers.Adam(SampleSchedule(decay())), loss())

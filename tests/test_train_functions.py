@@ -354,15 +354,21 @@ def _uninterrupted(changers):
     return _UNINTERRUPTED[changers]
 
 
+# The inner loop's pairs: every changer in one of them (a schedule and
+# micro-batches, then the batch size from fit and "auto").
+INNER_PAIRS = {"schedule+micro", "fit+auto"}
+
+
 def _cases():
     for changers in PAIRS:
         orders = ["backup_first", "backup_last"]
         if not {"schedule", "micro"} & set(changers):
             orders = ["backup_only"]  # no other callback to order it against
         for order in orders:
-            # The other order of each pair, and each changer alone (every
-            # pair holds it), in the slow tier.
-            marks = [pytest.mark.slow] if order == "backup_last" or len(changers) == 1 else []
+            # The other order of each pair, each changer alone (every pair
+            # holds it) and the pairs not in INNER_PAIRS, in the slow tier.
+            slow = order == "backup_last" or "+".join(changers) not in INNER_PAIRS
+            marks = [pytest.mark.slow] if slow else []
             yield pytest.param(changers, order, id="+".join(changers) + "-" + order, marks=marks)
 
 

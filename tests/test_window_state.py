@@ -209,29 +209,35 @@ SCENARIOS = {
 }
 
 
-# The whole table in the slow tier. The inner loop keeps the one-device
-# column and, of two replicas (which take the one-replica strategy path of
-# the step, and more), the decisions that meet across replicas: a skip every
-# replica agrees on, and a window reset after per-replica buffers loaded.
-ACROSS_REPLICAS = {("skip", "micro_batch_size"), ("reset_after_load", "step")}
+# The whole table in CI. The inner loop keeps the one-device column and, of
+# two replicas (which take the one-replica strategy path of the step, and
+# more), the decision that meets across replicas: a skip every replica
+# agrees on. A window reset after per-replica buffers loaded (16 s) is the
+# slow tier's, with the file test below's two replicas in the inner loop.
+ACROSS_REPLICAS = {("skip", "micro_batch_size")}
 
 
 TABLE = list(itertools.product(SCENARIOS, sorted(MODES), WHERE))
 
 
+# The rest: two replicas in the slow tier, one replica (two replicas' code
+# with one component) before a release.
 @pytest.mark.parametrize(
     "decision, mode, where",
-    wide(
-        TABLE,
-        [
-            (d, m, w)
-            for d, m, w in TABLE
-            # "apply" on one device is in every other scenario's last window
-            # (skip, reset and reset_after_load end with an in-step apply).
-            if (w == "one_device" and d != "apply")
-            or (w == "two_replica_mirrored" and (d, m) in ACROSS_REPLICAS)
-        ],
-    ),
+    [
+        *wide(
+            [t for t in TABLE if t[2] != "one_replica_mirrored"],
+            [
+                (d, m, w)
+                for d, m, w in TABLE
+                # "apply" on one device is in every other scenario's last window
+                # (skip, reset and reset_after_load end with an in-step apply).
+                if (w == "one_device" and d != "apply")
+                or (w == "two_replica_mirrored" and (d, m) in ACROSS_REPLICAS)
+            ],
+        ),
+        *wide([t for t in TABLE if t[2] == "one_replica_mirrored"], [], pytest.mark.release),
+    ],
 )
 def test_every_piece_of_window_state_follows_the_decision(decision, mode, where, tmp_path):
     x, y = make_data()
@@ -241,22 +247,25 @@ def test_every_piece_of_window_state_follows_the_decision(decision, mode, where,
     assert_as_plain(model, plain_big_batches(windows, where))
 
 
-# One device and two replicas' file in micro-batch mode in the inner loop
-# (one replica's is two replicas' with one component); the rest in the slow
-# tier.
+# One device and two replicas' file in micro-batch mode in the inner loop;
+# two replicas' other in the slow tier; one replica's (two replicas' with
+# one component) before a release.
 FILES = list(itertools.product(sorted(MODES), WHERE))
 
 
 @pytest.mark.parametrize(
     "mode, where",
-    wide(
-        FILES,
-        [
-            f
-            for f in FILES
-            if f[1] == "one_device" or f == ("micro_batch_size", "two_replica_mirrored")
-        ],
-    ),
+    [
+        *wide(
+            [f for f in FILES if f[1] != "one_replica_mirrored"],
+            [
+                f
+                for f in FILES
+                if f[1] == "one_device" or f == ("micro_batch_size", "two_replica_mirrored")
+            ],
+        ),
+        *wide([f for f in FILES if f[1] == "one_replica_mirrored"], [], pytest.mark.release),
+    ],
 )
 def test_a_mid_window_file_restores_every_piece_of_window_state(mode, where, tmp_path):
     x, y = make_data()

@@ -18,13 +18,12 @@ import pytest
 WAYS = ("subclass", "wrap_subclassed")
 
 
-def wide(values, keep):
-    """`values` as parameters, those not in `keep` marked slow. A tuple is
-    one case of several parameters (`"a, b"` in `parametrize`)."""
+def wide(values, keep, rest=pytest.mark.slow):
+    """`values` as parameters, those not in `keep` marked `rest` (slow, or
+    `release` where CI runs a case that covers them). A tuple is one case of
+    several parameters (`"a, b"` in `parametrize`)."""
     assert set(keep) <= set(values), (keep, values)
     return [
-        v
-        if v in keep
-        else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow)
+        v if v in keep else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=rest)
         for v in values
     ]
