@@ -9,9 +9,15 @@ Tiers (docs/development.md, "Tests"), each a marker:
 - `slow`: fresh processes (clusters, kill points, the wheel, KerasHub,
   the docs' pages as pasted), and the fixtures that train dozens of
   models under a strategy. A test marked `multi_worker`, `wheel` or
-  `release` is `slow` too; `release` tests (kill points beyond one of
-  each cluster shape, the benchmarks' smoke runs) run before a release
-  only (`python -m nox`), not in CI.
+  `release` is `slow` too; `release` tests run before a release only
+  (`python -m nox`), not in CI: cases CI runs in another form (kill
+  points beyond one of each cluster shape; a strategy's one-replica
+  sibling of a two-replica fixture; KerasHub's ways and calls beyond
+  GPT-2's every one and each task's defaults; XLA alone where CI runs the
+  case under XLA with several steps per execution; the small-table
+  optimizers beyond the five that read moments most differently; the two
+  longest docs pages, whose training CI runs in their own tests) and the
+  benchmarks' smoke runs.
 
 The README's test command runs `-m "not slow"`; CI runs that, then
 `-m "slow and not release"` once.

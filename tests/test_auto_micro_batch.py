@@ -159,7 +159,9 @@ def test_auto_halves_an_odd_batch_rounding_up():
     assert model.chosen_micro_batch_size == 2
 
 
-@pytest.mark.parametrize("accum_steps", [pytest.param(1, marks=pytest.mark.slow), 2])
+# Both in the slow tier (13 s), with test_auto_replicas' strategies.
+@pytest.mark.slow
+@pytest.mark.parametrize("accum_steps", [1, 2])
 def test_auto_under_a_one_replica_strategy(accum_steps):
     # MirroredStrategy() on a one-GPU or CPU-only machine: one replica,
     # where 'auto' trains as on one device, out-of-memory retry included.

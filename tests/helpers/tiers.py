@@ -1,5 +1,5 @@
-"""Wide matrices: every case in the slow tier, a representative few in the
-integration tier.
+"""Wide matrices: every case in the slow tier (or before a release, where
+CI runs a case that covers it), a representative few in the integration tier.
 
 A matrix over every way in or every optimizer runs whole in CI's slow tier
 (`-m slow`, once) and before a release; the README's test command (the
