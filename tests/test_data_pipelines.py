@@ -222,7 +222,8 @@ def test_a_resumed_split_sees_the_batch_size_in_the_skipped_batches(tmp_path):
     assert_weights_close(plain, resumed)
 
 
-@pytest.mark.parametrize("replicas", [1, 2])
+# One replica (two replicas' path with one component) in the slow tier.
+@pytest.mark.parametrize("replicas", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_under_a_strategy_no_more_is_drawn_than_plain_keras_draws(replicas):
     # Keras builds a model under a strategy from one batch of a pass of its
     # own (`_maybe_symbolic_build`): the first epoch reads the next pass.

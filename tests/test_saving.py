@@ -15,6 +15,7 @@ from helpers import internals
 from helpers.assertions import assert_no_open_window, assert_weights_close
 from helpers.data import FEATURES, bn_data, make_data
 from helpers.models import bn_net, functional, loss, subclassed
+from helpers.tiers import wide
 from keras_accum import AccumModel
 
 X, Y = make_data(64)
@@ -82,7 +83,9 @@ MAKERS = {
 # -- .keras files -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", sorted(MAKERS))
+# The subclassed model and its wrap in the inner loop (tiers.WAYS); the
+# functional ones, every other test's models, in the slow tier.
+@pytest.mark.parametrize("kind", wide(sorted(MAKERS), ["subclassed", "wrap_subclassed"]))
 def test_keras_file_round_trip_mid_window(kind, tmp_path):
     make = MAKERS[kind]
     model = train(compiled(make(AccumModel, accum_steps=4)), range(6))

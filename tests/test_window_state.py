@@ -209,11 +209,17 @@ SCENARIOS = {
 }
 
 
-# The whole table in CI. The inner loop keeps the one-device column; two
-# replicas (which take the one-replica strategy path of the step, and
-# more) in the slow tier, a 10-16 s training each: the inner loop's two
-# replicas are the file test's below.
-ACROSS_REPLICAS = set()
+# The whole table in CI. The inner loop keeps each decision once on one
+# device, in step mode or micro-batch mode in turn (each mode's buffers are
+# the same window's); two replicas (which take the one-replica strategy
+# path of the step, and more) in the slow tier, a 10-16 s training each:
+# the inner loop's two replicas are the file test's below.
+ONE_DEVICE = {
+    ("skip", "micro_batch_size"),
+    ("reset", "step"),
+    ("flush_after_load", "micro_batch_size"),
+    ("reset_after_load", "step"),
+}
 
 
 TABLE = list(itertools.product(SCENARIOS, sorted(MODES), WHERE))
@@ -231,8 +237,7 @@ TABLE = list(itertools.product(SCENARIOS, sorted(MODES), WHERE))
                 for d, m, w in TABLE
                 # "apply" on one device is in every other scenario's last window
                 # (skip, reset and reset_after_load end with an in-step apply).
-                if (w == "one_device" and d != "apply")
-                or (w == "two_replica_mirrored" and (d, m) in ACROSS_REPLICAS)
+                if w == "one_device" and (d, m) in ONE_DEVICE
             ],
         ),
         *wide([t for t in TABLE if t[2] == "one_replica_mirrored"], [], pytest.mark.release),
