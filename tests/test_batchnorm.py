@@ -24,7 +24,7 @@ from helpers.assertions import (
 )
 from helpers.data import BN_SHAPES, bn_data
 from helpers.models import BN_MOMENTUM, bn_layer, bn_net, bn_of, loss, moving, subclassed_bn_net
-from helpers.tiers import wide
+from helpers.tiers import each_once, wide
 from keras_accum import AccumModel
 
 MICRO, N = 8, 4
@@ -78,8 +78,12 @@ def replay(x, updates, momentum=BN_MOMENTUM):
 # -- 1. exactly the big batch's update for a layer that sees the raw input ------
 
 
-@pytest.mark.parametrize("n", [92, 64], ids=["uneven", "even"])
-@pytest.mark.parametrize("kind", wide(sorted(MAKERS), ["subclass", "wrap_subclass"]))
+# Each way and each window length once in the inner loop.
+@pytest.mark.parametrize(
+    "kind, n",
+    each_once(sorted(MAKERS), [92, 64], [("subclass", 92), ("wrap_subclass", 64)]),
+    ids=lambda v: {92: "uneven", 64: "even"}.get(v, v) if isinstance(v, int) else v,
+)
 def test_moving_statistics_are_the_big_batch(kind, n):
     # 92 samples: windows of 8+8+8+8 and 8+8+8+4 (the last applied at the
     # epoch's end), so micro-batch moments must be weighted by their counts.

@@ -211,14 +211,15 @@ def reference(name):
 
 
 # The inner loop runs XLA on the cases whose step differs most under it
-# (the default on one GPU), several steps per execution on the cases whose
-# step differs most under that, and XLA with several steps on step mode
+# (the default on one GPU: step mode, micro-batches in a window, a sparse
+# window), several steps per execution on step mode and on mixed_float16's
+# loss scale, and XLA with several steps on step mode
 # (mixed_float16's windows across executions are its steps_per_execution_3);
 # every other variant runs in the slow tier, but XLA alone on the cases
 # below: CI runs each of them under XLA with five steps per execution, the
 # rest before a release.
-INNER_XLA = {"step", "subclass", "micro_batch_and_accum_steps", "batchnorm", "sparse"}
-INNER_STEPS = {"step", "micro_batch", "batchnorm", "mixed_float16"}
+INNER_XLA = {"step", "micro_batch_and_accum_steps", "sparse"}
+INNER_STEPS = {"step", "mixed_float16"}
 
 
 def _tier(name, variant):

@@ -287,9 +287,16 @@ MODELS = {
 }
 
 
+# The functional model's double checkpoint and the wrapped one in the slow
+# tier: each kind and each checkpointing once in the inner loop.
 @pytest.mark.parametrize(
     "kind, double_checkpoint",
-    [("functional", False), ("functional", True), ("subclassed", True), ("wrap_functional", True)],
+    [
+        ("functional", False),
+        pytest.param("functional", True, marks=pytest.mark.slow),
+        ("subclassed", True),
+        pytest.param("wrap_functional", True, marks=pytest.mark.slow),
+    ],
 )
 def test_interrupted_mid_window_resumes_exactly(tmp_path, kind, double_checkpoint):
     def model():

@@ -63,9 +63,16 @@ def _unbuilt_sequential():
     return model
 
 
+# The unbuilt Sequential and the subclass (neither built before fit) in the
+# inner loop; the built ones in the slow tier.
 @pytest.mark.parametrize(
     "make",
-    [_sequential, _unbuilt_sequential, functional, subclassed],
+    [
+        pytest.param(_sequential, marks=pytest.mark.slow),
+        _unbuilt_sequential,
+        pytest.param(functional, marks=pytest.mark.slow),
+        subclassed,
+    ],
     ids=["sequential", "unbuilt_sequential", "functional", "subclassed"],
 )
 def test_wrap_trains_the_original_model(make):

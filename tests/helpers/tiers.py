@@ -27,3 +27,10 @@ def wide(values, keep, rest=pytest.mark.slow):
         v if v in keep else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=rest)
         for v in values
     ]
+
+
+def each_once(first, second, pairs):
+    """The product of `first` and `second` as parameters (`"a, b"`), the
+    `pairs` kept (each value of each once, say) and the rest marked slow:
+    every combination in CI, each value in the inner loop."""
+    return wide([(a, b) for a in first for b in second], pairs)
