@@ -10,13 +10,13 @@ Tiers (docs/development.md, "Tests"), each a marker:
   the docs' pages as pasted), and the fixtures that train dozens of
   models under a strategy. A test marked `multi_worker`, `wheel` or
   `release` is `slow` too; `release` tests run before a release only
-  (`python -m nox`), not in CI: cases CI runs in another form (kill
-  points beyond one of each cluster shape; a strategy's one-replica
-  sibling of a two-replica fixture; KerasHub's ways and calls beyond
-  GPT-2's every one and each task's defaults; XLA alone where CI runs the
-  case under XLA with several steps per execution; the small-table
-  optimizers beyond the five that read moments most differently; the two
-  longest docs pages, whose training CI runs in their own tests) and the
+  (`python -m nox`, and `python -m nox -s kerashub` for KerasHub's), not
+  in CI: cases CI runs in another form (kill points beyond one of each
+  cluster shape; one replica under a strategy where CI runs two; KerasHub
+  cases beyond GPT-2's every way and call, each task's defaults and
+  everything, and BERT's wrap and micro-batches; XLA alone where CI runs
+  the case under XLA with several steps per execution; the small-table
+  optimizers beyond the five that read moments most differently) and the
   benchmarks' smoke runs.
 
 The README's test command runs `-m "not slow"`; CI runs that, then

@@ -31,8 +31,8 @@ METRICS_EXACT = internals.keras_internals.metrics_summed_over_replicas()
 
 # Dozens of trainings under a strategy in one fixture: two replicas in the
 # slow tier (CI runs it once), one replica (two replicas' code with one
-# component) before a release; the window-state table, embeddings and small
-# tables cover one and two replicas in the integration tier.
+# component) before a release; the integration tier's one- and two-replica
+# cases are the window-state file, the sparse sum, BatchNorm and the draws.
 @pytest.fixture(
     scope="module",
     params=[pytest.param(1, marks=pytest.mark.release), pytest.param(2, marks=pytest.mark.slow)],
@@ -135,9 +135,7 @@ def test_skip_nonfinite_every_replica_agrees(mirrored):
 @pytest.fixture(
     scope="module",
     params=[
-        # A process of its own, the cluster's program on one worker: before
-        # a release (CI runs the two-worker cluster).
-        pytest.param(1, marks=pytest.mark.release),
+        pytest.param(1, marks=pytest.mark.slow),  # a process of its own
         pytest.param(2, marks=pytest.mark.multi_worker),
     ],
     ids=["one_worker", "two_workers"],

@@ -289,23 +289,8 @@ assert int(model.optimizer.iterations.numpy()) == 1
 """
 
 
-# The two longest pages (fine-tuning.md 130-170 s, contrastive.md 70-100 s)
-# before a release: what they train, CI trains in their own tests
-# (test_kerashub.py's example, LoRA, dropout and stream checkpoints;
-# test_coupled.py and the SigLIP test), and their figures are re-run then.
-BEFORE_A_RELEASE = {DOCS / "fine-tuning.md", DOCS / "contrastive.md"}
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "path",
-    [
-        pytest.param(p, marks=pytest.mark.release) if p in BEFORE_A_RELEASE else p
-        for p in PAGES
-        if python_blocks(p)
-    ],
-    ids=page_id,
-)
+@pytest.mark.parametrize("path", [p for p in PAGES if python_blocks(p)], ids=page_id)
 def test_page_runs_top_to_bottom_in_a_fresh_python(path, tmp_path):
     """The page as a reader pastes it: its python blocks, in order, as one
     program in a fresh interpreter, in an empty directory."""

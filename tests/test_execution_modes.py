@@ -215,9 +215,10 @@ def reference(name):
 # window), several steps per execution on step mode and on mixed_float16's
 # loss scale, and XLA with several steps on step mode
 # (mixed_float16's windows across executions are its steps_per_execution_3);
-# every other variant runs in the slow tier, but XLA alone on the cases
-# below: CI runs each of them under XLA with five steps per execution, the
-# rest before a release.
+# every other variant runs in the slow tier, but XLA alone on the cases not
+# in INNER_XLA: CI's slow tier runs each of them under XLA with five steps
+# per execution (on the newest pair; the next and floor pairs run the
+# inner loop's XLA cases only), XLA alone before a release.
 INNER_XLA = {"step", "micro_batch_and_accum_steps", "sparse"}
 INNER_STEPS = {"step", "mixed_float16"}
 

@@ -287,8 +287,9 @@ MODELS = {
 }
 
 
-# The functional model's double checkpoint and the wrapped one in the slow
-# tier: each kind and each checkpointing once in the inner loop.
+# The functional model's double checkpoint and the wrapped model in the
+# slow tier: the functional and subclassed kinds and each checkpointing
+# once in the inner loop.
 @pytest.mark.parametrize(
     "kind, double_checkpoint",
     [

@@ -156,9 +156,9 @@ def test_the_estimate_lands_on_the_true_noise_scale(mode, noise):
     assert abs(other - expected_mean) > 2 * tolerance
 
 
-# Slices in graph mode in the inner loop (XLA's measure is
-# test_training_is_bit_identical_with_and_without_measuring's); the other
-# three in the slow tier.
+# Slices in graph mode in the inner loop (XLA's measured value is
+# test_a_sparse_gradients_squared_norm_is_its_dense_rows[xla-*]'s); the
+# other three, the moments buffer's two included, in the slow tier.
 @pytest.mark.parametrize(
     "vocab, jit_compile",
     [
@@ -645,9 +645,8 @@ def test_bad_scheduler_arguments_are_refused_naming_them(kwargs, error, match):
 
 
 # Dozens of trainings under a strategy in one fixture: two replicas in the
-# slow tier (CI runs it once), one replica before a release; the
-# window-state table, embeddings and small tables cover one and two
-# replicas in the integration tier.
+# slow tier (CI runs it once), one replica (two replicas' code with one
+# component) before a release.
 @pytest.fixture(
     scope="module",
     params=[pytest.param(1, marks=pytest.mark.release), pytest.param(2, marks=pytest.mark.slow)],

@@ -83,7 +83,7 @@ MAKERS = {
 # -- .keras files -------------------------------------------------------------------
 
 
-# The subclassed model and its wrap in the inner loop (tiers.WAYS); the
+# The subclassed model and its wrap in the inner loop; the
 # functional ones, every other test's models, in the slow tier.
 @pytest.mark.parametrize("kind", wide(sorted(MAKERS), ["subclassed", "wrap_subclassed"]))
 def test_keras_file_round_trip_mid_window(kind, tmp_path):

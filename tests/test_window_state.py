@@ -209,7 +209,8 @@ SCENARIOS = {
 }
 
 
-# The whole table in CI. The inner loop keeps each decision once on one
+# The whole table before a release; in CI all but the one-replica column
+# (two replicas' code with one component). The inner loop keeps each decision once on one
 # device, in step mode or micro-batch mode in turn (each mode's buffers are
 # the same window's); two replicas (which take the one-replica strategy
 # path of the step, and more) in the slow tier, a 10-16 s training each:

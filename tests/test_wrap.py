@@ -63,8 +63,8 @@ def _unbuilt_sequential():
     return model
 
 
-# The unbuilt Sequential and the subclass (neither built before fit) in the
-# inner loop; the built ones in the slow tier.
+# The unbuilt Sequential and the subclass in the inner loop; the built
+# Sequential and the functional model in the slow tier.
 @pytest.mark.parametrize(
     "make",
     [

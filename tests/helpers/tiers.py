@@ -1,8 +1,8 @@
 """Wide matrices: every case in the slow tier (or before a release, where
 CI runs a case that covers it), a representative few in the integration tier.
 
-A matrix over every way in or every optimizer runs whole in CI's slow tier
-(`-m slow`, once) and before a release; the README's test command (the
+A matrix over every way in or every optimizer runs in CI's slow tier
+(`-m "slow and not release"`, once) and whole before a release; the README's test command (the
 unit and integration tiers, the inner loop) runs the cases most likely to
 break: the ways in that `fit` builds lazily or that wrap another model
 (functional models are every other test's model), and the optimizers that
