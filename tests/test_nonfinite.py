@@ -10,7 +10,7 @@ from helpers import internals
 from helpers.assertions import assert_no_open_window, assert_trained, assert_weights_close
 from helpers.data import make_data
 from helpers.models import OPTIMIZERS, WAYS_IN, functional, initial_weights, loss, mlp
-from helpers.tiers import WAYS, each_once
+from helpers.tiers import each_way_once
 from helpers.training import plain_on_batches
 from keras_accum import AccumModel, AccumOptimizer, AccumScheduler
 
@@ -37,11 +37,7 @@ def assert_finite(model):
 # Never built before fit; each way and each optimizer once in the inner loop.
 @pytest.mark.parametrize(
     "kind, optimizer",
-    each_once(
-        sorted(WAYS_IN),
-        ["adam_exponential_decay", "sgd_momentum"],
-        list(zip(WAYS, ["adam_exponential_decay", "sgd_momentum"])),
-    ),
+    each_way_once(["adam_exponential_decay", "sgd_momentum"]),
 )
 def test_fit_skips_the_nan_window_as_if_it_were_not_there(kind, optimizer):
     model = WAYS_IN[kind](accum_steps=N, skip_nonfinite=True)[0]()

@@ -14,7 +14,7 @@ import tensorflow as tf
 from helpers.assertions import assert_history_close, assert_trained, assert_weights_close
 from helpers.data import make_data
 from helpers.models import OPTIMIZERS, WAYS_IN, functional, initial_weights, loss
-from helpers.tiers import WAYS, each_once
+from helpers.tiers import each_way_once
 from keras_accum import AccumModel, AccumScheduler, SampleSchedule
 
 # 92 samples at micro-batch 8: 11 micro-batches of 8 and one of 4, so every
@@ -55,11 +55,7 @@ def without_accum_steps(history):
 # Never built before fit; each way and each optimizer once in the inner loop.
 @pytest.mark.parametrize(
     "kind, optimizer",
-    each_once(
-        sorted(WAYS_IN),
-        ["adam_exponential_decay", "sgd_momentum"],
-        list(zip(WAYS, ["adam_exponential_decay", "sgd_momentum"])),
-    ),
+    each_way_once(["adam_exponential_decay", "sgd_momentum"]),
 )
 def test_dict_schedule_equals_a_plain_model_with_the_scheduled_batch(kind, optimizer):
     model = WAYS_IN[kind]()[0]()

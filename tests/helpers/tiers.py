@@ -34,3 +34,12 @@ def each_once(first, second, pairs):
     `pairs` kept (each value of each once, say) and the rest marked slow:
     every combination in CI, each value in the inner loop."""
     return wide([(a, b) for a in first for b in second], pairs)
+
+
+def each_way_once(values):
+    """Every way in (never built before fit) x `values`, each way in `WAYS`
+    paired with one value of `values` in turn for the inner loop
+    (`each_once`)."""
+    from helpers.models import WAYS_IN
+
+    return each_once(sorted(WAYS_IN), values, list(zip(WAYS, values)))
