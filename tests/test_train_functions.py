@@ -29,9 +29,11 @@ from helpers import internals, references
 from helpers.assertions import assert_weights_close
 from helpers.data import make_data
 from helpers.models import OPTIMIZERS, functional, loss
+from helpers.replicas import mirrored
 from helpers.tiers import wide
 from helpers.training import InterruptAt
 from keras_accum import AccumModel, AccumScheduler
+from keras_accum.engine.functions import EAGER_FLUSHES
 
 # 92 samples at 8: 12 batches an epoch, the last one of 4.
 X, Y = make_data(92)
@@ -202,23 +204,74 @@ def test_a_change_of_trainable_variables_makes_new_steps(counting):
         np.testing.assert_array_equal(w, w0)
 
 
-def test_the_window_open_at_an_epochs_end_is_applied_without_a_trace_of_its_own():
-    # On one device `fit` applies an epoch's last, open window op by op: a
-    # traced flush cost a trace and an instantiation per compile (a fifth of
-    # this model's fit). The one traced update is the train step's.
-    inside = []
+class RecordingAdam(keras.optimizers.Adam):
+    """Adam (OPTIMIZERS["adam"], as the references') recording whether each
+    update ran inside a traced function."""
 
-    class Adam(keras.optimizers.Adam):
-        def apply(self, grads, trainable_variables=None):
-            inside.append(tf.inside_function())
-            return super().apply(grads, trainable_variables)
+    def __init__(self):
+        super().__init__(0.01)
+        self.inside = []
 
-    model = functional(AccumModel, accum_steps=5)  # windows of 40, 40 and 12
-    model.compile(Adam(0.01), loss())  # OPTIMIZERS["adam"], as the reference's
+    def apply(self, grads, trainable_variables=None):
+        self.inside.append(tf.inside_function())
+        return super().apply(grads, trainable_variables)
+
+
+def _placed(replicas, build):
+    if not replicas:
+        return build()
+    with mirrored(replicas).scope():
+        return build()
+
+
+# A flush traced cost a trace and an instantiation per compile: a fifth of
+# this model's fit on one device, about half under two replicas. One rule
+# for both: two replicas in the slow tier, one device in the inner loop.
+@pytest.mark.parametrize("replicas", wide([0, 2], [0]), ids=["one_device", "two_replicas"])
+def test_the_window_open_at_an_epochs_end_is_applied_without_a_trace_of_its_own(replicas):
+    def build():
+        model = functional(AccumModel, accum_steps=5)  # windows of 40, 40 and 12
+        model.compile(RecordingAdam(), loss())
+        return model
+
+    model = _placed(replicas, build)
     model.fit(X, Y, epochs=2, validation_data=(X[:16], Y[:16]), **FIT)
-    assert inside.count(True) == 1
-    assert inside.count(False) == 2  # the window of 12, at each epoch's end
+    inside = model.optimizer.inside
+    # The one traced update is the train step's (one trace, once per
+    # replica); the window of 12, at each epoch's end, is applied op by op.
+    assert inside.count(True) == max(replicas, 1)
+    assert inside.count(False) == 2 * max(replicas, 1)
     assert_weights_close(plain_with_batches((40, 40)), model)
+
+
+@pytest.mark.parametrize("replicas", wide([0, 2], [0]), ids=["one_device", "two_replicas"])
+def test_flushes_run_op_by_op_until_a_trace_costs_less_then_traced_exactly(replicas):
+    # A flush after every micro-batch: each applies a window of one batch of
+    # 8, as a plain model's step on it. The first EAGER_FLUSHES run op by
+    # op, then one trace serves the rest.
+    flushes = EAGER_FLUSHES + 3
+
+    def build():
+        model = functional(AccumModel, accum_steps=4)
+        model.compile(RecordingAdam(), loss())
+        return model
+
+    model = _placed(replicas, build)
+    plain = functional()
+    plain.compile(OPTIMIZERS["adam"](), loss())
+    for i in range(flushes):
+        batch = slice(MICRO * (i % 11), MICRO * (i % 11 + 1))
+        model.train_on_batch(X[batch], Y[batch])
+        model.flush()
+        plain.train_on_batch(X[batch], Y[batch])
+    inside = model.optimizer.inside
+    per_flush = max(replicas, 1)
+    # The step's trace (its update traced once per replica), then the
+    # flushes: op by op, then traced once.
+    assert inside[: per_flush * (EAGER_FLUSHES + 1)].count(False) == per_flush * EAGER_FLUSHES
+    assert inside[per_flush * (EAGER_FLUSHES + 1) :] == [True] * per_flush
+    assert int(model.optimizer.iterations.numpy()) == flushes
+    assert_weights_close(plain, model)
 
 
 # -- no retracing warnings from keras_accum's own functions --------------------------

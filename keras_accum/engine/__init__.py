@@ -8,8 +8,7 @@ The engine hands each part what it needs and reads the Keras model only
 through Keras's API: nothing calls back into the model.
 """
 
-from keras_accum import _internals as internals
-from keras_accum import arguments, window
+from keras_accum import arguments
 from keras_accum.engine import files, fit, plan, step
 from keras_accum.engine.functions import TrainFunctions
 from keras_accum.split import coupling
@@ -168,14 +167,7 @@ class Engine:
             return
         self._restore_batchnorm_window()
         state.prepare_flush(model.trainable_variables, model.optimizer, model.distribute_strategy)
-        if model.run_eagerly or not internals.replicated(model.distribute_strategy):
-            # On one device the window is applied op by op: an update made
-            # once an epoch (or before a validation) costs less that way than
-            # the trace and instantiation a traced one paid per compile (a
-            # fifth of a small model's `fit`).
-            window.close(state, model.optimizer, model.distribute_strategy)
-        else:
-            self.functions.flush_function(model, state)()
+        self.functions.flush_function(model, state)()
 
     def reset_window(self):
         """Discards the open window (a no-op if none is)."""
