@@ -617,10 +617,19 @@ FIT_READS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(FIT_READS))
-def test_a_fit_whose_keras_moved_a_name_it_reads_is_refused_by_the_check(name, monkeypatch):
+@pytest.fixture(scope="module")
+def fitted():
+    """One model after a short fit (built, compiled loss and optimizer too)
+    for every name below: each test takes a name away and `monkeypatch`
+    puts it back, and `check_fit` only reads."""
     model = _accumulating()
-    _small_fit(model)  # built, compiled loss and optimizer too
+    _small_fit(model)
+    return model
+
+
+@pytest.mark.parametrize("name", sorted(FIT_READS))
+def test_a_fit_whose_keras_moved_a_name_it_reads_is_refused_by_the_check(name, fitted, monkeypatch):
+    model = fitted
     _take_away(monkeypatch, FIT_READS[name](model), name)
     with _moved_error(name):
         internals.check_fit(model)
