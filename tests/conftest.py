@@ -16,8 +16,9 @@ Tiers (docs/development.md, "Tests"), each a marker:
   cases beyond GPT-2's every way and call, each task's defaults and
   everything, and BERT's wrap and micro-batches; XLA alone where CI runs
   the case under XLA with several steps per execution; the small-table
-  optimizers beyond the five that read moments most differently) and the
-  benchmarks' smoke runs.
+  optimizers beyond the five that read moments most differently; the
+  quickstart example from the checkout, which CI runs from the wheel) and
+  the benchmarks' smoke runs.
 
 The README's test command runs `-m "not slow"`; CI runs that, then
 `-m "slow and not release"` once.

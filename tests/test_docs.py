@@ -73,7 +73,9 @@ def test_readme_quickstart_trains_like_the_big_batch():
     assert int(model.optimizer.iterations) == 5 * math.ceil(samples / 256)
 
 
-@pytest.mark.slow  # the example, in a process of its own
+# The example, in a process of its own: before a release; CI runs it from
+# the installed wheel with the same checks (test_wheel).
+@pytest.mark.release
 def test_quickstart_example_matches_the_big_batch():
     result = run_python(str(ROOT / "examples" / "quickstart.py"))
     assert result.returncode == 0, result.stderr[-3000:]
