@@ -26,12 +26,14 @@ from keras_accum.split import across_replicas
 from keras_accum.split.auto import StepState, written_before_gradients
 from keras_accum.split.microbatch import static_batch_size
 
-# A flush traced costs a trace and an instantiation, about as much CPU as 16
-# flushes run op by op (measured on dense models of 10 and 122 variables, on
-# one device and under one and two replicas: 14-24 s against 0.65-1.5 s at
-# 122). So the first 16 of a compile run op by op and the 17th is traced:
-# never more than about twice the cheaper choice, whichever number of
-# flushes (epochs, validations) the run makes. Most fits make a few.
+# A flush traced costs a trace and an instantiation: the CPU time of 16 to
+# 25 flushes run op by op where flushes cost most (dense models of 122
+# variables: 11 s against 0.48 s on one device, 14 s against 0.9 s under one
+# replica, 24 s against 1.5 s under two; 10 variables under two replicas:
+# 3.7 s against 0.15 s), of about 70 on a small model on one device (3.2 s
+# against 0.045 s). So the first 16 flushes of a compile run op by op and
+# the 17th is traced: a run of many flushes (epochs, validations) pays the
+# trace once, a run of a few (most) never does.
 EAGER_FLUSHES = 16
 
 
