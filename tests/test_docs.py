@@ -42,6 +42,7 @@ import warnings
 import numpy as np
 import pytest
 
+from helpers.assertions import assert_quickstart_matches_the_big_batch
 from helpers.internals import WRAPPED_CLASSES
 from helpers.internals import keras_internals as internals
 from helpers.processes import run_python
@@ -77,17 +78,7 @@ def test_readme_quickstart_trains_like_the_big_batch():
 # the installed wheel with the same checks (test_wheel).
 @pytest.mark.release
 def test_quickstart_example_matches_the_big_batch():
-    result = run_python(str(ROOT / "examples" / "quickstart.py"))
-    assert result.returncode == 0, result.stderr[-3000:]
-    accuracies = re.findall(r"test accuracy (\d\.\d+), (\d+) updates", result.stdout)
-    assert len(accuracies) == 2 and accuracies[0] == accuracies[1], result.stdout
-    diff = float(re.search(r"largest weight difference: (\S+)", result.stdout)[1])
-    assert diff < 1e-4, result.stdout
-    # It sets TF_CPP_MIN_LOG_LEVEL: none of TensorFlow's start-up log lines
-    # ("I0000 ... cudart_stub.cc:31] Could not find cuda drivers", absl's
-    # "All log messages before absl::InitializeLog()") reach its output.
-    log_lines = re.findall(r"(?m)^(?:[IWEF]\d{4} .*|.*absl::InitializeLog.*)$", result.stderr)
-    assert log_lines == [], result.stderr[-3000:]
+    assert_quickstart_matches_the_big_batch(run_python(str(ROOT / "examples" / "quickstart.py")))
 
 
 @pytest.mark.skipif(

@@ -222,9 +222,10 @@ def _inner_loop(folder):
     for i, kind in enumerate(KINDS):
         can = [v for v in variants if kind != "backup" or fixtures.VARIANTS[v]["backup"]]
         kept.add((can[(shift + i) % len(can)], kind))
+    shared_kinds = [k for k in KINDS if k != "backup"]  # what every variant has
     for i, variant in enumerate(variants):
         if all(v != variant for v, _ in kept):
-            kept.add((variant, list(KINDS)[(shift + i) % 3]))  # a kind every variant has
+            kept.add((variant, shared_kinds[(shift + i) % len(shared_kinds)]))
     return kept
 
 

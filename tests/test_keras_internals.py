@@ -629,10 +629,9 @@ def fitted():
 
 @pytest.mark.parametrize("name", sorted(FIT_READS))
 def test_a_fit_whose_keras_moved_a_name_it_reads_is_refused_by_the_check(name, fitted, monkeypatch):
-    model = fitted
-    _take_away(monkeypatch, FIT_READS[name](model), name)
+    _take_away(monkeypatch, FIT_READS[name](fitted), name)
     with _moved_error(name):
-        internals.check_fit(model)
+        internals.check_fit(fitted)
 
 
 def test_a_fit_checks_every_name_before_its_first_step(monkeypatch):

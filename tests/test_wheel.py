@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 
 import keras_accum
+from helpers.assertions import assert_quickstart_matches_the_big_batch
 from helpers.project import ROOT
 
 pytestmark = pytest.mark.wheel
@@ -43,8 +44,9 @@ SOURCES = [
 
 
 def run(*args, cwd, timeout=600, quiet_tensorflow=True):
-    """`args`' standard output; with `quiet_tensorflow=False` also its
-    standard error, and TensorFlow's log level left as the program sets it."""
+    """Runs `args` (its CompletedProcess, text output); with
+    `quiet_tensorflow=False` TensorFlow's log level is left as the program
+    sets it."""
     env = {"PATH": "/usr/bin:/bin", "HOME": str(cwd)}
     if quiet_tensorflow:
         env["TF_CPP_MIN_LOG_LEVEL"] = "3"
@@ -57,7 +59,7 @@ def run(*args, cwd, timeout=600, quiet_tensorflow=True):
         env=env,
     )
     assert result.returncode == 0, (args, result.stdout[-3000:], result.stderr[-3000:])
-    return result.stdout if quiet_tensorflow else (result.stdout, result.stderr)
+    return result
 
 
 def test_the_wheel_installs_in_a_fresh_venv_and_runs_the_quickstart(tmp_path):
@@ -94,7 +96,7 @@ def test_the_wheel_installs_in_a_fresh_venv_and_runs_the_quickstart(tmp_path):
     # run in: where TensorFlow is installed only there, the import failed.
     site_dir = run(
         python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))", cwd=tmp_path
-    )
+    ).stdout
     Path(site_dir.strip(), "test-run.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     run(
         python,
@@ -111,18 +113,13 @@ def test_the_wheel_installs_in_a_fresh_venv_and_runs_the_quickstart(tmp_path):
     work = tmp_path / "work"  # neither the checkout nor the source copy
     work.mkdir()
     shutil.copy(ROOT / "examples" / "quickstart.py", work / "quickstart.py")
-    where = run(python, "-c", "import keras_accum; print(keras_accum.__file__)", cwd=work)
+    where = run(python, "-c", "import keras_accum; print(keras_accum.__file__)", cwd=work).stdout
     assert where.strip().startswith(str(env)), where
-    # The quickstart as the README runs it: its test (test_docs, before a
-    # release) checks the same from the checkout.
-    output, errors = run(python, "quickstart.py", cwd=work, quiet_tensorflow=False)
-    accuracies = re.findall(r"test accuracy (\d\.\d+), (\d+) updates", output)
-    assert len(accuracies) == 2 and accuracies[0] == accuracies[1], output
-    assert float(re.search(r"largest weight difference: (\S+)", output)[1]) < 1e-4, output
-    # It sets TF_CPP_MIN_LOG_LEVEL itself: none of TensorFlow's start-up log
-    # lines reach its output.
-    log_lines = re.findall(r"(?m)^(?:[IWEF]\d{4} .*|.*absl::InitializeLog.*)$", errors)
-    assert log_lines == [], errors[-3000:]
+    # The quickstart as the README runs it, with TensorFlow's log level its
+    # own: its test from the checkout (test_docs) runs before a release.
+    assert_quickstart_matches_the_big_batch(
+        run(python, "quickstart.py", cwd=work, quiet_tensorflow=False)
+    )
 
 
 def _copy_sources(target):
@@ -146,7 +143,9 @@ def test_build_makes_an_sdist_and_a_wheel_that_pass_twine_check(tmp_path):
     run(sys.executable, "-m", "build", "--no-isolation", "--outdir", dist, source, cwd=tmp_path)
     (sdist,) = dist.glob("keras_accum-*.tar.gz")
     (wheel,) = dist.glob("keras_accum-*.whl")
-    output = run(sys.executable, "-m", "twine", "check", "--strict", sdist, wheel, cwd=tmp_path)
+    output = run(
+        sys.executable, "-m", "twine", "check", "--strict", sdist, wheel, cwd=tmp_path
+    ).stdout
     assert output.count("PASSED") == 2, output
     with tarfile.open(sdist) as archive:
         names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}

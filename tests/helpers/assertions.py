@@ -1,5 +1,7 @@
 """The reference comparisons and their tolerances."""
 
+import re
+
 import numpy as np
 
 from helpers.models import moving
@@ -82,3 +84,20 @@ def assert_moved(model):
     values (0 and 1) far behind: a comparison of them is not vacuous."""
     mean, variance = moving(model)
     assert np.abs(mean).min() > 0.5 and np.abs(variance - 1).max() > 0.5, (mean, variance)
+
+
+def assert_quickstart_matches_the_big_batch(result):
+    """examples/quickstart.py's run (a CompletedProcess): both models report
+    the same test accuracy and updates, their weights agree, and none of
+    TensorFlow's start-up log lines ("I0000 ... cudart_stub.cc:31] Could
+    not find cuda drivers", absl's "All log messages before
+    absl::InitializeLog()") reach its output: the example sets
+    TF_CPP_MIN_LOG_LEVEL itself, which this checks where the environment
+    does not set it (the wheel's run)."""
+    out, err = result.stdout, result.stderr
+    assert result.returncode == 0, err[-3000:]
+    accuracies = re.findall(r"test accuracy (\d\.\d+), (\d+) updates", out)
+    assert len(accuracies) == 2 and accuracies[0] == accuracies[1], out
+    assert float(re.search(r"largest weight difference: (\S+)", out)[1]) < 1e-4, out
+    log_lines = re.findall(r"(?m)^(?:[IWEF]\d{4} .*|.*absl::InitializeLog.*)$", err)
+    assert log_lines == [], err[-3000:]
