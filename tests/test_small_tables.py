@@ -19,7 +19,7 @@ from helpers import internals, training
 from helpers import mirrored as mirrored_runs
 from helpers.assertions import ATOL, assert_weights_close
 from helpers.data import small_table_data
-from helpers.internals import GradientAccumulator, sparse
+from helpers.internals import GradientAccumulator, MicroBatch, microbatch, sparse
 from helpers.models import SMALL_TABLES, DenseGradientModel, loss, small_tables_net
 from helpers.tiers import wide
 from keras_accum import AccumModel, AccumOptimizer
@@ -492,6 +492,85 @@ def test_a_nonfinite_window_of_moments_is_skipped_and_the_next_starts_clean():
     acc.add([tf.IndexedSlices(good, tf.constant([2, 2, 0, 2]))], weight=1.0)
     close(state, keras.optimizers.SGD(1.0))
     np.testing.assert_allclose(weights.numpy(), [[-4, -5], [1, 1], [-10, -13]], rtol=1e-6)
+
+
+# -- micro_batch_size: a batch's occurrences past two tables, as row sums -------------
+
+
+def _split_sum(parts, rows, statistic, known=True):
+    """The micro-batches' occurrences `parts` summed as a split step sums them,
+    traced with their counts `known` or not (a batch of unknown size): the
+    sum's row tables, then the `IndexedSlices` the optimizer gets."""
+    variable = keras.Variable(np.zeros((rows, 3), "float32"))
+    width = tf.TensorSpec([None, 3] if not known else [len(parts[0][0]), 3], tf.float32)
+    index = tf.TensorSpec([None] if not known else [len(parts[0][0])], tf.int32)
+
+    @tf.function(input_signature=[[index] * len(parts), [width] * len(parts)])
+    def run(indices, values):
+        total = None
+        for idx, vals in zip(indices, values):
+            grad = tf.IndexedSlices(vals, idx, tf.constant([rows, 3]))
+            total = microbatch.summed(
+                total, MicroBatch([grad], None, 1.0, True), [variable], statistic
+            )
+        summed = total[0]
+        tables = summed.sums if isinstance(summed, microbatch.RowSums) else tf.zeros([0, 3])
+        grad = microbatch.as_gradients(total)[0]
+        return tables, grad.values, grad.indices
+
+    return run([tf.constant(i, tf.int32) for i, _ in parts], [tf.constant(v) for _, v in parts])
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("known", [True, False], ids=["counts_known", "counts_unknown"])
+def test_a_split_batchs_occurrences_past_two_tables_are_summed_by_row(known):
+    # 4 micro-batches of 4 occurrences of a 5-row table: held as the 16
+    # occurrences they are, they grow with the batch; past 10 (two tables:
+    # the sums and the statistic), as row sums of the table's shape, decided
+    # when traced or, counts unknown, at run time.
+    rng = np.random.default_rng(0)
+    parts = [_occurrences(rng, 5, n=4) for _ in range(4)]
+    idx = np.concatenate([i for i, _ in parts])
+    values = np.concatenate([v for _, v in parts])
+    tables, got_values, got_idx = _split_sum(parts, 5, sparse.SQUARE, known)
+    assert tables.shape == (5, 3)
+    want = _moments(idx, values, 5, sparse.SQUARE)
+    got = [tf.math.unsorted_segment_sum(t, got_idx, 5).numpy() for t in (got_values, got_values**2)]
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=ATOL)
+    # Two micro-batches (8 occurrences) fit: kept as they are.
+    tables, got_values, got_idx = _split_sum(parts[:2], 5, sparse.SQUARE, known)
+    assert tables.shape == (0, 3)
+    np.testing.assert_array_equal(got_idx.numpy(), idx[:8])
+    # Where the optimizer reads every occurrence (`clipvalue`), all are kept.
+    tables, got_values, got_idx = _split_sum(parts, 5, None, known)
+    np.testing.assert_array_equal(got_idx.numpy(), idx)
+
+
+# Adam by rows' squares, Adamax by absolute values; `clipvalue` keeps the
+# occurrences. Arrays of 92 samples: batches of unknown size, the rule made
+# at run time; 96 under XLA, which needs the counts when traced (a static
+# number of synthesised occurrences; with 92 it keeps the occurrences).
+@pytest.mark.parametrize(
+    "name,jit_compile",
+    wide(
+        [("adam", False), ("adam", True), ("adamax", False), ("adam_clipvalue", False)],
+        [("adam", False), ("adam", True)],
+    ),
+)
+def test_micro_batch_size_splits_of_small_tables_match_the_big_batch(name, jit_compile):
+    # Micro-batches of 80 occurrences a table (8 samples x 10 tokens): each
+    # table's batch outgrows it.
+    x, y = small_table_data(96 if jit_compile else 92)
+    plain, accum, *_ = fit_pair(
+        lambda: small_tables_net(AccumModel, micro_batch_size=MICRO),
+        x,
+        y,
+        optimizer(name),
+        accum_batch=MICRO * N,
+        jit_compile=jit_compile,
+    )
+    assert_weights_close(plain, accum)
 
 
 # -- memory ---------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from keras_accum import scaling, window
 from keras_accum.engine import shared_pass
 from keras_accum.normaliser import loss_normaliser, micro_batch_weight
 from keras_accum.split import coupling, microbatch
-from keras_accum.window import noise_scale
+from keras_accum.window import noise_scale, slices
 
 
 class ComputedBatch(NamedTuple):
@@ -261,12 +261,13 @@ def split_gradients(model, plan, state, data, variables):
         and not internals.replicated(model.distribute_strategy)
     )
     run = shared_pass.micro_batch_pass(micro_batch_gradients, model, state, variables, shared)
+    statistic = slices.exact_statistic(model.optimizer)
     for part, live in split:
         if parts:
             part = microbatch.after(total, part)
         if live is None:
             parts.append(run(*part, records))
-            total = microbatch.summed(total, parts[-1])
+            total = microbatch.summed(total, parts[-1], variables, statistic)
             continue
         # A stand-in past a short batch's end: weighs, counts, predicts and
         # adds nothing.
@@ -285,7 +286,6 @@ def split_gradients(model, plan, state, data, variables):
                 y_pred=microbatch.drop_rows(step.y_pred, rows),
             )
         )
-        total = microbatch.summed(total, parts[-1])
-    return ComputedBatch(
-        x, y, sample_weight, microbatch.combine(parts, total), records, _measured(state, parts)
-    )
+        total = microbatch.summed(total, parts[-1], variables, statistic)
+    batch = microbatch.combine(parts, microbatch.as_gradients(total))
+    return ComputedBatch(x, y, sample_weight, batch, records, _measured(state, parts))

@@ -14,6 +14,8 @@ from keras import tree
 
 from keras_accum import _internals as internals
 from keras_accum.scaling import scaled
+from keras_accum.split import row_sums
+from keras_accum.split.row_sums import RowSums
 from keras_accum.window import MicroBatch
 
 
@@ -90,16 +92,29 @@ def drop_rows(y_pred, rows):
     return tree.map_structure(cut, y_pred)
 
 
-def summed(total, part):
+def summed(total, part, variables=None, statistic=None):
     """`total` (the weighted gradients summed so far, or None) plus `part`'s
     `weight * gradient`. Summed as they come (`after`): a sum after the last
     would be a chain of adds that TensorFlow's graph optimiser rewrites into one
     `AddN` holding every micro-batch's gradient (benchmarks/design-notes.md,
-    "One AddN of every micro-batch")."""
+    "One AddN of every micro-batch"). `statistic` (`slices.exact_statistic`
+    of the optimizer): a sparse gradient that outgrows its table (of
+    `variables`, the gradients' own) goes on as `RowSums` (row_sums.py);
+    None: every occurrence is kept (the optimizer reads each)."""
     weighted = [scaled(g, part.grad_scale) for g in part.grads]
     if total is None:
         return weighted
-    return [add_gradients(a, b) for a, b in zip(total, weighted)]
+    if statistic is None:
+        return [add_gradients(a, b) for a, b in zip(total, weighted)]
+    return [
+        add_gradients(a, b, statistic, v.shape[0]) for a, b, v in zip(total, weighted, variables)
+    ]
+
+
+def as_gradients(total):
+    """The summed gradients as the optimizer takes them (`RowSums` as
+    occurrences: row_sums.py)."""
+    return [row_sums.as_gradient(g) if isinstance(g, RowSums) else g for g in total]
 
 
 def combine(parts, grads):
@@ -129,12 +144,15 @@ def control_after(batch):
 
 def _tensors(grads):
     # What a control dependency can wait on: a sparse gradient's values.
-    return [
-        t
-        for g in grads
-        if g is not None
-        for t in ((g.values,) if isinstance(g, tf.IndexedSlices) else (g,))
-    ]
+    return [t for g in grads if g is not None for t in _parts(g)]
+
+
+def _parts(g):
+    if isinstance(g, tf.IndexedSlices):
+        return (g.values,)
+    if isinstance(g, RowSums):
+        return row_sums.tensors(g)
+    return (g,)
 
 
 def after(previous, part):
@@ -166,6 +184,10 @@ def _read_for_waiting(t):
     # whole would be read again at every micro-batch. Its newest row ends the values.
     if isinstance(t, tf.IndexedSlices):
         return tf.cast(tf.reduce_sum(tf.reshape(t.values, [-1])[-1:]), tf.float32)
+    if isinstance(t, RowSums):
+        # Summed by row when traced (XLA has no other): added as a dense
+        # gradient is; the three are written together.
+        return internals.whole_sum(t.sums)
     return internals.whole_sum(t)
 
 
@@ -181,11 +203,17 @@ def _waiting(t, zero):
     return t  # strings, complex: waits by nothing
 
 
-def add_gradients(a, b):
-    """`a + b` for one variable's gradients; sparse ones stay sparse."""
+def add_gradients(a, b, statistic=None, rows=None):
+    """`a + b` for one variable's gradients; sparse ones stay sparse, as
+    `RowSums` once they outgrow the table's `rows` if `statistic` is given
+    (`summed`)."""
     if a is None:
         return None
+    if isinstance(a, RowSums):
+        return row_sums.add(a, b, a.statistic, a.rows)
     if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
+        if statistic is not None:
+            return row_sums.add(a, b, statistic, rows)
         # Rows of the batch, concatenated: as the big batch's gradient is.
         return tf.IndexedSlices(
             tf.concat([a.values, b.values], 0),

@@ -29,6 +29,18 @@ def statistic_of(optimizer):
     return ABS if isinstance(inner, keras.optimizers.Adamax) else SQUARE
 
 
+def exact_statistic(optimizer):
+    """`statistic_of(optimizer)` if row sums make its update exact, else None:
+    `clipvalue` clips each occurrence, and Adamax's clipping norms read the
+    absolute values, not the squares the sums keep."""
+    inner = internals.innermost(optimizer)
+    if getattr(inner, "clipvalue", None) is not None:
+        return None
+    kind = statistic_of(optimizer)
+    clipped = getattr(inner, "clipnorm", None) or getattr(inner, "global_clipnorm", None)
+    return None if kind == ABS and clipped else kind
+
+
 def statistic(values, kind):
     """Each occurrence's statistic, elementwise."""
     return tf.abs(values) if kind == ABS else tf.square(values)

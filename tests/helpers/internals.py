@@ -15,6 +15,7 @@ from keras_accum import _internals as keras_internals  # noqa: F401 (shared)
 from keras_accum._internals import versions as keras_versions  # noqa: F401 (shared)
 from keras_accum.backup import restore_point  # noqa: F401 (shared)
 from keras_accum.normaliser import loss_normaliser  # noqa: F401 (shared)
+from keras_accum.split import microbatch  # noqa: F401 (shared)
 from keras_accum.window import (  # noqa: F401 (shared)
     AccumState,
     MicroBatch,  # noqa: F401 (shared)
