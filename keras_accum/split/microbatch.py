@@ -98,7 +98,7 @@ def summed(total, part, variables=None, statistic=None):
     would be a chain of adds that TensorFlow's graph optimiser rewrites into one
     `AddN` holding every micro-batch's gradient (benchmarks/design-notes.md,
     "One AddN of every micro-batch"). `statistic` (`slices.exact_statistic`
-    of the optimizer): a sparse gradient that outgrows its table (of
+    of the optimizer): a sparse gradient that outgrows two tables (of
     `variables`, the gradients' own) goes on as `RowSums` (row_sums.py);
     None: every occurrence is kept (the optimizer reads each)."""
     weighted = [scaled(g, part.grad_scale) for g in part.grads]
@@ -151,7 +151,7 @@ def _parts(g):
     if isinstance(g, tf.IndexedSlices):
         return (g.values,)
     if isinstance(g, RowSums):
-        return row_sums.tensors(g)
+        return row_sums.to_wait_on(g)
     return (g,)
 
 
@@ -186,8 +186,12 @@ def _read_for_waiting(t):
         return tf.cast(tf.reduce_sum(tf.reshape(t.values, [-1])[-1:]), tf.float32)
     if isinstance(t, RowSums):
         # Summed by row when traced (XLA has no other): added as a dense
-        # gradient is; the three are written together.
-        return internals.whole_sum(t.sums)
+        # gradient is, in three tables each written by its own scatters.
+        return (
+            internals.whole_sum(t.sums)
+            + internals.whole_sum(t.stats)
+            + tf.cast(tf.reduce_sum(t.counts), tf.float32)
+        )
     return internals.whole_sum(t)
 
 
@@ -205,7 +209,7 @@ def _waiting(t, zero):
 
 def add_gradients(a, b, statistic=None, rows=None):
     """`a + b` for one variable's gradients; sparse ones stay sparse, as
-    `RowSums` once they outgrow the table's `rows` if `statistic` is given
+    `RowSums` once they outgrow two tables of `rows` if `statistic` is given
     (`summed`)."""
     if a is None:
         return None

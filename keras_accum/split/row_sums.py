@@ -40,7 +40,7 @@ class RowSums(NamedTuple):
         dense_shape: the table's shape, as the `IndexedSlices`'.
         statistic: `slices.SQUARE` or `slices.ABS`.
         rows: the table's rows (a Python int).
-        occurrences: how many occurrences in all, if known when traced.
+        occurrence_count: how many occurrences in all, if known when traced.
     """
 
     values: tf.Tensor
@@ -51,7 +51,7 @@ class RowSums(NamedTuple):
     dense_shape: tf.Tensor
     statistic: str
     rows: int
-    occurrences: object
+    occurrence_count: object
 
 
 def add(a, b, statistic, rows):
@@ -66,6 +66,10 @@ def add(a, b, statistic, rows):
         a = _pending(a, statistic, rows)
     count = _static_count(a, b)
     if a.sums.shape[0] == rows or (count is not None and count > 2 * rows):
+        if count is None and internals.in_xla_context():
+            # Not reached (a step's micro-batches are all of known size or
+            # none is): XLA's synthesised occurrences need a static count.
+            raise ValueError("A sparse gradient of unknown size after one of known size under XLA.")
         return _by_row(a, b)
     if count is not None or internals.in_xla_context():
         joined = _joined(a, b)
@@ -74,13 +78,13 @@ def add(a, b, statistic, rows):
     fields = tf.cond(
         outgrown, lambda: _tensors_of(_by_row(a, b)), lambda: _tensors_of(_joined(a, b))
     )
-    return a._replace(**dict(zip(_TENSORS, fields)), occurrences=None)
+    return a._replace(**dict(zip(_TENSORS, fields)), occurrence_count=None)
 
 
 def as_gradient(row_sums):
     """The sum as the optimizer takes it: an `IndexedSlices` of the
     occurrences, or of `slices.synthesised` ones (under XLA a static number:
-    every row, plus room for every occurrence)."""
+    every row, plus room for every occurrence but one)."""
     if row_sums.sums.shape[0] == row_sums.rows:
         return _synthesised(row_sums)
 
@@ -94,7 +98,7 @@ def as_gradient(row_sums):
     return _as_slices(values, indices, row_sums)
 
 
-def tensors(row_sums):
+def to_wait_on(row_sums):
     """What a control dependency on the sum waits for."""
     return [row_sums.values, row_sums.sums, row_sums.stats, row_sums.counts]
 
@@ -123,12 +127,13 @@ def _pending(g, statistic, rows):
 
 
 def _static_count(a, b):
-    counts = (a.occurrences, b.values.shape[0])
+    counts = (a.occurrence_count, b.values.shape[0])
     return None if None in counts else sum(counts)
 
 
 def _count(g):
-    return tf.shape(g.values)[0]
+    # int64: a table may have 2**31 rows or more (slices.index_dtype).
+    return tf.shape(g.values, out_type=tf.int64)[0]
 
 
 def _joined(a, b):
@@ -136,7 +141,7 @@ def _joined(a, b):
     return a._replace(
         values=tf.concat([a.values, b.values], 0),
         indices=tf.concat([a.indices, tf.cast(b.indices, a.indices.dtype)], 0),
-        occurrences=_static_count(a, b),
+        occurrence_count=_static_count(a, b),
     )
 
 
@@ -156,19 +161,19 @@ def _by_row(a, b):
             lambda: (a.sums, a.stats, a.counts),
             lambda: _summed_by_row(a),
         )
-    rows = tf.expand_dims(tf.cast(b.indices, a.indices.dtype), -1)
+    at = tf.expand_dims(tf.cast(b.indices, a.indices.dtype), -1)
     shape = [a.rows] + a.values.shape[1:].as_list()
     return a._replace(
         values=_no_rows(a.values),
         indices=tf.zeros([0], a.indices.dtype),
-        sums=tf.ensure_shape(tf.tensor_scatter_nd_add(sums, rows, b.values), shape),
+        sums=tf.ensure_shape(tf.tensor_scatter_nd_add(sums, at, b.values), shape),
         stats=tf.ensure_shape(
-            tf.tensor_scatter_nd_add(stats, rows, slices.statistic(b.values, a.statistic)), shape
+            tf.tensor_scatter_nd_add(stats, at, slices.statistic(b.values, a.statistic)), shape
         ),
         counts=tf.ensure_shape(
-            tf.tensor_scatter_nd_add(counts, rows, tf.ones_like(rows[:, 0], tf.int32)), [a.rows]
+            tf.tensor_scatter_nd_add(counts, at, tf.ones_like(at[:, 0], tf.int32)), [a.rows]
         ),
-        occurrences=_static_count(a, b),
+        occurrence_count=_static_count(a, b),
     )
 
 
@@ -188,11 +193,13 @@ def _no_rows(values):
 
 
 def _synthesised(row_sums):
-    capacity = row_sums.occurrences if internals.in_xla_context() else None
-    values, rows = slices.synthesised(
+    # Under XLA a static number: no row needs more extra occurrences than
+    # it had, less one. Unknown counts under XLA keep the occurrences (`add`).
+    capacity = row_sums.occurrence_count - 1 if internals.in_xla_context() else None
+    values, at = slices.synthesised(
         row_sums.sums, row_sums.stats, row_sums.counts, row_sums.statistic, capacity
     )
-    return _as_slices(values, rows, row_sums)
+    return _as_slices(values, at, row_sums)
 
 
 def _as_slices(values, indices, row_sums):
