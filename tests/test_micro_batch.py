@@ -138,6 +138,30 @@ def test_a_static_batch_size_is_split_statically():
     assert_same_training(plain, acc, hp, ha)
 
 
+def _outputs_of_the_step(model, batch):
+    x, y = make_data(batch)
+    model.train_on_batch(x, y)  # builds the model and the step
+    spec = (tf.TensorSpec((batch, x.shape[1])), tf.TensorSpec((batch,), tf.int64))
+    graph = tf.function(model.train_step).get_concrete_function(spec).graph
+    return [t.shape.as_list() for op in graph.get_operations() for t in op.outputs]
+
+
+@pytest.mark.parametrize("override", [False, True], ids=["keras_metrics", "own_compute_metrics"])
+def test_metrics_are_updated_per_micro_batch_not_on_the_whole_batchs_predictions(override):
+    # A language model's predictions of the whole batch (batch x tokens x
+    # vocabulary) were a split step's largest tensor, kept for its metrics
+    # (split/metrics.py). The logged metrics are the big batch's: the tests
+    # above. A model's own `compute_metrics` still gets the whole batch.
+    class Own(AccumModel):
+        def compute_metrics(self, x, y, y_pred, sample_weight=None):
+            return super().compute_metrics(x, y, y_pred, sample_weight)
+
+    model = functional(Own if override else AccumModel, micro_batch_size=8)
+    model.compile(OPTIMIZERS["adam"](), loss(), metrics=["accuracy"])
+    whole_batch = [32, model.output_shape[-1]]
+    assert (whole_batch in _outputs_of_the_step(model, 32)) == override
+
+
 # -- losses ---------------------------------------------------------------------
 
 

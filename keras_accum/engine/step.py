@@ -19,7 +19,7 @@ from keras_accum import _internals as internals
 from keras_accum import scaling, window
 from keras_accum.engine import shared_pass
 from keras_accum.normaliser import loss_normaliser, micro_batch_weight
-from keras_accum.split import coupling, microbatch
+from keras_accum.split import coupling, metrics, microbatch
 from keras_accum.window import noise_scale, slices
 
 
@@ -34,6 +34,8 @@ class ComputedBatch(NamedTuple):
         batchnorm_records: the micro-batches' moments to add to the window;
             None when they were added during the forward pass (no split).
         noise_sums: the noise scale's sums, or None when not measured.
+        metric_values: the metrics' values after the batch, to write
+            (split/metrics.py); None: `compute_metrics` on the batch.
     """
 
     x: object
@@ -42,6 +44,7 @@ class ComputedBatch(NamedTuple):
     gradients: object
     batchnorm_records: object
     noise_sums: object
+    metric_values: object = None
 
 
 def train_step(model, plan, state, data):
@@ -168,6 +171,8 @@ def _write(model, state, split, update):
             state.moments.record(records)
         internals.track_loss(model, batch.loss, batch.num_samples)
         update(batch, split.noise_sums)
+        if split.metric_values is not None:
+            return metrics.write(model, split.metric_values)
         return model.compute_metrics(
             split.x, split.y, batch.y_pred, sample_weight=split.sample_weight
         )
@@ -262,11 +267,25 @@ def split_gradients(model, plan, state, data, variables):
     )
     run = shared_pass.micro_batch_pass(micro_batch_gradients, model, state, variables, shared)
     statistic = slices.exact_statistic(model.optimizer)
+    # Metrics updated micro-batch by micro-batch (split/metrics.py): no
+    # micro-batch's predictions kept for them.
+    metric_values = metrics.unwritten(model) if metrics.by_micro_batch(model) else None
+
+    def add_metrics(batch, part):
+        nonlocal metric_values
+        if metric_values is None:
+            return batch
+        x_k, y_k, sample_weight_k = part
+        metric_values = metrics.updated(
+            model, metric_values, x_k, y_k, batch.y_pred, sample_weight_k
+        )
+        return batch._replace(y_pred=None)
+
     for part, live in split:
         if parts:
             part = microbatch.after(total, part)
         if live is None:
-            parts.append(run(*part, records))
+            parts.append(add_metrics(run(*part, records), part))
             total = microbatch.summed(total, parts[-1], variables, statistic)
             continue
         # A stand-in past a short batch's end: weighs, counts, predicts and
@@ -279,13 +298,20 @@ def split_gradients(model, plan, state, data, variables):
             record._replace(count=record.count * tf.cast(live, record.count.dtype))
             for record in records[first:]
         ]
-        parts.append(
-            step._replace(
-                loss=step.loss * tf.cast(live, step.loss.dtype),
-                num_samples=rows,
-                y_pred=microbatch.drop_rows(step.y_pred, rows),
-            )
+        x_k, y_k, sample_weight_k = part
+        live_rows = (
+            x_k,
+            microbatch.drop_rows(y_k, rows),
+            microbatch.drop_rows(sample_weight_k, rows),
         )
+        step = step._replace(
+            loss=step.loss * tf.cast(live, step.loss.dtype),
+            num_samples=rows,
+            y_pred=microbatch.drop_rows(step.y_pred, rows),
+        )
+        parts.append(add_metrics(step, live_rows))
         total = microbatch.summed(total, parts[-1], variables, statistic)
     batch = microbatch.combine(parts, microbatch.as_gradients(total))
-    return ComputedBatch(x, y, sample_weight, batch, records, _measured(state, parts))
+    return ComputedBatch(
+        x, y, sample_weight, batch, records, _measured(state, parts), metric_values
+    )
