@@ -162,6 +162,23 @@ def test_metrics_are_updated_per_micro_batch_not_on_the_whole_batchs_predictions
     assert (whole_batch in _outputs_of_the_step(model, 32)) == override
 
 
+def test_a_stand_in_past_a_short_batchs_end_updates_no_metric():
+    # 76 samples at 32: the last batch (12) is cut into 8 + 4 and two
+    # stand-ins of its last sample, not live. A metric of each update's mean
+    # is NaN on no rows; a stand-in's update must leave every metric as it was.
+    def mean_prediction(y_true, y_pred):
+        return keras.ops.mean(y_pred)  # one value per update, not per sample
+
+    model = functional(AccumModel, micro_batch_size=8)
+    model.compile(
+        OPTIMIZERS["adam"](),
+        loss(),
+        metrics=[keras.metrics.MeanMetricWrapper(mean_prediction, name="mean_prediction")],
+    )
+    history = model.fit(*make_data(SAMPLES), batch_size=32, **FIT)
+    assert np.all(np.isfinite(history.history["mean_prediction"])), history.history
+
+
 # -- losses ---------------------------------------------------------------------
 
 

@@ -271,13 +271,13 @@ def split_gradients(model, plan, state, data, variables):
     # micro-batch's predictions kept for them.
     metric_values = metrics.unwritten(model) if metrics.by_micro_batch(model) else None
 
-    def add_metrics(batch, part):
+    def add_metrics(batch, part, live=None):
         nonlocal metric_values
         if metric_values is None:
             return batch
         x_k, y_k, sample_weight_k = part
         metric_values = metrics.updated(
-            model, metric_values, x_k, y_k, batch.y_pred, sample_weight_k
+            model, metric_values, x_k, y_k, batch.y_pred, sample_weight_k, live
         )
         return batch._replace(y_pred=None)
 
@@ -298,18 +298,14 @@ def split_gradients(model, plan, state, data, variables):
             record._replace(count=record.count * tf.cast(live, record.count.dtype))
             for record in records[first:]
         ]
-        x_k, y_k, sample_weight_k = part
-        live_rows = (
-            x_k,
-            microbatch.drop_rows(y_k, rows),
-            microbatch.drop_rows(sample_weight_k, rows),
+        step = add_metrics(step, part, live)
+        parts.append(
+            step._replace(
+                loss=step.loss * tf.cast(live, step.loss.dtype),
+                num_samples=rows,
+                y_pred=microbatch.drop_rows(step.y_pred, rows),
+            )
         )
-        step = step._replace(
-            loss=step.loss * tf.cast(live, step.loss.dtype),
-            num_samples=rows,
-            y_pred=microbatch.drop_rows(step.y_pred, rows),
-        )
-        parts.append(add_metrics(step, live_rows))
         total = microbatch.summed(total, parts[-1], variables, statistic)
     batch = microbatch.combine(parts, microbatch.as_gradients(total))
     return ComputedBatch(

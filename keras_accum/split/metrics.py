@@ -15,6 +15,7 @@ gets the whole batch, as before.
 """
 
 import keras
+import tensorflow as tf
 
 
 def by_micro_batch(model):
@@ -24,15 +25,16 @@ def by_micro_batch(model):
 
 
 def unwritten(model):
-    """The values `updated` starts from: one None per variable of
-    `model.metrics_variables` (none written yet)."""
-    return [None] * len(model.metrics_variables)
+    """The values `updated` starts from: none written yet."""
+    return {}
 
 
-def updated(model, values, x, y, y_pred, sample_weight):
-    """`values` (one per variable of `model.metrics_variables`: what the
-    micro-batches so far wrote, None where nothing) after `compute_metrics`
-    on one more micro-batch, nothing written.
+def updated(model, values, x, y, y_pred, sample_weight, live=None):
+    """`values` (what the micro-batches so far wrote to the metrics, by
+    `id` of each of `model.metrics_variables`) after `compute_metrics` on one
+    more micro-batch, nothing written. `live` (a stand-in past a short
+    batch's end: its one row, not live) False keeps them as they were: an
+    update on no rows is NaN for a metric of a batch-level mean.
 
     Example:
         values = unwritten(model)
@@ -40,17 +42,26 @@ def updated(model, values, x, y, y_pred, sample_weight):
             values = updated(model, values, x, y, y_pred, sample_weight)
         logs = write(model, values)  # once, with the step's other writes
     """
-    variables = model.metrics_variables
-    mapping = [(v, value) for v, value in zip(variables, values) if value is not None]
+    mapping = [(v, values[id(v)]) for v in model.metrics_variables if id(v) in values]
     with keras.StatelessScope(state_mapping=mapping) as scope:
         model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-    return [scope.get_current_value(v) for v in variables]
+    values = dict(values)
+    # Read again: metrics built by this first update are among them now.
+    for variable in model.metrics_variables:
+        value = scope.get_current_value(variable)
+        if value is None:
+            continue
+        if live is not None:
+            before = values.get(id(variable), variable.value)
+            value = tf.where(tf.cast(live, tf.bool), value, before)
+        values[id(variable)] = value
+    return values
 
 
 def write(model, values):
     """Writes `values` (from `updated`) to the metrics; their logs, as
     `compute_metrics` returns them."""
-    for variable, value in zip(model.metrics_variables, values):
-        if value is not None:
-            variable.assign(value)
+    for variable in model.metrics_variables:
+        if id(variable) in values:
+            variable.assign(values[id(variable)])
     return model.get_metrics_result()
