@@ -269,7 +269,7 @@ def split_gradients(model, plan, state, data, variables):
     statistic = slices.exact_statistic(model.optimizer)
     # Metrics updated micro-batch by micro-batch (split/metrics.py): no
     # micro-batch's predictions kept for them.
-    metric_values = metrics.unwritten(model) if metrics.by_micro_batch(model) else None
+    metric_values = {} if metrics.by_micro_batch(model) else None
 
     def add_metrics(batch, part, live=None):
         nonlocal metric_values

@@ -24,11 +24,6 @@ def by_micro_batch(model):
     return type(model).compute_metrics is keras.Model.compute_metrics
 
 
-def unwritten(model):
-    """The values `updated` starts from: none written yet."""
-    return {}
-
-
 def updated(model, values, x, y, y_pred, sample_weight, live=None):
     """`values` (what the micro-batches so far wrote to the metrics, by
     `id` of each of `model.metrics_variables`) after `compute_metrics` on one
@@ -37,7 +32,7 @@ def updated(model, values, x, y, y_pred, sample_weight, live=None):
     update on no rows is NaN for a metric of a batch-level mean.
 
     Example:
-        values = unwritten(model)
+        values = {}  # none written yet
         for x, y, y_pred, sample_weight in micro_batches:
             values = updated(model, values, x, y, y_pred, sample_weight)
         logs = write(model, values)  # once, with the step's other writes
