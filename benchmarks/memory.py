@@ -100,6 +100,75 @@ def tensor_peak(fit):
     return {"growth_mib": (peak - before) / MIB, "method": "BFC peak"}
 
 
+def requested_peak(fit):
+    """`{"growth_bytes", "method"}`: the most bytes that tensors made during
+    `fit()` asked TensorFlow's allocator for and held at once. Not what the
+    allocator handed out (`tensor_peak`): TensorFlow's BFC allocator gives a
+    request a whole free chunk when the best fit is under twice its size, so
+    the same tensors can take up to twice their bytes, by which chunks the
+    run before happened to free (as it does on a GPU). Read from the
+    profiler's allocation events (requested bytes by address, in order);
+    tensors made before `fit` and freed in it are not subtracted."""
+    import tempfile
+
+    import tensorflow as tf
+
+    with tempfile.TemporaryDirectory() as logdir:
+        tf.profiler.experimental.start(logdir)
+        try:
+            fit()
+        finally:
+            tf.profiler.experimental.stop()
+        events = _allocation_events(logdir)
+    held, live, peak = 0, {}, 0
+    for _, allocated, address, requested in events:
+        if allocated:
+            held += requested - live.get(address, 0)
+            live[address] = requested
+            peak = max(peak, held)
+        elif address in live:
+            held -= live.pop(address)
+    return {"growth_bytes": peak, "method": "profiler: requested bytes"}
+
+
+def _allocation_events(logdir):
+    # `(time, allocated, address, requested bytes)` of every allocation and
+    # deallocation in the profile, by time.
+    from pathlib import Path
+
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    events = []
+    for path in Path(logdir).rglob("*.xplane.pb"):
+        space = xplane_pb2.XSpace()
+        space.ParseFromString(path.read_bytes())
+        for plane in space.planes:
+            stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
+            kinds = {
+                k: v.name == "MemoryAllocation"
+                for k, v in plane.event_metadata.items()
+                if v.name in ("MemoryAllocation", "MemoryDeallocation")
+            }
+            for line in plane.lines:
+                for event in line.events:
+                    if event.metadata_id not in kinds:
+                        continue
+                    stats = {
+                        stat_names.get(s.metadata_id): s.int64_value or s.uint64_value
+                        for s in event.stats
+                    }
+                    events.append(
+                        (
+                            line.timestamp_ns * 1000 + event.offset_ps,
+                            kinds[event.metadata_id],
+                            stats.get("addr"),
+                            stats.get("requested_bytes", 0),
+                        )
+                    )
+    events.sort(key=lambda e: e[0])
+    return events
+
+
 def configuration(name):
     """`(implementation, batch_size, input_batch)` of a memory configuration.
 

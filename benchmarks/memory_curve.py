@@ -24,7 +24,11 @@ compiled, the optimizer's slots made and the data batched first; then the
 peak of the tensor memory held during one `fit` of two updates (2B
 sequences), above what was held before it: activations, gradients, and
 AccumModel's buffers (made in that `fit`), tensors only (not the traced
-graphs, which RSS counts). Two pipelines (`--pipelines`):
+graphs, which RSS counts). In the same `fit`, the bytes the tensors
+requested (`benchmarks.memory.requested_peak`, from the profiler's
+allocation events): the allocator can hand a request up to twice its bytes,
+so the peak moves with which chunks happen to be free, the requested bytes
+with what the step holds. Two pipelines (`--pipelines`):
 
 - `known`: `Dataset.batch(size, drop_remainder=True)`, a batch size the
   step knows before the first batch (as with arrays);
@@ -108,13 +112,21 @@ def measure_memory(way, batch, micro, quick, jit_compile, pipeline="known"):
         batch_size, drop_remainder=pipeline == "known"
     )
     before = tf.config.experimental.get_memory_info("CPU:0")["current"]
-    peak = memory.tensor_peak(lambda: model.fit(dataset, epochs=1, shuffle=False, verbose=0))
+    requested = {}
+
+    def fit():
+        requested.update(
+            memory.requested_peak(lambda: model.fit(dataset, epochs=1, shuffle=False, verbose=0))
+        )
+
+    peak = memory.tensor_peak(fit)
     return {
         "way": way,
         "batch": batch,
         "pipeline": pipeline,
         "micro_batch": micro,
         "peak_bytes": round(peak["growth_mib"] * memory.MIB),
+        "requested_bytes": requested["growth_bytes"],
         "held_before_bytes": int(before),
         "weight_copy_bytes": sum(  # one float32 copy, as AccumModel's buffers
             int(np.prod(v.shape)) * 4 for v in model.trainable_variables
@@ -127,9 +139,17 @@ def measure_memory(way, batch, micro, quick, jit_compile, pipeline="known"):
 def repeated(each):
     """One reading of a (way, B, pipeline) measured in several fresh processes:
     the median peak (the allocator's peak moves by a few tenths of a MB between
-    processes, its free chunks split differently), every peak kept."""
+    processes, its free chunks split differently), every peak kept; the
+    same of the requested bytes."""
     peaks = [r["peak_bytes"] for r in each]
-    return {**each[0], "peak_bytes": round(statistics.median(peaks)), "peak_bytes_each": peaks}
+    requested = [r["requested_bytes"] for r in each]
+    return {
+        **each[0],
+        "peak_bytes": round(statistics.median(peaks)),
+        "peak_bytes_each": peaks,
+        "requested_bytes": round(statistics.median(requested)),
+        "requested_bytes_each": requested,
+    }
 
 
 def _memory_in_fresh_process(way, batch, micro, quick, jit_compile, pipeline, path):
@@ -219,6 +239,11 @@ def summarise(results):
     # The criterion on the first pipeline measured (`known` when it was).
     plain_m = memory_of[("plain", micro, pipelines[0])]
     allowance = plain_m["peak_bytes"] + plain_m["weight_copy_bytes"]
+    # The same on the bytes the tensors requested (None in a run before it).
+    plain_requested = plain_m.get("requested_bytes")
+    requested_allowance = (
+        None if plain_requested is None else plain_requested + plain_m["weight_copy_bytes"]
+    )
     rows = {}
     for way in WAYS:
         for batch in results["batches"]:
@@ -238,11 +263,20 @@ def summarise(results):
                 "vs_plain": _summary([a / b for a, b in zip(wall, plain)]),
                 "cpu_vs_plain": _summary([a / b for a, b in zip(cpu, plain_cpu)]),
                 "vs_allowance": None if way == "plain" else held["peak_bytes"] / allowance,
+                "requested_bytes": held.get("requested_bytes"),
+                "requested_bytes_each": held.get("requested_bytes_each"),
+                "vs_requested_allowance": (
+                    None
+                    if way == "plain" or requested_allowance is None
+                    else held["requested_bytes"] / requested_allowance
+                ),
                 "weight_difference_vs_plain": results["weight_difference_vs_plain"].get(label),
             }
     return {
         "allowance_bytes": allowance,
+        "requested_allowance_bytes": requested_allowance,
         "plain_at_m_bytes": plain_m["peak_bytes"],
+        "plain_at_m_requested_bytes": plain_requested,
         "weight_copy_bytes": plain_m["weight_copy_bytes"],
         "rows": rows,
         "pipelines": pipelines,
@@ -311,17 +345,24 @@ def markdown(results):
         f"{_repeats_text(results)}; `known`: batched with `drop_remainder=True` (the step knows the "
         "batch size, as with arrays); `unknown`: `Dataset.batch(size)`, Keras's default, "
         "whose first batch the step learns the size from (traced, as every later one). "
+        "Requested: the most bytes the tensors made in that `fit` asked the allocator for "
+        "and held at once (the profiler's allocation events; `benchmarks.memory."
+        "requested_peak`), the same processes' median: what the tensors need, "
+        "where the peak is what the allocator handed out, a request taking a whole "
+        "free chunk when the best fit is under twice its size (so the same tensors "
+        "weigh up to twice their bytes, by which chunks the run had freed before). "
         "Time per sample: one process, every (way, B) traced, then "
         f"{results['rounds']} rounds timing one update of each in a rotated order; the "
         "median update time / B, and the ratio to plain at the same B within a round "
         "(median, 95% CI).",
         "",
         f"| B | way | peak tensor memory, MB ({summary['pipelines'][0]}) | / plain at B "
+        "| requested, MB "
         + "".join(f"| peak, MB ({p}) " for p in summary["pipelines"][1:])
         + "| ms per sample (wall) "
         "| ms per sample (CPU) | / plain at B, wall (95% CI) | / plain at B, CPU "
         "| weights vs plain at B |",
-        "|---:|---|---:|---:|"
+        "|---:|---|---:|---:|---:|"
         + "---:|" * (len(summary["pipelines"]) - 1)
         + "---:|---:|---|---:|---:|",
     ]
@@ -334,6 +375,8 @@ def markdown(results):
             out.append(
                 f"| {batch} | {way} | {_mb(row['peak_bytes'])} | "
                 f"{row['peak_bytes'] / plain_peak:.2f} | "
+                + ("n/a" if row["requested_bytes"] is None else _mb(row["requested_bytes"]))
+                + " | "
                 + "".join(
                     f"{_mb(row['peak_bytes_by_pipeline'][p])} | " for p in summary["pipelines"][1:]
                 )
@@ -382,6 +425,31 @@ def markdown(results):
                 + spread
                 + others
             )
+    if summary["requested_allowance_bytes"] is not None:
+        out += [
+            "",
+            f"The same on the bytes requested (the allocator's rounding aside): within "
+            f"{MEMORY_TARGET:.2f} x ({summary['plain_at_m_requested_bytes']:,} + "
+            f"{summary['weight_copy_bytes']:,}) bytes = "
+            f"{MEMORY_TARGET * summary['requested_allowance_bytes']:,.0f} bytes.",
+            "",
+        ]
+        for way in WAYS[1:]:
+            for batch in results["batches"]:
+                row = summary["rows"][f"{way} {batch}"]
+                ratio = row["vs_requested_allowance"]
+                each = row["requested_bytes_each"] or [row["requested_bytes"]]
+                allowance = summary["requested_allowance_bytes"]
+                out.append(
+                    f"- {'met' if ratio <= MEMORY_TARGET else '**missed**'}: {way}, "
+                    f"B = {batch}: {row['requested_bytes']:,} bytes = {ratio:.3f}x "
+                    "(plain at m + weights)"
+                    + (
+                        f" (processes: {min(each) / allowance:.3f}-{max(each) / allowance:.3f}x)"
+                        if len(each) > 1
+                        else ""
+                    )
+                )
     out.append("")
     return "\n".join(out)
 

@@ -104,12 +104,17 @@ def test_quick_memory_curve_writes_its_report_and_plot(tmp_path):
         for pipeline in ("known", "unknown")
     }
     assert all(m["peak_bytes"] > 0 and m["updates"] == 2 for m in measured["memory"])
+    # The bytes requested, beside the allocator's peak: the median of the same processes.
+    for m in measured["memory"]:
+        assert m["requested_bytes"] > 0
+        assert m["requested_bytes"] == round(sum(m["requested_bytes_each"]) / 2)
     # The accumulating ways trained as plain at the same effective batch.
     assert max(measured["weight_difference_vs_plain"].values()) < 1e-4
     report = (tmp_path / "memory_curve.md").read_text()
     for way in ("plain", "accum_steps", "micro_batch_size"):
         assert f"| 4 | {way} |" in report, way
     assert "## What must hold" in report and "(plain at m + weights)" in report
+    assert "The same on the bytes requested" in report
     assert (tmp_path / "memory_curve.png").read_bytes().startswith(PNG_SIGNATURE)
 
 

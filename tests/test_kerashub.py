@@ -179,6 +179,35 @@ def test_a_wrapped_task_compiles_and_trains_as_the_task(name, call):
     assert moved > 0  # even at the defaults' small rates, something trained
 
 
+def test_a_split_task_compiled_with_its_defaults_then_recompiled_trains_as_the_task():
+    # A task's own compile adds a weighted accuracy over the padding mask:
+    # a split step updates it micro-batch by micro-batch (split/metrics.py),
+    # each micro-batch's masked tokens counted, and its token embedding's
+    # rows summed by row past two tables (64 rows; 96 a micro-batch). Then
+    # the user recompiles with metrics of their own: the next fit's step
+    # updates those, not the task's.
+    data = hub.gpt2_data()
+    plain = hub.gpt2()
+    plain.compile()
+    defaults = _described(plain)
+    histories_plain = [_fit(plain, data, 32)]
+    plain.compile(**CALLS["everything"]())
+    histories_plain.append(_fit(plain, data, 32))
+
+    model = keras_accum.wrap(hub.gpt2(), micro_batch_size=8)
+    model.compile()
+    assert _described(model) == defaults
+    histories = [_fit(model, data, 32)]
+    model.compile(**CALLS["everything"]())
+    assert _described(model) == _described(plain)
+    histories.append(_fit(model, data, 32))
+
+    assert_weights_close(plain, model)
+    for expected, history in zip(histories_plain, histories):
+        assert_history_close(expected, history)
+    assert [sorted(h.history) for h in histories] == [sorted(h.history) for h in histories_plain]
+
+
 def test_a_task_with_a_preprocessor_is_refused_and_trains_as_the_task_on_mapped_data():
     # A task's fit preprocesses; the wrapper's would not, and the task's
     # layers would take raw data: refused, and the remedy the error names
