@@ -25,6 +25,7 @@ from helpers.coupled import (
 from helpers.internals import keras_internals
 from helpers.replicas import mirrored
 from keras_accum import AccumModel
+from keras_accum.split import row_sums
 
 
 def train(model, loss=None, **fit):
@@ -240,6 +241,56 @@ def test_clip_loss_with_a_trainable_logit_scale_is_the_big_batch():
     assert_history_close(h_plain, history)
     scale = model.get_layer("similarity").logit_scale
     assert float(scale.numpy()) != 1.0  # learnt, from the whole batch
+
+
+def _token_towers(cls=keras.Model, **kwargs):
+    """The query tower reads 5 tokens of a 12-row table: a batch of 32 has
+    each row many times over (a sparse gradient Adam squares by occurrence)."""
+    keras.utils.set_random_seed(1)
+    tokens = keras.Input((5,), dtype="int32", name="tokens")
+    items = keras.Input((FEATURES,), name="items")
+    h = keras.layers.Embedding(12, 8, name="token_table")(tokens)
+    q = keras.layers.Dense(DIM, name="query_repr")(keras.layers.GlobalAveragePooling1D()(h))
+    i = keras.layers.Dense(DIM, use_bias=False, name="item_repr")(
+        keras.layers.Dense(16, activation="relu", name="item_hidden")(items)
+    )
+    return cls([tokens, items], Similarity(name="similarity")([q, i]), **kwargs)
+
+
+def _token_data(samples):
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 12, size=(samples, 5)).astype("int32")
+    counts = np.stack([np.bincount(t, minlength=12) for t in tokens]).astype("float32")
+    items = counts @ rng.normal(size=(12, FEATURES)).astype("float32")
+    return [tokens, items], np.zeros((len(tokens),), "float32")
+
+
+# XLA's in the slow tier (the inner loop's is the sparse split step's,
+# test_small_tables.py), on 96 samples: XLA sums by row only batches of a
+# size known when traced (row_sums.py).
+@pytest.mark.parametrize(
+    "jit_compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["graph", "xla"]
+)
+def test_a_token_tower_is_the_big_batch(monkeypatch, jit_compile):
+    # The table's sparse gradient, summed micro-batch by micro-batch, goes
+    # on by row once it outgrows two tables (40 tokens a micro-batch, 12
+    # rows), as the plain split step's: its memory stays the table's, and
+    # Adam, which squares each occurrence, makes the big batch's step.
+    summed = []
+    add = row_sums.add
+    monkeypatch.setattr(row_sums, "add", lambda *a: summed.append(add(*a)) or summed[-1])
+    x, y = _token_data(96 if jit_compile else 92)
+    runs = []
+    for model in (
+        _token_towers(),
+        _token_towers(AccumModel, micro_batch_size=MICRO, coupled_from=TOWERS),
+    ):
+        model.compile(keras.optimizers.Adam(0.01), InBatchSoftmax(), jit_compile=jit_compile)
+        runs.append((model, model.fit(x, y, **FIT)))
+    (plain, h_plain), (model, history) = runs
+    assert_weights_close(plain, model)
+    assert_history_close(h_plain, history)
+    assert any(isinstance(s, row_sums.RowSums) for s in summed)
 
 
 def _one_tape_gradient(model, x, y):

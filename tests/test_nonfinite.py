@@ -86,6 +86,27 @@ def test_accum_steps_1_skips_a_nan_batch():
     assert int(model.optimizer.iterations.numpy()) == 11
 
 
+def test_a_split_batch_with_metrics_skips_as_step_mode_does():
+    # micro_batch_size splits each batch of 32 into the micro-batches step
+    # mode is fed one by one: the NaN sample's batch is skipped, and the
+    # accuracy of every sample, the skipped batch's too, is logged as step
+    # mode logs it (each micro-batch's metrics updated, as Keras updates a
+    # NaN batch's).
+    split = functional(AccumModel, micro_batch_size=MICRO, skip_nonfinite=True)
+    split.compile(OPTIMIZERS["adam"](), loss(), metrics=["accuracy"])
+    h_split = split.fit(X_NAN, Y, batch_size=MICRO * N, epochs=2, **FIT)
+    step = functional(AccumModel, accum_steps=N, skip_nonfinite=True)
+    step.compile(OPTIMIZERS["adam"](), loss(), metrics=["accuracy"])
+    h_step = step.fit(X_NAN, Y, batch_size=MICRO, epochs=2, **FIT)
+    assert_weights_close(big_batches([WINDOWS[0], WINDOWS[2]]), split)
+    assert split.skipped_windows == 2
+    assert h_split.history["skipped_windows"] == [1, 2]
+    assert np.isnan(h_split.history["loss"]).all()
+    np.testing.assert_allclose(
+        h_split.history["accuracy"], h_step.history["accuracy"], rtol=1e-5, atol=1e-6
+    )
+
+
 def test_xla():
     model = functional(AccumModel, accum_steps=N, skip_nonfinite=True)
     model.compile(OPTIMIZERS["adam"](), loss(), jit_compile=True)

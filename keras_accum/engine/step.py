@@ -251,6 +251,7 @@ def split_gradients(model, plan, state, data, variables):
             variables,
             fold,
             loss_scale,
+            slices.exact_statistic(model.optimizer),
         )
         # No independent micro-batch gradients: no noise scale.
         return ComputedBatch(x, y, sample_weight, batch, records, None)

@@ -212,9 +212,13 @@ def check_strategy(settings, strategy):
         )
 
 
-def coupled_gradients(model, coupling, state, parts, batch, variables, fold, loss_scale):
+def coupled_gradients(
+    model, coupling, state, parts, batch, variables, fold, loss_scale, statistic=None
+):
     """The whole batch's `MicroBatch` from its micro-batches `parts`,
     and the BatchNormalization records of its coupled part and micro-batches.
+    `statistic`: as `microbatch.summed`'s (a sparse gradient past two tables
+    summed by row; None keeps every occurrence).
 
     Passes: each micro-batch without a tape; the coupled part and the loss once,
     under a tape (its weights' gradient and each representation's); each
@@ -277,8 +281,9 @@ def coupled_gradients(model, coupling, state, parts, batch, variables, fold, los
             ]
         part = tape.gradient(surrogate, variables)
         # The next micro-batch waits for the sum so far (microbatch.summed).
-        grads = previous = [_sum(g, p) for g, p in zip(grads, part)]
+        grads = previous = [_sum(g, p, statistic, v) for g, p, v in zip(grads, part, variables)]
         start = start + kept
+    grads = microbatch.as_gradients(grads)
     grad_scale = None if fold else scaling.into_window(weight, loss_scale)
     grads = [None if g is None else scaling.scaled(g, grad_scale) for g in grads]
     gradients = MicroBatch(
@@ -337,10 +342,10 @@ class _Replicas:
         return [u[self.start : self.start + self.rows] * self.count for u in upstream]
 
 
-def _sum(a, b):
+def _sum(a, b, statistic, variable):
     if a is None or b is None:
         return b if a is None else a
-    return microbatch.add_gradients(a, b)
+    return microbatch.add_gradients(a, b, statistic, variable.shape[0])
 
 
 def _rows_of(upstream, start, kept, reps):

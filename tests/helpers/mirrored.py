@@ -404,7 +404,8 @@ def schedule_run(strategy, probe=False):
 def sparse_checks(replicas, small=False, optimizers=("adam", "rmsprop")):
     """Embeddings under a MirroredStrategy of `replicas` replicas, trained
     with each of `optimizers`; with `small`, the small-tables model (windows
-    kept as per-row moments). Largest weight differences (test_sparse.py
+    kept as per-row moments), also split by `micro_batch_size` (a replica's
+    per-row sums over its share). Largest weight differences (test_sparse.py
     and test_small_tables.py assert)."""
     micro, n = 8, 4
     net = small_tables_net if small else text_net
@@ -439,6 +440,15 @@ def sparse_checks(replicas, small=False, optimizers=("adam", "rmsprop")):
             continue
         out[f"{name}_vs_one_device_big_batch"] = max_diff(one_device, accum)
         out[f"{name}_vs_mirrored_big_batch"] = max_diff(plain, accum)
+        if small:
+            # Each replica splits its share of a batch of 32 (the last of 28:
+            # 14 a replica, 4 + 4 + 4 + 2) into micro-batches of 4, more
+            # tokens than the 2- and 7-row tables have rows: row sums.
+            with strategy.scope():
+                split = net(AccumModel, micro_batch_size=4)
+                split.compile(OPTIMIZERS[name](), loss())
+            split.fit(x, y, batch_size=micro * n, **fit)
+            out[f"{name}_micro_batch_size_vs_one_device_big_batch"] = max_diff(one_device, split)
     return _plain(out)
 
 
