@@ -314,7 +314,7 @@ def markdown(results):
         )
         + (
             f"; the memory of pipelines not measured here from the run of "
-            f"{machine['memory_from']} (`--memory-from`, one process each)."
+            f"{machine['memory_from']} (`--memory-from`)."
             if machine.get("memory_from")
             else "."
         ),
@@ -634,7 +634,8 @@ def main(argv=None):
         earlier = json.loads(Path(args.timing_from).read_text())
         seconds, cpu_seconds = earlier["seconds"], earlier["cpu_seconds"]
         difference, rounds = earlier["weight_difference_vs_plain"], earlier["rounds"]
-        machine["timing_from"] = earlier["date"]
+        # A run that reused timing names the run that measured it.
+        machine["timing_from"] = earlier["machine"].get("timing_from", earlier["date"])
     else:
         seconds, cpu_seconds, difference = measure_time(
             batches, micro, rounds, args.quick, args.jit_compile
