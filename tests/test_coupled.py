@@ -2,6 +2,8 @@
 trains as the big batch: the loss on the whole batch's representations, the
 encoders per micro-batch, twice (coupling.py)."""
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -265,31 +267,35 @@ def _token_data(samples):
     return [tokens, items], np.zeros((len(tokens),), "float32")
 
 
-# XLA's in the slow tier (the inner loop's is the sparse split step's,
-# test_small_tables.py), on 96 samples: XLA sums by row only batches of a
-# size known when traced (row_sums.py).
+# XLA and two replicas in the slow tier (the inner loop's are the sparse
+# split step's, test_small_tables.py). XLA on 96 samples: it sums by row
+# only batches of a size known when traced (row_sums.py).
 @pytest.mark.parametrize(
-    "jit_compile", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["graph", "xla"]
+    "setting",
+    ["graph", pytest.param("xla", marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)],
+    ids=["graph", "xla", "two_replicas"],
 )
-def test_a_token_tower_is_the_big_batch(monkeypatch, jit_compile):
+def test_a_token_tower_is_the_big_batch(monkeypatch, setting):
     # The table's sparse gradient, summed micro-batch by micro-batch, goes
     # on by row once it outgrows two tables (40 tokens a micro-batch, 12
     # rows), as the plain split step's: its memory stays the table's, and
-    # Adam, which squares each occurrence, makes the big batch's step.
+    # Adam, which squares each occurrence, makes the big batch's step. Two
+    # replicas: each sums its rows of the batch (16 samples), the
+    # occurrences made of the sums are reduced across them.
     summed = []
     add = row_sums.add
     monkeypatch.setattr(row_sums, "add", lambda *a: summed.append(add(*a)) or summed[-1])
-    x, y = _token_data(96 if jit_compile else 92)
-    runs = []
-    for model in (
-        _token_towers(),
-        _token_towers(AccumModel, micro_batch_size=MICRO, coupled_from=TOWERS),
-    ):
-        model.compile(keras.optimizers.Adam(0.01), InBatchSoftmax(), jit_compile=jit_compile)
-        runs.append((model, model.fit(x, y, **FIT)))
-    (plain, h_plain), (model, history) = runs
+    x, y = _token_data(96 if setting == "xla" else 92)
+    plain = _token_towers()
+    plain.compile(keras.optimizers.Adam(0.01), InBatchSoftmax())
+    h_plain = plain.fit(x, y, **FIT)
+    with mirrored(setting).scope() if setting == 2 else contextlib.nullcontext():
+        model = _token_towers(AccumModel, micro_batch_size=MICRO, coupled_from=TOWERS)
+        model.compile(keras.optimizers.Adam(0.01), InBatchSoftmax(), jit_compile=setting == "xla")
+    history = model.fit(x, y, **FIT)
     assert_weights_close(plain, model)
-    assert_history_close(h_plain, history)
+    if setting != 2 or keras_internals.metrics_summed_over_replicas():
+        assert_history_close(h_plain, history)
     assert any(isinstance(s, row_sums.RowSums) for s in summed)
 
 
