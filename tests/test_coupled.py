@@ -268,12 +268,18 @@ def _token_data(samples):
 
 
 # XLA and two replicas in the slow tier (the inner loop's are the sparse
-# split step's, test_small_tables.py). XLA on 96 samples: it sums by row
-# only batches of a size known when traced (row_sums.py).
+# split step's, test_small_tables.py). 92 samples: batches of a size the
+# step learns at run time, and decides there whether to sum by row; 96:
+# of a size known when traced, the only one XLA sums by row (row_sums.py).
 @pytest.mark.parametrize(
     "setting",
-    ["graph", pytest.param("xla", marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.slow)],
-    ids=["graph", "xla", "two_replicas"],
+    [
+        "graph",
+        "known_size",
+        pytest.param("xla", marks=pytest.mark.slow),
+        pytest.param(2, marks=pytest.mark.slow),
+    ],
+    ids=["graph", "known_size", "xla", "two_replicas"],
 )
 def test_a_token_tower_is_the_big_batch(monkeypatch, setting):
     # The table's sparse gradient, summed micro-batch by micro-batch, goes
@@ -285,7 +291,8 @@ def test_a_token_tower_is_the_big_batch(monkeypatch, setting):
     summed = []
     add = row_sums.add
     monkeypatch.setattr(row_sums, "add", lambda *a: summed.append(add(*a)) or summed[-1])
-    x, y = _token_data(96 if setting == "xla" else 92)
+    known = setting in ("known_size", "xla")
+    x, y = _token_data(96 if known else 92)
     plain = _token_towers()
     plain.compile(keras.optimizers.Adam(0.01), InBatchSoftmax())
     h_plain = plain.fit(x, y, **FIT)
@@ -296,7 +303,22 @@ def test_a_token_tower_is_the_big_batch(monkeypatch, setting):
     assert_weights_close(plain, model)
     if setting != 2 or keras_internals.metrics_summed_over_replicas():
         assert_history_close(h_plain, history)
-    assert any(isinstance(s, row_sums.RowSums) for s in summed)
+    by_row = [s for s in summed if isinstance(s, row_sums.RowSums)]
+    assert by_row  # the rule applied (at run time, for a size learnt there)
+    if known:
+        # Decided when traced: sums of the table's shape.
+        assert any(s.sums.shape[0] == s.rows for s in by_row)
+
+
+def test_a_scalar_weight_in_a_tower_is_the_big_batch():
+    # Its gradient is summed over the micro-batches as any dense one.
+    plain, h_plain = train(two_tower(gate=True))
+    model, history = train(
+        two_tower(AccumModel, gate=True, micro_batch_size=MICRO, coupled_from=TOWERS)
+    )
+    assert_weights_close(plain, model)
+    assert_history_close(h_plain, history)
+    assert float(model.get_layer("query_gate").alpha.numpy()) != 1.0  # learnt
 
 
 def _one_tape_gradient(model, x, y):

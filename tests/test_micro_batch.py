@@ -15,10 +15,11 @@ from helpers.assertions import (
     assert_trained,
     assert_weights_close,
 )
-from helpers.data import bn_data, make_data, sequences
+from helpers.data import CLASSES, FEATURES, bn_data, make_data, sequences
 from helpers.models import (
     OPTIMIZERS,
     WAYS_IN,
+    Gate,
     bn_net,
     functional,
     initial_weights,
@@ -120,6 +121,23 @@ def test_optimizers(optimizer):
     x, y = make_data(SAMPLES)
     make_accum, make_plain = WAYS_IN["functional"](micro_batch_size=8)
     assert_same_training(*fit_pair(make_accum, make_plain, x, y, 32, 32, optimizer))
+
+
+def gated(cls=keras.Model, **kwargs):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((FEATURES,))
+    h = Gate()(keras.layers.Dense(16, activation="tanh")(inputs))
+    return cls(inputs, keras.layers.Dense(CLASSES)(h), **kwargs)
+
+
+def test_a_scalar_weight_trains_as_the_big_batch():
+    # A split sums a sparse gradient by the rows of its variable: a scalar
+    # has none (an IndexError here once), and its gradient is summed as any.
+    x, y = make_data(SAMPLES)
+    trained = fit_pair(lambda: gated(AccumModel, micro_batch_size=8), gated, x, y, 32, 32)
+    assert_same_training(*trained)
+    gate = next(layer for layer in trained.accum.layers if isinstance(layer, Gate))
+    assert float(gate.alpha.numpy()) != 1.0  # learnt
 
 
 def test_a_static_batch_size_is_split_statically():

@@ -259,6 +259,11 @@ def coupled_gradients(
             scaled = scaled * tf.cast(weight, loss.dtype)
     upstream, grads = tape.gradient(scaled, [whole, list(variables)])
     upstream = replicas.own_rows_of_gradient(upstream)
+    # Each part weighted (and cast to its sum's dtype) before it is summed,
+    # as `microbatch.summed` sums: row sums of half-precision occurrences
+    # would square them in half precision.
+    grad_scale = None if fold else scaling.into_window(weight, loss_scale)
+    grads = [scaling.scaled(g, grad_scale) for g in grads]
     # 3. Each micro-batch again, under a tape.
     start, previous = 0, upstream
     for ((x_k, _, _), live), kept in zip(parts, rows):
@@ -279,15 +284,12 @@ def coupled_gradients(
                 record._replace(count=record.count * tf.cast(live, record.count.dtype))
                 for record in records[first:]
             ]
-        part = tape.gradient(surrogate, variables)
+        part = [scaling.scaled(g, grad_scale) for g in tape.gradient(surrogate, variables)]
         # The next micro-batch waits for the sum so far (microbatch.summed).
         grads = previous = [_sum(g, p, statistic, v) for g, p, v in zip(grads, part, variables)]
         start = start + kept
-    grads = microbatch.as_gradients(grads)
-    grad_scale = None if fold else scaling.into_window(weight, loss_scale)
-    grads = [None if g is None else scaling.scaled(g, grad_scale) for g in grads]
     gradients = MicroBatch(
-        grads,
+        microbatch.as_gradients(grads),
         None,
         weight,
         normalise,
@@ -345,7 +347,7 @@ class _Replicas:
 def _sum(a, b, statistic, variable):
     if a is None or b is None:
         return b if a is None else a
-    return microbatch.add_gradients(a, b, statistic, variable.shape[0])
+    return microbatch.add_gradients(a, b, statistic, microbatch.table_rows(variable))
 
 
 def _rows_of(upstream, start, kept, reps):

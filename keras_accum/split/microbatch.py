@@ -107,8 +107,14 @@ def summed(total, part, variables=None, statistic=None):
     if statistic is None:
         return [add_gradients(a, b) for a, b in zip(total, weighted)]
     return [
-        add_gradients(a, b, statistic, v.shape[0]) for a, b, v in zip(total, weighted, variables)
+        add_gradients(a, b, statistic, table_rows(v)) for a, b, v in zip(total, weighted, variables)
     ]
+
+
+def table_rows(variable):
+    """The rows of `variable` a sparse gradient's row sums are shaped by (its
+    first dimension); None for a scalar, which has no sparse gradient."""
+    return variable.shape[0] if len(variable.shape) else None
 
 
 def as_gradients(total):

@@ -6,6 +6,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from helpers.models import Gate
 from helpers.oom import Limit
 
 FEATURES, DIM = 6, 8
@@ -71,7 +72,14 @@ class BatchCentre(keras.layers.Layer):
 
 
 def two_tower(
-    cls=keras.Model, scale=False, dropout=0.0, batchnorm=False, limit=None, centre=False, **kwargs
+    cls=keras.Model,
+    scale=False,
+    dropout=0.0,
+    batchnorm=False,
+    limit=None,
+    centre=False,
+    gate=False,
+    **kwargs,
 ):
     """Query and item towers, their representations compared by `Similarity`.
     The item representation has no bias: the loss is blind to a shift of
@@ -90,6 +98,8 @@ def two_tower(
         h = keras.layers.Dropout(dropout)(h)
     if centre:
         h = BatchCentre(name="batch_centre")(h)
+    if gate:
+        h = Gate(name="query_gate")(h)
     q = keras.layers.Dense(DIM, name="query_repr")(h)
     i = keras.layers.Dense(DIM, use_bias=False, name="item_repr")(
         keras.layers.Dense(16, activation="relu", name="item_hidden")(items)

@@ -86,6 +86,16 @@ def token_loss(**kwargs):
 # -- the small MLP, every way in ---------------------------------------------------
 
 
+class Gate(keras.layers.Layer):
+    """A learnt scalar times its input (a ReZero or gating weight)."""
+
+    def build(self, input_shape):
+        self.alpha = self.add_weight(shape=(), initializer="ones", name="alpha")
+
+    def call(self, inputs):
+        return inputs * self.alpha
+
+
 def functional(cls=keras.Model, seed=0, regularizer=None, **kwargs):
     """A small MLP; `cls` is keras.Model or AccumModel, same weights by seed."""
     keras.utils.set_random_seed(seed)
