@@ -245,13 +245,15 @@ def test_clip_loss_with_a_trainable_logit_scale_is_the_big_batch():
     assert float(scale.numpy()) != 1.0  # learnt, from the whole batch
 
 
-def _token_towers(cls=keras.Model, **kwargs):
+def _token_towers(cls=keras.Model, table_dtype=None, **kwargs):
     """The query tower reads 5 tokens of a 12-row table: a batch of 32 has
     each row many times over (a sparse gradient Adam squares by occurrence)."""
     keras.utils.set_random_seed(1)
     tokens = keras.Input((5,), dtype="int32", name="tokens")
     items = keras.Input((FEATURES,), name="items")
-    h = keras.layers.Embedding(12, 8, name="token_table")(tokens)
+    h = keras.layers.Embedding(12, 8, dtype=table_dtype, name="token_table")(tokens)
+    if table_dtype is not None:
+        h = keras.ops.cast(h, "float32")
     q = keras.layers.Dense(DIM, name="query_repr")(keras.layers.GlobalAveragePooling1D()(h))
     i = keras.layers.Dense(DIM, use_bias=False, name="item_repr")(
         keras.layers.Dense(16, activation="relu", name="item_hidden")(items)
@@ -319,6 +321,25 @@ def test_a_scalar_weight_in_a_tower_is_the_big_batch():
     assert_weights_close(plain, model)
     assert_history_close(h_plain, history)
     assert float(model.get_layer("query_gate").alpha.numpy()) != 1.0  # learnt
+
+
+def test_a_float16_token_table_is_summed_by_row_in_float32(monkeypatch):
+    # Each micro-batch's part is cast to float32 before it is summed, as a
+    # window's buffers are: its squares summed in float16 would overflow
+    # from 256 and lose bits with every occurrence.
+    summed = []
+    add = row_sums.add
+    monkeypatch.setattr(row_sums, "add", lambda *a: summed.append(add(*a)) or summed[-1])
+    model = _token_towers(
+        AccumModel, table_dtype="float16", micro_batch_size=MICRO, coupled_from=TOWERS
+    )
+    model.compile(keras.optimizers.Adam(0.01), InBatchSoftmax())
+    x, y = _token_data(96)
+    model.fit(x, y, **FIT)
+    by_row = [s for s in summed if isinstance(s, row_sums.RowSums)]
+    assert by_row and all(s.stats.dtype == tf.float32 for s in by_row)
+    table = model.get_layer("token_table").embeddings
+    assert table.dtype == "float16" and np.isfinite(table.numpy()).all()
 
 
 def _one_tape_gradient(model, x, y):
