@@ -245,6 +245,15 @@ def test_clip_loss_with_a_trainable_logit_scale_is_the_big_batch():
     assert float(scale.numpy()) != 1.0  # learnt, from the whole batch
 
 
+@pytest.fixture
+def row_sums_made(monkeypatch):
+    """What `row_sums.add` returns during the test, in order (a spy)."""
+    made = []
+    add = row_sums.add
+    monkeypatch.setattr(row_sums, "add", lambda *a: made.append(add(*a)) or made[-1])
+    return made
+
+
 def _token_towers(cls=keras.Model, table_dtype=None, **kwargs):
     """The query tower reads 5 tokens of a 12-row table: a batch of 32 has
     each row many times over (a sparse gradient Adam squares by occurrence)."""
@@ -283,16 +292,13 @@ def _token_data(samples):
     ],
     ids=["graph", "known_size", "xla", "two_replicas"],
 )
-def test_a_token_tower_is_the_big_batch(monkeypatch, setting):
+def test_a_token_tower_is_the_big_batch(row_sums_made, setting):
     # The table's sparse gradient, summed micro-batch by micro-batch, goes
     # on by row once it outgrows two tables (40 tokens a micro-batch, 12
     # rows), as the plain split step's: its memory stays the table's, and
     # Adam, which squares each occurrence, makes the big batch's step. Two
     # replicas: each sums its rows of the batch (16 samples), the
     # occurrences made of the sums are reduced across them.
-    summed = []
-    add = row_sums.add
-    monkeypatch.setattr(row_sums, "add", lambda *a: summed.append(add(*a)) or summed[-1])
     known = setting in ("known_size", "xla")
     x, y = _token_data(96 if known else 92)
     plain = _token_towers()
@@ -305,7 +311,7 @@ def test_a_token_tower_is_the_big_batch(monkeypatch, setting):
     assert_weights_close(plain, model)
     if setting != 2 or keras_internals.metrics_summed_over_replicas():
         assert_history_close(h_plain, history)
-    by_row = [s for s in summed if isinstance(s, row_sums.RowSums)]
+    by_row = [s for s in row_sums_made if isinstance(s, row_sums.RowSums)]
     assert by_row  # the rule applied (at run time, for a size learnt there)
     if known:
         # Decided when traced: sums of the table's shape.
@@ -323,20 +329,17 @@ def test_a_scalar_weight_in_a_tower_is_the_big_batch():
     assert float(model.get_layer("query_gate").alpha.numpy()) != 1.0  # learnt
 
 
-def test_a_float16_token_table_is_summed_by_row_in_float32(monkeypatch):
+def test_a_float16_token_table_is_summed_by_row_in_float32(row_sums_made):
     # Each micro-batch's part is cast to float32 before it is summed, as a
     # window's buffers are: its squares summed in float16 would overflow
     # from 256 and lose bits with every occurrence.
-    summed = []
-    add = row_sums.add
-    monkeypatch.setattr(row_sums, "add", lambda *a: summed.append(add(*a)) or summed[-1])
     model = _token_towers(
         AccumModel, table_dtype="float16", micro_batch_size=MICRO, coupled_from=TOWERS
     )
     model.compile(keras.optimizers.Adam(0.01), InBatchSoftmax())
     x, y = _token_data(96)
     model.fit(x, y, **FIT)
-    by_row = [s for s in summed if isinstance(s, row_sums.RowSums)]
+    by_row = [s for s in row_sums_made if isinstance(s, row_sums.RowSums)]
     assert by_row and all(s.stats.dtype == tf.float32 for s in by_row)
     table = model.get_layer("token_table").embeddings
     assert table.dtype == "float16" and np.isfinite(table.numpy()).all()
